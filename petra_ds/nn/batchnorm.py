@@ -1,0 +1,62 @@
+"""Where batch-norm running statistics are updated (paper section 4.1).
+
+PETRA's default updates them during the backward recomputation / reconstruction only: the forward
+normalises with batch statistics and leaves the running ones alone, and evaluation uses them.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from torch import nn
+
+BN_POLICIES = ("backward", "forward")
+
+
+def _batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
+    ]
+
+
+@contextmanager
+def running_stats(module: nn.Module, update: bool) -> Iterator[None]:
+    """Inside, batch norms in training mode update their running statistics only if ``update``.
+
+    With ``update=False`` they still normalise with batch statistics (PyTorch's path for
+    ``track_running_stats=False``); evaluation mode always reads the running statistics.
+    """
+    norms = _batch_norms(module)
+    saved = [m.track_running_stats for m in norms]
+    for m in norms:
+        m.track_running_stats = update
+    try:
+        yield
+    finally:
+        for m, flag in zip(norms, saved):
+            m.track_running_stats = flag
+
+
+@dataclass(frozen=True)
+class BatchNormPolicy:
+    """Which of the two evaluations of a micro-batch updates the running statistics."""
+
+    update_in: str = "backward"
+
+    def __post_init__(self) -> None:
+        if self.update_in not in BN_POLICIES:
+            raise ValueError(
+                f"bn_running_stats must be one of {BN_POLICIES}, got {self.update_in!r}"
+            )
+
+    def forward_scope(self, module: nn.Module):
+        """Context for the forward of a micro-batch."""
+        return running_stats(module, update=self.update_in == "forward")
+
+    def backward_scope(self, module: nn.Module):
+        """Context for the recomputation / reconstruction of a micro-batch."""
+        return running_stats(module, update=self.update_in == "backward")

@@ -1,0 +1,78 @@
+"""Invertibility check: a wrong ``inverse`` must not silently train a wrong model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .batchnorm import running_stats
+from .reversible import Activation, ReversibleSequential, as_tuple, is_reversible
+from .rng import micro_batch_rng
+
+_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+class ReversibilityError(ValueError):
+    """A layer declared reversible whose inverse does not reproduce its input."""
+
+
+def default_tolerance(example: Activation) -> float:
+    """Tolerance on the max error, relative to max(1, max |x|), for the example's dtype."""
+    dtype = as_tuple(example)[0].dtype
+    return _TOLERANCE.get(dtype, 1e-4)
+
+
+def reconstruction_error(x: Activation, x_rec: Activation) -> float:
+    """max |x_rec - x| over every tensor of the activation."""
+    return max(float((b.to(a.dtype) - a).abs().max()) for a, b in zip(as_tuple(x), as_tuple(x_rec)))
+
+
+def _scale(x: Activation) -> float:
+    return max(1.0, max(float(t.abs().max()) for t in as_tuple(x) if t.numel()))
+
+
+def _round_trip(module: nn.Module, x: Activation, seed: int) -> tuple[Activation, float]:
+    with torch.no_grad(), running_stats(module, update=False), micro_batch_rng(seed, 0, 0):
+        y = module(x)
+        x_rec = module.inverse(y)
+    return y, reconstruction_error(x, x_rec)
+
+
+def check_reversible(
+    module: nn.Module,
+    example: Activation,
+    *,
+    tol: float | None = None,
+    name: str | None = None,
+    seed: int = 0,
+) -> float:
+    """Max ``|inverse(forward(x)) - x|`` on ``example``; raises :class:`ReversibilityError` above ``tol``.
+
+    Runs in the module's current mode under a fixed keyed RNG (dropout draws the same mask in both
+    directions) and never touches batch-norm running statistics. For a :class:`ReversibleSequential`
+    the error names the first layer that fails.
+    """
+    name = name or type(module).__name__
+    if not is_reversible(module):
+        raise ReversibilityError(
+            f"{name} ({type(module).__name__}) is declared reversible but has no inverse(); "
+            "implement inverse() or mark the layer non-reversible"
+        )
+    tol = default_tolerance(example) if tol is None else tol
+    bound = tol * _scale(example)
+    _, error = _round_trip(module, example, seed)
+    if error <= bound:
+        return error
+    culprit, culprit_error = name, error
+    if isinstance(module, ReversibleSequential):
+        x = example
+        for i, layer in enumerate(module.layers):
+            y, layer_error = _round_trip(layer, x, seed)
+            if layer_error > tol * _scale(x):
+                culprit, culprit_error = f"{name}.layers.{i} ({type(layer).__name__})", layer_error
+                break
+            x = y
+    raise ReversibilityError(
+        f"{culprit} does not invert: max |inverse(forward(x)) - x| = {culprit_error:.3e} "
+        f"exceeds the tolerance {bound:.1e}; fix its inverse() or declare it non-reversible"
+    )

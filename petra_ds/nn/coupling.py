@@ -1,0 +1,121 @@
+"""The two reversible couplings, in one place.
+
+additive (Gomez et al. 2017; Reformer; Rev-ViT)   y1 = x1 + F(x2)    y2 = x2 + G(y1)
+swap (the paper's RevNet block, one branch)       y1 = x2            y2 = x1 + F(x2)
+
+``reconstruct`` inverts and builds the gradient graph in the same evaluation of F and G: the F and
+G evaluated while inverting are the ones differentiated (DESIGN.md section 1), so each function runs
+twice per micro-batch in total (forward, reconstruction), never three times.
+
+The streams keep their own dtype: under bf16 autocast F and G compute in bf16 while the residual
+additions and subtractions stay in the streams' fp32, so reconstruction error does not grow with
+depth faster than in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .reversible import Activation, Reversible, Tape, add_grad, vjp_into
+from .rng import layer_rng
+
+F_BRANCH, G_BRANCH = 0, 1
+
+
+def _leaf(t: Tensor) -> Tensor:
+    return t.detach().requires_grad_()
+
+
+class AdditiveCoupling(Reversible):
+    """``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``."""
+
+    def __init__(self, F: nn.Module, G: nn.Module) -> None:
+        super().__init__()
+        self.F = F
+        self.G = G
+
+    def _f(self, x2: Tensor) -> Tensor:
+        with layer_rng(self.rng_key, F_BRANCH):
+            return self.F(x2)
+
+    def _g(self, y1: Tensor) -> Tensor:
+        with layer_rng(self.rng_key, G_BRANCH):
+            return self.G(y1)
+
+    def forward(self, x: Activation) -> tuple[Tensor, Tensor]:
+        x1, x2 = x
+        y1 = x1 + self._f(x2).to(x1.dtype)
+        y2 = x2 + self._g(y1).to(x2.dtype)
+        return y1, y2
+
+    def inverse(self, y: Activation) -> tuple[Tensor, Tensor]:
+        y1, y2 = y
+        x2 = y2 - self._g(y1).to(y2.dtype)
+        x1 = y1 - self._f(x2).to(y1.dtype)
+        return x1, x2
+
+    def reconstruct(self, y: Activation) -> tuple[tuple[Tensor, Tensor], Tape]:
+        y1, y2 = y
+        with torch.enable_grad():
+            y1_leaf = _leaf(y1)
+            g = self._g(y1_leaf)
+            x2_leaf = _leaf(y2.detach() - g.detach().to(y2.dtype))
+            f = self._f(x2_leaf)
+        x1 = y1.detach() - f.detach().to(y1.dtype)
+        return (x1, x2_leaf.detach()), _AdditiveTape(y1_leaf, g, x2_leaf, f)
+
+
+class _AdditiveTape(Tape):
+    """dy1_total = dy1 + G'(y1)^T dy2;  dx1 = dy1_total;  dx2 = dy2 + F'(x2)^T dy1_total."""
+
+    def __init__(self, y1: Tensor, g: Tensor, x2: Tensor, f: Tensor) -> None:
+        self.y1, self.g, self.x2, self.f = y1, g, x2, f
+
+    def backward(self, dy: Activation) -> tuple[Tensor, Tensor]:
+        dy1, dy2 = dy
+        dy1_total = add_grad(dy1, vjp_into(self.g, dy2, self.y1))
+        dx2 = add_grad(dy2, vjp_into(self.f, dy1_total, self.x2))
+        self.y1 = self.g = self.x2 = self.f = None
+        return dy1_total, dx2
+
+
+class SwapCoupling(Reversible):
+    """``y1 = x2``, ``y2 = x1 + F(x2)``: the paper's reversible residual block (Fig. 2)."""
+
+    def __init__(self, F: nn.Module) -> None:
+        super().__init__()
+        self.F = F
+
+    def _f(self, x2: Tensor) -> Tensor:
+        with layer_rng(self.rng_key, F_BRANCH):
+            return self.F(x2)
+
+    def forward(self, x: Activation) -> tuple[Tensor, Tensor]:
+        x1, x2 = x
+        return x2, x1 + self._f(x2).to(x1.dtype)
+
+    def inverse(self, y: Activation) -> tuple[Tensor, Tensor]:
+        y1, y2 = y
+        return y2 - self._f(y1).to(y2.dtype), y1
+
+    def reconstruct(self, y: Activation) -> tuple[tuple[Tensor, Tensor], Tape]:
+        y1, y2 = y
+        with torch.enable_grad():
+            x2_leaf = _leaf(y1)
+            f = self._f(x2_leaf)
+        x1 = y2.detach() - f.detach().to(y2.dtype)
+        return (x1, y1.detach()), _SwapTape(x2_leaf, f)
+
+
+class _SwapTape(Tape):
+    """dx1 = dy2;  dx2 = dy1 + F'(x2)^T dy2."""
+
+    def __init__(self, x2: Tensor, f: Tensor) -> None:
+        self.x2, self.f = x2, f
+
+    def backward(self, dy: Activation) -> tuple[Tensor, Tensor]:
+        dy1, dy2 = dy
+        dx2 = add_grad(dy1, vjp_into(self.f, dy2, self.x2))
+        self.x2 = self.f = None
+        return dy2, dx2

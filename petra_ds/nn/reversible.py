@@ -1,0 +1,207 @@
+"""The reversible-layer protocol and the chain of reversible layers.
+
+A layer is reversible when it has ``inverse(y)`` with ``inverse(forward(x)) == x`` up to rounding.
+Its ``reconstruct(y)`` returns the reconstructed input together with a :class:`Tape`: the graph that
+``tape.backward(dy)`` differentiates to return ``dx`` and accumulate the parameter gradients. Layers
+that can build that graph while inverting (the couplings) do so, which keeps every function to one
+evaluation in the forward and one in the reconstruction.
+
+Activations are a tensor or a tuple of tensors (the two streams of a coupling travel as a pair).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+Activation = Union[Tensor, tuple[Tensor, ...]]
+
+
+def as_tuple(x: Activation) -> tuple[Tensor, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def like(template: Activation, parts: Sequence[Tensor]) -> Activation:
+    """``parts`` shaped as ``template`` (a bare tensor or a tuple)."""
+    return tuple(parts) if isinstance(template, (tuple, list)) else parts[0]
+
+
+def detach_leaf(x: Activation) -> Activation:
+    """Fresh autograd leaves holding the values of ``x`` (floating tensors require grad)."""
+    return like(x, [t.detach().requires_grad_(t.is_floating_point()) for t in as_tuple(x)])
+
+
+def vjp_into(output: Tensor, grad_output: Tensor | None, leaf: Tensor | None = None) -> Tensor | None:
+    """Backpropagate ``grad_output`` through ``output``'s graph; return ``leaf``'s gradient.
+
+    Parameter gradients accumulate into ``.grad`` as with ``loss.backward()``. The leaf gradient is
+    ``None`` when nothing flows to it.
+    """
+    if grad_output is not None and output.requires_grad:
+        torch.autograd.backward(output, grad_output.to(output.dtype))
+    if leaf is None or leaf.grad is None:
+        return None
+    return leaf.grad
+
+
+def add_grad(a: Tensor, b: Tensor | None) -> Tensor:
+    return a if b is None else a + b.to(a.dtype)
+
+
+def _grad_or_zeros(leaf: Tensor) -> Tensor | None:
+    if not leaf.is_floating_point():
+        return None
+    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+
+
+class Tape:
+    """The graph a reconstruction (or recomputation) built, waiting for the incoming gradient."""
+
+    def backward(self, dy: Activation) -> Activation:
+        """Run the vector-Jacobian products for ``dy``; return ``dx``; accumulate parameter grads."""
+        raise NotImplementedError
+
+
+class GraphTape(Tape):
+    """A recomputed graph from leaves ``inputs`` to ``outputs`` (the generic path)."""
+
+    def __init__(self, inputs: Activation, outputs: Activation) -> None:
+        self.inputs = inputs
+        self.outputs = outputs
+
+    def backward(self, dy: Activation) -> Activation:
+        outs, grads = [], []
+        for out, grad in zip(as_tuple(self.outputs), as_tuple(dy)):
+            if grad is not None and out.requires_grad:
+                outs.append(out)
+                grads.append(grad.to(out.dtype))
+        if outs:
+            torch.autograd.backward(outs, grads)
+        leaves = as_tuple(self.inputs)
+        dx = [_grad_or_zeros(leaf) for leaf in leaves]
+        self.inputs = self.outputs = None
+        return like(leaves, dx)
+
+
+class SequentialTape(Tape):
+    """Tapes of a chain, ordered from the last layer to the first."""
+
+    def __init__(self, tapes: list[Tape]) -> None:
+        self.tapes = tapes
+
+    def backward(self, dy: Activation) -> Activation:
+        for tape in self.tapes:
+            dy = tape.backward(dy)
+        self.tapes = []
+        return dy
+
+
+class Reversible(nn.Module):
+    """Base class of reversible layers.
+
+    Subclasses implement ``forward`` and ``inverse``. The default ``reconstruct`` inverts without a
+    graph and then re-runs ``forward`` with one: right for parameter-free layers; layers with learned
+    functions override it to build the graph during the inversion.
+    """
+
+    #: index of the layer inside its stage, part of the keyed-RNG key (see ``assign_rng_keys``)
+    rng_key: int = 0
+
+    def inverse(self, y: Activation) -> Activation:
+        raise NotImplementedError(f"{type(self).__name__} declares itself reversible but has no inverse()")
+
+    def reconstruct(self, y: Activation) -> tuple[Activation, Tape]:
+        with torch.no_grad():
+            x = self.inverse(y)
+        x_leaf = detach_leaf(x)
+        with torch.enable_grad():
+            y_again = self.forward(x_leaf)
+        return like(x, [t.detach() for t in as_tuple(x)]), GraphTape(x_leaf, y_again)
+
+
+def is_reversible(module: nn.Module) -> bool:
+    """Whether ``module`` declares an inverse (a :class:`Reversible`, or any module with ``inverse``)."""
+    if isinstance(module, Reversible):
+        return True
+    return callable(getattr(module, "inverse", None))
+
+
+def reconstruct(layer: nn.Module, y: Activation) -> tuple[Activation, Tape]:
+    """``layer.reconstruct(y)``, or the generic invert-then-recompute for duck-typed layers."""
+    if isinstance(layer, Reversible):
+        return layer.reconstruct(y)
+    return Reversible.reconstruct(layer, y)  # type: ignore[arg-type]
+
+
+def assign_rng_keys(module: nn.Module, start: int = 0) -> int:
+    """Number the reversible layers under ``module`` in definition order; return the next number."""
+    key = start
+    for sub in module.modules():
+        if isinstance(sub, Reversible) and not isinstance(sub, ReversibleSequential):
+            sub.rng_key = key
+            key += 1
+    return key
+
+
+class ReversibleSequential(Reversible):
+    """A chain of reversible layers, itself reversible."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__()
+        for i, layer in enumerate(layers):
+            if not is_reversible(layer):
+                raise TypeError(
+                    f"ReversibleSequential: layer {i} ({type(layer).__name__}) has no inverse(); "
+                    "wrap it in a coupling (AdditiveCoupling / SwapCoupling) or keep it outside the chain"
+                )
+        self.layers = nn.ModuleList(layers)
+        assign_rng_keys(self)
+
+    def forward(self, x: Activation) -> Activation:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def inverse(self, y: Activation) -> Activation:
+        for layer in reversed(self.layers):
+            y = layer.inverse(y)
+        return y
+
+    def reconstruct(self, y: Activation) -> tuple[Activation, Tape]:
+        tapes = []
+        for layer in reversed(self.layers):
+            y, tape = reconstruct(layer, y)
+            tapes.append(tape)
+        return y, SequentialTape(tapes)
+
+
+class Split(Reversible):
+    """One tensor into two streams along ``dim`` (the RevNet channel split)."""
+
+    def __init__(self, dim: int = 1) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        x1, x2 = torch.chunk(x, 2, dim=self.dim)
+        return x1, x2
+
+    def inverse(self, y: tuple[Tensor, Tensor]) -> Tensor:
+        return torch.cat(y, dim=self.dim)
+
+
+class Merge(Reversible):
+    """Two streams back into one tensor along ``dim``."""
+
+    def __init__(self, dim: int = 1) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: tuple[Tensor, Tensor]) -> Tensor:
+        return torch.cat(x, dim=self.dim)
+
+    def inverse(self, y: Tensor) -> tuple[Tensor, Tensor]:
+        y1, y2 = torch.chunk(y, 2, dim=self.dim)
+        return y1, y2

@@ -1,0 +1,96 @@
+"""Keyed random streams.
+
+A reversible layer evaluates its F and G twice per micro-batch: once in the forward and once in the
+reconstruction, clocks later, after other micro-batches went through the same layer. Any stochastic op
+inside (dropout, drop-path, LSH rotations) must draw the same numbers both times, so the generator
+state is derived from (seed, micro-batch, stage, layer, branch) instead of taken from the global
+stream or from a per-layer attribute that the next micro-batch would overwrite.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derive_seed(*key: int) -> int:
+    """A 63-bit seed that depends on every part of ``key`` and on their order."""
+    h = 0x243F6A8885A308D3
+    for part in key:
+        h = _splitmix64(h ^ (int(part) & _MASK64))
+    return h & ((1 << 63) - 1)
+
+
+class _Scope(threading.local):
+    key: tuple[int, ...] | None = None
+
+
+_scope = _Scope()
+
+
+def current_key() -> tuple[int, ...] | None:
+    """The (seed, micro_batch, stage) key of the enclosing :func:`micro_batch_rng`, if any."""
+    return _scope.key
+
+
+def _default_devices() -> list[int]:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return [torch.cuda.current_device()]
+    return []
+
+
+@contextmanager
+def keyed_rng(*key: int, devices: Sequence[int] | None = None) -> Iterator[None]:
+    """Run the body on generator states seeded from ``key``; the global streams are restored after."""
+    seed = derive_seed(*key)
+    devices = _default_devices() if devices is None else list(devices)
+    with torch.random.fork_rng(devices=devices):
+        torch.random.default_generator.manual_seed(seed)
+        for device in devices:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+@contextmanager
+def micro_batch_rng(seed: int, micro_batch: int, stage: int) -> Iterator[None]:
+    """Everything a stage computes for one micro-batch runs under this scope.
+
+    Ops outside reversible layers draw from the (seed, micro_batch, stage) stream, so a non-reversible
+    stage's recomputation matches its forward; reversible layers derive their own per-layer streams
+    from the same key (see :func:`layer_rng`).
+    """
+    previous = _scope.key
+    _scope.key = (int(seed), int(micro_batch), int(stage))
+    try:
+        with keyed_rng(*_scope.key):
+            yield
+    finally:
+        _scope.key = previous
+
+
+@contextmanager
+def layer_rng(layer: int, branch: int) -> Iterator[None]:
+    """Stream for one branch (F = 0, G = 1, ...) of one layer, inside the current micro-batch scope.
+
+    Outside any :func:`micro_batch_rng` scope the global stream is used, as plain PyTorch would: that
+    is the behaviour that makes a reconstruction with dropout inexact.
+    """
+    key = _scope.key
+    if key is None:
+        yield
+        return
+    with keyed_rng(*key, layer, branch):
+        yield

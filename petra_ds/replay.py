@@ -1,0 +1,341 @@
+"""Replay every rank's PETRA instruction stream without torch.distributed, and check it.
+
+Each rank walks its own list of clocks at its own pace; sends and receives are queued and a
+``CommitP2P`` posts the queued sends and then waits for the queued receives, as the engine's batched
+p2p does. A rank that waits for a message nobody will send is a deadlock. Along the way the replay
+checks the PETRA semantics: one forward and one backward per micro-batch and stage, the delay
+``2(J-1-j)``, messages that travel exactly one clock, input FIFOs only where a stage cannot
+reconstruct, and an optimizer step after every k-th backward of a stage, after its compute of that
+clock.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from deepspeed.runtime.pipe.schedule import PipeInstruction
+
+from .schedule import (
+    AccumulateAndStep,
+    CommitP2P,
+    DelayedBackward,
+    ForwardPass,
+    LoadMicroBatch,
+    PetraSchedule,
+    RecvActivation,
+    RecvGrad,
+    ReverseReconstruct,
+    SendActivation,
+    SendGrad,
+    Window,
+    delay,
+)
+
+
+class ScheduleError(AssertionError):
+    """An instruction stream that deadlocks or breaks PETRA's semantics."""
+
+
+@dataclass
+class ReplayReport:
+    """What happened, for the checks a caller wants to add."""
+
+    forward_clock: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage, mb) -> clock
+    backward_clock: dict[tuple[int, int], int] = field(default_factory=dict)
+    steps: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # stage -> clocks
+    max_fifo: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # stage -> depth
+    fifo: dict[int, deque] = field(default_factory=lambda: defaultdict(deque))
+    raw: set[int] = field(default_factory=set)  # micro-batches stage 0 still holds
+    labels: set[int] = field(default_factory=set)
+    in_transit: int = 0
+
+    def backwards(self, stage: int) -> int:
+        return sum(1 for (j, _m) in self.backward_clock if j == stage)
+
+    def assert_drained(self) -> None:
+        """Nothing is in flight: every forward has had its backward, no buffer or message is held."""
+        missing = sorted(set(self.forward_clock) - set(self.backward_clock))
+        if missing:
+            raise ScheduleError(f"forwards without a backward after the drain: {missing[:5]}")
+        held = {j: list(q) for j, q in self.fifo.items() if q}
+        if held or self.raw or self.labels or self.in_transit:
+            raise ScheduleError(
+                f"state left after the drain: fifo={held} raw={sorted(self.raw)} "
+                f"labels={sorted(self.labels)} messages={self.in_transit}"
+            )
+
+
+def streams_for(
+    windows: Sequence[Window],
+    *,
+    pipeline_ranks: int,
+    stages_per_rank: int,
+    gradient_accumulation_steps: int,
+    reversible: Sequence[bool] | None = None,
+) -> dict[int, list[list[PipeInstruction]]]:
+    """Every rank's instruction lists for consecutive windows, as the engine would run them."""
+    streams: dict[int, list[list[PipeInstruction]]] = {}
+    for rank in range(pipeline_ranks):
+        streams[rank] = [
+            clock_cmds
+            for window in windows
+            for clock_cmds in PetraSchedule.for_window(
+                window, pipeline_ranks, rank, stages_per_rank=stages_per_rank,
+                gradient_accumulation_steps=gradient_accumulation_steps, reversible=reversible)
+        ]
+    return streams
+
+
+def replay(
+    streams: Mapping[int, Sequence[Sequence[PipeInstruction]]],
+    *,
+    num_stages: int,
+    stages_per_rank: int,
+    gradient_accumulation_steps: int,
+    reversible: Sequence[bool] | None = None,
+    start_clock: int = 0,
+) -> ReplayReport:
+    """Replay ``streams[rank]`` (a list of per-clock instruction lists starting at ``start_clock``)."""
+    return _Replay(streams, num_stages, stages_per_rank, gradient_accumulation_steps,
+                   reversible, start_clock).run()
+
+
+class _Replay:
+    def __init__(self, streams, num_stages, stages_per_rank, k, reversible, start_clock):
+        self.streams = {rank: [list(c) for c in clocks] for rank, clocks in streams.items()}
+        self.J = num_stages
+        self.S = stages_per_rank
+        self.k = k
+        self.reversible = tuple(reversible) if reversible is not None else (False,) * num_stages
+        self.start = start_clock
+        self.report = ReplayReport()
+        # channel (kind, src_stage, dst_stage) -> deque of (micro_batch, send_clock, with_input)
+        self.channels: dict[tuple, deque] = defaultdict(deque)
+        self.pos = {rank: (0, 0) for rank in self.streams}
+        self.queued_sends: dict[int, list] = defaultdict(list)
+        self.queued_recvs: dict[int, list] = defaultdict(list)
+        self.committing: set[int] = set()
+        # (stage, kind, mb) -> clock at which the message was received (usable at clock + 1)
+        self.inbox: dict[tuple[int, str, int], int] = {}
+        self.outbox: dict[tuple[int, str, int], int] = {}  # produced, not yet sent
+        self.tape: dict[int, tuple[int, int]] = {}  # stage -> (mb, clock) of a reconstruction
+        self.graph: dict[int, tuple[int, int]] = {}  # last stage's live graph
+        self.done_this_clock: dict[int, int] = {}  # stage -> clock of its last step
+
+    def reconstructs(self, j: int) -> bool:
+        return 0 < j < self.J - 1 and self.reversible[j]
+
+    def fail(self, rank: int, clock: int, cmd, msg: str):
+        raise ScheduleError(f"rank {rank}, clock {clock}, {cmd!r}: {msg}")
+
+    def run(self) -> ReplayReport:
+        for rank in self.streams:
+            expected = range(rank * self.S, (rank + 1) * self.S)
+            for clock_cmds in self.streams[rank]:
+                for cmd in clock_cmds:
+                    stage = getattr(cmd, "stage", None)
+                    if stage is not None and stage not in expected:
+                        raise ScheduleError(f"rank {rank} runs {cmd!r} for a stage it does not host")
+        while True:
+            progressed = False
+            for rank in self.streams:
+                progressed |= self.advance(rank)
+            if all(self.finished(r) for r in self.streams):
+                break
+            if not progressed:
+                waiting = {r: self.waiting_for(r) for r in self.streams if not self.finished(r)}
+                raise ScheduleError(f"deadlock: {waiting}")
+        self.report.in_transit = sum(len(q) for q in self.channels.values()) + len(self.outbox)
+        self.report.in_transit += sum(len(v) for v in self.queued_sends.values()) + len(self.inbox)
+        return self.report
+
+    def finished(self, rank: int) -> bool:
+        return self.pos[rank][0] >= len(self.streams[rank])
+
+    def waiting_for(self, rank: int) -> str:
+        clock_idx, _ = self.pos[rank]
+        return f"clock {self.start + clock_idx}: {self.queued_recvs[rank]!r}"
+
+    def advance(self, rank: int) -> bool:
+        progressed = False
+        stream = self.streams[rank]
+        while not self.finished(rank):
+            clock_idx, cmd_idx = self.pos[rank]
+            cmds = stream[clock_idx]
+            if cmd_idx >= len(cmds):
+                self.end_clock(rank, self.start + clock_idx)
+                self.pos[rank] = (clock_idx + 1, 0)
+                progressed = True
+                continue
+            cmd = cmds[cmd_idx]
+            if not self.execute(rank, self.start + clock_idx, cmd):
+                return progressed
+            self.pos[rank] = (clock_idx, cmd_idx + 1)
+            progressed = True
+        return progressed
+
+    def end_clock(self, rank: int, clock: int) -> None:
+        if self.queued_sends[rank] or self.queued_recvs[rank]:
+            raise ScheduleError(f"rank {rank} ends clock {clock} with uncommitted p2p operations")
+        for j in range(rank * self.S, (rank + 1) * self.S):
+            if j in self.tape:
+                raise ScheduleError(f"stage {j} reconstructed micro-batch {self.tape[j][0]} at clock "
+                                    f"{clock} without a backward")
+            if j in self.graph:
+                raise ScheduleError(f"last stage kept the graph of micro-batch {self.graph[j][0]} past "
+                                    f"clock {clock}")
+            stale = [key for key, c in self.outbox.items() if key[0] == j and c <= clock]
+            if stale:
+                raise ScheduleError(f"stage {j} produced {stale} at clock {clock} and never sent them")
+
+    # --- instructions ---
+
+    def execute(self, rank: int, clock: int, cmd) -> bool:
+        """Run ``cmd``; False when it must wait (only a commit can)."""
+        r = self.report
+        if isinstance(cmd, LoadMicroBatch):
+            j, m = cmd.stage, cmd.micro_batch
+            if j not in (0, self.J - 1):
+                self.fail(rank, clock, cmd, "only the first and last stages read data")
+            if j == 0:
+                if m != clock:
+                    self.fail(rank, clock, cmd, f"micro-batch {m} must enter stage 0 at clock {m}")
+                r.raw.add(m)
+            if j == self.J - 1:
+                r.labels.add(m)
+        elif isinstance(cmd, ForwardPass):
+            self.forward(rank, clock, cmd)
+        elif isinstance(cmd, ReverseReconstruct):
+            j, m = cmd.stage, cmd.micro_batch
+            if not self.reconstructs(j):
+                self.fail(rank, clock, cmd, "this stage cannot reconstruct its input")
+            self.take(rank, clock, cmd, (j, "grad", m))
+            self.tape[j] = (m, clock)
+        elif isinstance(cmd, DelayedBackward):
+            self.backward(rank, clock, cmd)
+        elif isinstance(cmd, AccumulateAndStep):
+            j = cmd.stage
+            r.steps[j].append(clock)
+            if r.backwards(j) != cmd.step * self.k:
+                self.fail(rank, clock, cmd, f"stage {j} has run {r.backwards(j)} backwards, not "
+                          f"{cmd.step} x k = {cmd.step * self.k}")
+            self.done_this_clock[j] = clock
+        elif isinstance(cmd, SendActivation):
+            self.queue_send(rank, clock, cmd, "act", cmd.stage + 1, False)
+        elif isinstance(cmd, SendGrad):
+            self.queue_send(rank, clock, cmd, "grad", cmd.stage - 1, cmd.with_input)
+        elif isinstance(cmd, RecvActivation):
+            self.queued_recvs[rank].append(("act", cmd.stage - 1, cmd.stage, cmd.micro_batch, False, cmd))
+        elif isinstance(cmd, RecvGrad):
+            self.queued_recvs[rank].append(("grad", cmd.stage + 1, cmd.stage, cmd.micro_batch,
+                                            cmd.with_input, cmd))
+        elif isinstance(cmd, CommitP2P):
+            return self.commit(rank, clock)
+        else:
+            self.fail(rank, clock, cmd, "unknown instruction")
+        return True
+
+    def check_not_stepped(self, rank, clock, cmd):
+        if self.done_this_clock.get(cmd.stage) == clock:
+            self.fail(rank, clock, cmd, "compute after the stage's optimizer step in the same clock")
+
+    def take(self, rank, clock, cmd, key):
+        """Consume a message that must have been received at the previous clock."""
+        received = self.inbox.pop(key, None)
+        if received is None:
+            self.fail(rank, clock, cmd, f"no {key[1]} message for micro-batch {key[2]} was received")
+        if received != clock - 1:
+            self.fail(rank, clock, cmd, f"message received at clock {received}, used at {clock}: "
+                      "messages travel exactly one clock")
+
+    def forward(self, rank, clock, cmd):
+        r = self.report
+        j, m = cmd.stage, cmd.micro_batch
+        self.check_not_stepped(rank, clock, cmd)
+        if (j, m) in r.forward_clock:
+            self.fail(rank, clock, cmd, "second forward of this micro-batch at this stage")
+        if m + j != clock:
+            self.fail(rank, clock, cmd, f"forward of micro-batch {m} at stage {j} belongs to clock {m + j}")
+        if j == 0:
+            if m not in r.raw:
+                self.fail(rank, clock, cmd, "stage 0 forward before its micro-batch was loaded")
+        else:
+            self.take(rank, clock, cmd, (j, "act", m))
+        r.forward_clock[(j, m)] = clock
+        if j == self.J - 1:
+            if m not in r.labels:
+                self.fail(rank, clock, cmd, "loss computed before the labels were loaded")
+            self.graph[j] = (m, clock)
+        elif j > 0 and not self.reconstructs(j):
+            r.fifo[j].append(m)
+            r.max_fifo[j] = max(r.max_fifo[j], len(r.fifo[j]))
+        if j < self.J - 1:
+            self.outbox[(j, "act", m)] = clock
+
+    def backward(self, rank, clock, cmd):
+        r = self.report
+        j, m = cmd.stage, cmd.micro_batch
+        self.check_not_stepped(rank, clock, cmd)
+        if (j, m) in r.backward_clock:
+            self.fail(rank, clock, cmd, "second backward of this micro-batch at this stage")
+        if (j, m) not in r.forward_clock:
+            self.fail(rank, clock, cmd, "backward before forward")
+        expected = r.forward_clock[(j, m)] + delay(j, self.J)
+        if clock != expected:
+            self.fail(rank, clock, cmd, f"backward at clock {clock}, expected forward + 2(J-1-j) = {expected}")
+        if j == self.J - 1:
+            if self.graph.pop(j, None) != (m, clock):
+                self.fail(rank, clock, cmd, "last stage backward without its forward in this clock")
+            r.labels.discard(m)
+        elif self.reconstructs(j):
+            if self.tape.pop(j, None) != (m, clock):
+                self.fail(rank, clock, cmd, "reversible stage backward without its reconstruction")
+        else:
+            self.take(rank, clock, cmd, (j, "grad", m))
+        if j == 0:
+            if m not in r.raw:
+                self.fail(rank, clock, cmd, "stage 0 lost its raw micro-batch")
+            r.raw.discard(m)
+        elif j < self.J - 1 and not self.reconstructs(j):
+            if not r.fifo[j] or r.fifo[j][0] != m:
+                self.fail(rank, clock, cmd, f"FIFO head is {list(r.fifo[j])[:1]}, not micro-batch {m}")
+            r.fifo[j].popleft()
+        r.backward_clock[(j, m)] = clock
+        if j > 0:
+            self.outbox[(j, "grad", m)] = clock
+
+    def queue_send(self, rank, clock, cmd, kind, dst, with_input):
+        j, m = cmd.stage, cmd.micro_batch
+        if self.outbox.pop((j, kind, m), None) != clock:
+            self.fail(rank, clock, cmd, "sends a message not produced at this clock")
+        if not 0 <= dst < self.J:
+            self.fail(rank, clock, cmd, f"no stage {dst} to send to")
+        if kind == "grad" and with_input != self.reconstructs(dst):
+            self.fail(rank, clock, cmd, f"with_input={with_input} but stage {dst} "
+                      f"{'needs' if self.reconstructs(dst) else 'does not need'} x~")
+        self.queued_sends[rank].append(((kind, j, dst), (m, clock, with_input)))
+
+    def commit(self, rank, clock) -> bool:
+        if rank not in self.committing:
+            for channel, message in self.queued_sends.pop(rank, []):
+                self.channels[channel].append(message)
+            self.committing.add(rank)
+        pending = self.queued_recvs[rank]
+        for kind, src, dst, m, with_input, cmd in pending:
+            queue = self.channels[(kind, src, dst)]
+            if not queue:
+                return False
+            if queue[0][0] != m:
+                self.fail(rank, clock, cmd, f"expected micro-batch {m}, the channel delivers {queue[0][0]}")
+        for kind, src, dst, m, with_input, cmd in pending:
+            got_m, sent_clock, sent_with_input = self.channels[(kind, src, dst)].popleft()
+            if sent_clock != clock:
+                self.fail(rank, clock, cmd, f"message sent at clock {sent_clock} received at {clock}")
+            if sent_with_input != with_input:
+                self.fail(rank, clock, cmd, "sender and receiver disagree on the payload")
+            self.inbox[(dst, kind, m)] = clock
+        self.queued_recvs[rank] = []
+        self.committing.discard(rank)
+        return True

@@ -1,0 +1,329 @@
+"""PETRA's schedule as data.
+
+The clock equations of DESIGN.md section 1 live in the three functions below and nowhere else:
+micro-batch ``m`` enters stage 0 at clock ``m``; at stage ``j`` of ``J`` its forward runs at clock
+``m + j`` and its backward ``2(J-1-j)`` clocks later; the last stage does forward, loss and backward in
+one clock. :class:`PetraSchedule` turns them into DeepSpeed ``PipeInstruction`` lists, one list per
+clock, for a pipeline rank that hosts ``stages_per_rank`` consecutive stages; ``petra_ds.replay``
+replays the lists of every rank and checks them without torch.distributed.
+
+Within a clock a rank loads data, runs its forwards and backwards (all with the parameters as they
+were when the clock began), steps the optimizers that are due, then exchanges messages: the outputs
+of this clock are sent and the inputs of the next clock received in one batch (``CommitP2P``), so a
+message travels exactly one clock and a window of clocks leaves nothing half-sent behind it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from deepspeed.runtime.pipe.schedule import CommitP2P, PipeInstruction, PipeSchedule
+
+__all__ = [
+    "AccumulateAndStep",
+    "CommitP2P",
+    "DelayedBackward",
+    "FeedLog",
+    "ForwardPass",
+    "LoadMicroBatch",
+    "PetraSchedule",
+    "RecvActivation",
+    "RecvGrad",
+    "ReverseReconstruct",
+    "SendActivation",
+    "SendGrad",
+    "Timeline",
+    "Window",
+    "backward_micro_batch",
+    "delay",
+    "forward_micro_batch",
+]
+
+
+# --- the PETRA clock (DESIGN.md section 1) -------------------------------------------------------
+
+
+def forward_micro_batch(clock: int, stage: int) -> int:
+    """The micro-batch whose forward stage ``stage`` runs at ``clock``."""
+    return clock - stage
+
+
+def backward_micro_batch(clock: int, stage: int, num_stages: int) -> int:
+    """The micro-batch whose backward stage ``stage`` runs at ``clock``."""
+    return clock - 2 * (num_stages - 1) + stage
+
+
+def delay(stage: int, num_stages: int) -> int:
+    """tau_j: clocks between a micro-batch's forward and its backward at ``stage``."""
+    return 2 * (num_stages - 1 - stage)
+
+
+# --- which micro-batches exist -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FeedLog:
+    """The micro-batches fed to stage 0, as sorted half-open index intervals.
+
+    Micro-batch ``m`` enters at clock ``m``; a clock that feeds nothing (a drain, a short batch) leaves
+    a hole in the numbering, so indices stay equal to entry clocks and the equations above stay exact.
+    """
+
+    intervals: tuple[tuple[int, int], ...] = ()
+
+    def fed(self, m: int) -> bool:
+        return any(lo <= m < hi for lo, hi in self.intervals)
+
+    def ordinal(self, m: int) -> int:
+        """How many fed micro-batches have an index ``<= m`` (1 for the first one fed)."""
+        return sum(max(0, min(hi, m + 1) - lo) for lo, hi in self.intervals)
+
+    @property
+    def total(self) -> int:
+        return sum(hi - lo for lo, hi in self.intervals)
+
+    @property
+    def last(self) -> int | None:
+        return self.intervals[-1][1] - 1 if self.intervals else None
+
+    def feed(self, start: int, count: int) -> "FeedLog":
+        """This log plus ``count`` micro-batches entering at clocks ``start, start+1, ...``."""
+        if count < 0:
+            raise ValueError(f"cannot feed {count} micro-batches")
+        if count == 0:
+            return self
+        if self.last is not None and start <= self.last:
+            raise ValueError(f"micro-batch {start} would enter before the last one fed ({self.last})")
+        intervals = list(self.intervals)
+        if intervals and intervals[-1][1] == start:
+            intervals[-1] = (intervals[-1][0], start + count)
+        else:
+            intervals.append((start, start + count))
+        return FeedLog(tuple(intervals))
+
+    def drained_at(self, num_stages: int) -> int:
+        """The first clock at which no fed micro-batch has a backward still to run."""
+        return 0 if self.last is None else self.last + delay(0, num_stages) + 1
+
+
+# --- instructions --------------------------------------------------------------------------------
+
+
+class PetraInstruction(PipeInstruction):
+    """An instruction about one micro-batch at one PETRA stage."""
+
+    def __init__(self, stage: int, micro_batch: int, **kwargs) -> None:
+        super().__init__(stage=stage, micro_batch=micro_batch, **kwargs)
+
+
+class LoadMicroBatch(PetraInstruction):
+    """Read the next micro-batch from the data iterator: inputs at stage 0, labels at the last stage.
+
+    Stage 0 keeps the raw micro-batch until its backward: it is data, not an activation buffer.
+    """
+
+
+class ForwardPass(PetraInstruction):
+    """x_j = F_j(x_{j-1}; theta_j). Non-reversible stages push their exact input on their FIFO; the
+    last stage computes the loss and keeps its graph for the backward in the same clock."""
+
+
+class ReverseReconstruct(PetraInstruction):
+    """x~_{j-1} = F_j^{-1}(x~_j; theta_j) with the current parameters, building the graph of F_j on the
+    way (reversible stages only)."""
+
+
+class DelayedBackward(PetraInstruction):
+    """delta_j = d_x F_j^T delta_{j+1} and Delta_j += d_theta F_j^T delta_{j+1}, on the reconstructed
+    graph, the recomputed one (non-reversible stages, from the FIFO or the raw micro-batch) or the
+    live one (last stage)."""
+
+
+class AccumulateAndStep(PipeInstruction):
+    """The stage's k-th backward since its last step: reduce Delta_j inside the stage's data-parallel
+    group, optimizer step, zero, scheduler step. ``step`` counts the stage's optimizer steps from 1."""
+
+    def __init__(self, stage: int, step: int) -> None:
+        super().__init__(stage=stage, step=step)
+
+
+class SendActivation(PetraInstruction):
+    """Queue x_j (output of ``stage``'s forward of ``micro_batch``) for stage j+1."""
+
+
+class RecvActivation(PetraInstruction):
+    """Queue the receive of x_{j-1} for ``stage``'s forward of ``micro_batch`` at the next clock."""
+
+
+class SendGrad(PetraInstruction):
+    """Queue delta_j (and x~_{j-1} when ``with_input``: stage j-1 reconstructs) for stage j-1."""
+
+    def __init__(self, stage: int, micro_batch: int, with_input: bool) -> None:
+        super().__init__(stage=stage, micro_batch=micro_batch, with_input=with_input)
+
+
+class RecvGrad(PetraInstruction):
+    """Queue the receive of delta_{j+1} (and x~_j when ``with_input``) for ``stage``'s backward of
+    ``micro_batch`` at the next clock."""
+
+    def __init__(self, stage: int, micro_batch: int, with_input: bool) -> None:
+        super().__init__(stage=stage, micro_batch=micro_batch, with_input=with_input)
+
+
+# --- the schedule --------------------------------------------------------------------------------
+
+
+class PetraSchedule(PipeSchedule):
+    """Instructions of pipeline rank ``stage_id`` for clocks ``[start_clock, start_clock + clocks)``.
+
+    ``stages`` and ``stage_id`` keep DeepSpeed's meaning (pipeline ranks, this rank); the rank hosts
+    PETRA stages ``stage_id * stages_per_rank ...`` up to the next rank's first. ``micro_batches`` is
+    the number fed in this window (``feed`` already lists them); ``reversible[j]`` says whether stage
+    ``j`` reconstructs its input instead of keeping it.
+    """
+
+    def __init__(
+        self,
+        micro_batches: int,
+        stages: int,
+        stage_id: int,
+        *,
+        feed: FeedLog,
+        start_clock: int,
+        clocks: int | None = None,
+        stages_per_rank: int = 1,
+        gradient_accumulation_steps: int = 1,
+        reversible: Sequence[bool] | None = None,
+    ) -> None:
+        super().__init__(micro_batches, stages, stage_id)
+        if stages_per_rank < 1:
+            raise ValueError(f"stages_per_rank must be >= 1, got {stages_per_rank}")
+        if gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+        self.num_petra_stages = stages * stages_per_rank
+        self.local_stages = range(stage_id * stages_per_rank, (stage_id + 1) * stages_per_rank)
+        self.feed = feed
+        self.start_clock = start_clock
+        self.clocks = micro_batches if clocks is None else clocks
+        self.k = gradient_accumulation_steps
+        reversible = (False,) * self.num_petra_stages if reversible is None else tuple(reversible)
+        if len(reversible) != self.num_petra_stages:
+            raise ValueError(f"reversible has {len(reversible)} entries for {self.num_petra_stages} stages")
+        self.reversible = reversible
+
+    @classmethod
+    def for_window(cls, window: "Window", stages: int, stage_id: int, **kwargs) -> "PetraSchedule":
+        return cls(window.micro_batches, stages, stage_id, feed=window.feed,
+                   start_clock=window.start_clock, clocks=window.clocks, **kwargs)
+
+    def reconstructs(self, stage: int) -> bool:
+        """Whether ``stage`` rebuilds its input by inversion. Stage 0 re-reads its data and the last
+        stage keeps its graph within the clock, so neither does."""
+        return 0 < stage < self.num_petra_stages - 1 and self.reversible[stage]
+
+    def forward_at(self, clock: int, stage: int) -> int | None:
+        m = forward_micro_batch(clock, stage)
+        return m if self.feed.fed(m) else None
+
+    def backward_at(self, clock: int, stage: int) -> int | None:
+        m = backward_micro_batch(clock, stage, self.num_petra_stages)
+        return m if self.feed.fed(m) else None
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        for clock in range(self.start_clock, self.start_clock + self.clocks):
+            yield self.clock_instructions(clock)
+
+    def clock_instructions(self, clock: int) -> list[PipeInstruction]:
+        last = self.num_petra_stages - 1
+        local = self.local_stages
+        cmds: list[PipeInstruction] = []
+
+        loads = {0: self.forward_at(clock, 0), last: self.forward_at(clock, last)}
+        for stage, m in sorted(loads.items()):
+            if stage in local and m is not None:
+                cmds.append(LoadMicroBatch(stage=stage, micro_batch=m))
+
+        for stage in local:
+            m = self.forward_at(clock, stage)
+            if m is not None:
+                cmds.append(ForwardPass(stage=stage, micro_batch=m))
+        for stage in reversed(local):
+            m = self.backward_at(clock, stage)
+            if m is None:
+                continue
+            if self.reconstructs(stage):
+                cmds.append(ReverseReconstruct(stage=stage, micro_batch=m))
+            cmds.append(DelayedBackward(stage=stage, micro_batch=m))
+        for stage in local:
+            m = self.backward_at(clock, stage)
+            if m is not None and self.feed.ordinal(m) % self.k == 0:
+                cmds.append(AccumulateAndStep(stage=stage, step=self.feed.ordinal(m) // self.k))
+
+        exchange: list[PipeInstruction] = []
+        for stage in local:
+            m = self.forward_at(clock, stage)
+            if m is not None and stage < last:
+                exchange.append(SendActivation(stage=stage, micro_batch=m))
+            m = self.backward_at(clock, stage)
+            if m is not None and stage > 0:
+                exchange.append(SendGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage - 1)))
+        for stage in local:
+            m = self.forward_at(clock + 1, stage)
+            if m is not None and stage > 0:
+                exchange.append(RecvActivation(stage=stage, micro_batch=m))
+            m = self.backward_at(clock + 1, stage)
+            if m is not None and stage < last:
+                exchange.append(RecvGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage)))
+        if exchange:
+            cmds.extend(exchange)
+            cmds.append(CommitP2P())
+        return cmds
+
+    def num_pipe_buffers(self) -> int:
+        """The deepest input FIFO this rank can hold: tau_j + 1 micro-batches at its first stage."""
+        return delay(self.local_stages[0], self.num_petra_stages) + 1
+
+
+# --- the state that survives between windows -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    """A run of clocks: ``train_batch`` (k clocks feeding up to k micro-batches) or ``drain``."""
+
+    start_clock: int
+    clocks: int
+    micro_batches: int
+    feed: FeedLog
+
+
+@dataclass
+class Timeline:
+    """Where the pipeline is between windows: the next clock and the micro-batches fed so far."""
+
+    num_stages: int
+    clock: int = 0
+    feed: FeedLog = field(default_factory=FeedLog)
+
+    def train_window(self, clocks: int, micro_batches: int | None = None) -> Window:
+        """``clocks`` clocks feeding ``micro_batches`` (default: one per clock) from the first one."""
+        micro_batches = clocks if micro_batches is None else micro_batches
+        if not 0 <= micro_batches <= clocks:
+            raise ValueError(f"cannot feed {micro_batches} micro-batches in {clocks} clocks")
+        return Window(self.clock, clocks, micro_batches, self.feed.feed(self.clock, micro_batches))
+
+    def drain_window(self) -> Window:
+        """The clocks, with no new data, until every fed micro-batch had its backward everywhere."""
+        clocks = max(0, self.feed.drained_at(self.num_stages) - self.clock)
+        return Window(self.clock, clocks, 0, self.feed)
+
+    def advance(self, window: Window) -> None:
+        if window.start_clock != self.clock:
+            raise ValueError(f"window starts at clock {window.start_clock}, timeline is at {self.clock}")
+        self.clock += window.clocks
+        self.feed = window.feed
+
+    @property
+    def in_flight(self) -> bool:
+        return self.clock < self.feed.drained_at(self.num_stages)

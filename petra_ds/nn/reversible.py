@@ -79,10 +79,10 @@ class GraphTape(Tape):
                 grads.append(grad.to(out.dtype))
         if outs:
             torch.autograd.backward(outs, grads)
-        leaves = as_tuple(self.inputs)
-        dx = [_grad_or_zeros(leaf) for leaf in leaves]
+        inputs = self.inputs
+        dx = [_grad_or_zeros(leaf) for leaf in as_tuple(inputs)]
         self.inputs = self.outputs = None
-        return like(leaves, dx)
+        return like(inputs, dx)
 
 
 class SequentialTape(Tape):

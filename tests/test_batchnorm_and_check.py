@@ -1,0 +1,92 @@
+"""Batch-norm policy and the invertibility check."""
+
+import pytest
+import torch
+from torch import nn
+
+from petra_ds.nn import (
+    AdditiveCoupling,
+    BatchNormPolicy,
+    ReversibilityError,
+    ReversibleSequential,
+    SwapCoupling,
+    check_reversible,
+    is_reversible,
+)
+
+
+def bn_block(c=4):
+    return nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+
+
+def test_backward_policy_updates_running_stats_only_in_the_backward_scope():
+    torch.manual_seed(0)
+    layer = SwapCoupling(bn_block()).train()
+    bn = layer.F[1]
+    x = (torch.randn(3, 4, 6, 6), torch.randn(3, 4, 6, 6) * 3 + 1)
+    policy = BatchNormPolicy("backward")
+    with policy.forward_scope(layer):
+        y = layer(x)
+    assert torch.equal(bn.running_mean, torch.zeros(4)) and int(bn.num_batches_tracked) == 0
+    assert bn.track_running_stats, "the scope must restore the flag"
+    with policy.backward_scope(layer):
+        layer.reconstruct(tuple(t.detach() for t in y))
+    assert not torch.equal(bn.running_mean, torch.zeros(4)) and int(bn.num_batches_tracked) == 1
+    # the forward normalised with batch statistics: same output as plain train mode
+    with torch.no_grad():
+        plain = SwapCoupling(bn_block()).train()
+        plain.load_state_dict(layer.state_dict())
+        assert torch.allclose(plain(x)[1], y[1].detach(), atol=1e-6)
+
+
+def test_forward_policy_updates_in_forward_only():
+    torch.manual_seed(0)
+    layer = SwapCoupling(bn_block()).train()
+    bn = layer.F[1]
+    x = (torch.randn(3, 4, 6, 6), torch.randn(3, 4, 6, 6))
+    policy = BatchNormPolicy("forward")
+    with policy.forward_scope(layer):
+        y = layer(x)
+    assert int(bn.num_batches_tracked) == 1
+    with policy.backward_scope(layer):
+        layer.reconstruct(tuple(t.detach() for t in y))
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_bad_policy_is_rejected_with_the_choices():
+    with pytest.raises(ValueError, match="bn_running_stats must be one of"):
+        BatchNormPolicy("sometimes")
+
+
+class WrongInverse(AdditiveCoupling):
+    def inverse(self, y):
+        y1, y2 = y
+        x2 = y2 + self.G(y1)  # wrong sign
+        return y1 - self.F(x2), x2
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+def test_check_reversible_passes_good_layers_and_does_not_touch_bn_stats():
+    torch.manual_seed(1)
+    chain = ReversibleSequential(SwapCoupling(bn_block()), SwapCoupling(bn_block())).double().train()
+    x = tuple(torch.randn(2, 4, 5, 5, dtype=torch.float64) for _ in range(2))
+    err = check_reversible(chain, x)
+    assert err < 1e-12
+    assert all(int(m.num_batches_tracked) == 0 for m in chain.modules() if isinstance(m, nn.BatchNorm2d))
+
+
+def test_check_reversible_names_the_layer_and_the_error():
+    torch.manual_seed(2)
+    chain = ReversibleSequential(AdditiveCoupling(mlp(), mlp()), WrongInverse(mlp(), mlp())).double()
+    x = tuple(torch.randn(3, 4, dtype=torch.float64) for _ in range(2))
+    with pytest.raises(ReversibilityError, match=r"stage3\.layers\.1 \(WrongInverse\) does not invert: .* = \d\.\d+e[-+]\d+"):
+        check_reversible(chain, x, name="stage3")
+
+
+def test_check_reversible_rejects_module_without_inverse():
+    assert not is_reversible(nn.Linear(2, 2))
+    with pytest.raises(ReversibilityError, match="has no inverse"):
+        check_reversible(nn.Linear(2, 2), torch.randn(1, 2), name="head")

@@ -1,0 +1,176 @@
+"""The PETRA schedule, replayed for every rank by the pure simulator."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
+
+from petra_ds.replay import ScheduleError, replay, streams_for
+from petra_ds.schedule import (
+    AccumulateAndStep,
+    CommitP2P,
+    DelayedBackward,
+    ForwardPass,
+    PetraSchedule,
+    ReverseReconstruct,
+    SendActivation,
+    Timeline,
+    delay,
+)
+
+
+def mixed_reversibility(J):
+    """Non-reversible stem and every third stage (downsampling blocks), reversible elsewhere."""
+    return [j % 3 != 0 for j in range(J)]
+
+
+def run_windows(J, S, k, plan, reversible=None):
+    """plan: list of (clocks, micro_batches) for train windows, or None for a drain."""
+    timeline = Timeline(J)
+    windows = []
+    for item in plan:
+        window = timeline.drain_window() if item is None else timeline.train_window(*item)
+        timeline.advance(window)
+        windows.append(window)
+    reversible = mixed_reversibility(J) if reversible is None else reversible
+    streams = streams_for(windows, pipeline_ranks=J // S, stages_per_rank=S,
+                          gradient_accumulation_steps=k, reversible=reversible)
+    report = replay(streams, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k,
+                    reversible=reversible)
+    return timeline, streams, report
+
+
+def training_plan(k):
+    # three train_batch calls, the last one short, a drain, one more call and a final drain
+    return [(k, k), (k, k), (k, max(k - 1, 0)), None, (k, k), None]
+
+
+@pytest.mark.parametrize("S", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_replay_all_ranks(S, k):
+    for J in range(S, 33, S):
+        timeline, _streams, report = run_windows(J, S, k, training_plan(k))
+        M = timeline.feed.total
+        assert M == 4 * k - 1
+        if k > 1:
+            assert M % k != 0
+        report.assert_drained()
+        for j in range(J):
+            fwd = sorted(m for (s, m) in report.forward_clock if s == j)
+            bwd = sorted(m for (s, m) in report.backward_clock if s == j)
+            assert len(fwd) == len(set(fwd)) == M and fwd == bwd, (J, j)
+            for m in fwd:
+                assert report.backward_clock[(j, m)] - report.forward_clock[(j, m)] == 2 * (J - 1 - j)
+            assert len(report.steps[j]) == M // k, (J, j)
+
+
+def test_fifo_holds_exactly_the_micro_batches_in_flight():
+    J, k = 8, 2
+    _t, _s, report = run_windows(J, 1, k, [(k, k)] * 10 + [None], reversible=[False] * J)
+    for j in range(1, J - 1):
+        assert report.max_fifo[j] == delay(j, J) + 1
+    assert 0 not in report.max_fifo and J - 1 not in report.max_fifo
+
+
+def test_reversible_stages_hold_no_fifo_and_reconstruct():
+    J = 6
+    _t, streams, report = run_windows(J, 1, 1, [(5, 5), None], reversible=[True] * J)
+    assert all(depth == 0 for depth in report.max_fifo.values())
+    recon = [c for clocks in streams.values() for cmds in clocks for c in cmds if isinstance(c, ReverseReconstruct)]
+    assert sorted({c.stage for c in recon}) == list(range(1, J - 1))
+
+
+def test_stage_sequence_does_not_depend_on_placement():
+    """1 rank x 6 stages, 2 x 3, 3 x 2 and 6 x 1 run the same compute per stage at the same clocks."""
+    J, k = 6, 2
+    plan = [(k, k)] * 4 + [None]
+
+    def per_stage(S):
+        _t, streams, _r = run_windows(J, S, k, plan)
+        out = {}
+        for clocks in streams.values():
+            for t, cmds in enumerate(clocks):
+                for c in cmds:
+                    if isinstance(c, (ForwardPass, ReverseReconstruct, DelayedBackward, AccumulateAndStep)):
+                        out.setdefault(c.stage, []).append((t, repr(c)))
+        return out
+
+    reference = per_stage(1)
+    for S in (2, 3, 6):
+        assert per_stage(S) == reference
+
+
+def test_schedule_is_a_deepspeed_schedule():
+    timeline = Timeline(4)
+    window = timeline.train_window(3)
+    schedule = PetraSchedule.for_window(window, 2, 1, stages_per_rank=2)
+    assert isinstance(schedule, PipeSchedule)
+    steps = list(schedule)
+    assert len(steps) == 3
+    assert all(isinstance(c, PipeInstruction) for cmds in steps for c in cmds)
+    assert list(schedule.local_stages) == [2, 3]
+
+
+def tamper(streams, rank, predicate, action):
+    for cmds in streams[rank]:
+        for i, c in enumerate(cmds):
+            if predicate(c):
+                action(cmds, i)
+                return
+    raise AssertionError("nothing to tamper with")
+
+
+def replay_tampered(J, k, predicate, action, rank):
+    timeline = Timeline(J)
+    windows = []
+    for item in [(k, k)] * 3 + [None]:
+        w = timeline.drain_window() if item is None else timeline.train_window(*item)
+        timeline.advance(w)
+        windows.append(w)
+    rev = mixed_reversibility(J)
+    streams = streams_for(windows, pipeline_ranks=J, stages_per_rank=1, gradient_accumulation_steps=k, reversible=rev)
+    tamper(streams, rank, predicate, action)
+    report = replay(streams, num_stages=J, stages_per_rank=1, gradient_accumulation_steps=k, reversible=rev)
+    report.assert_drained()
+
+
+def test_replay_detects_a_missing_send_as_deadlock():
+    with pytest.raises(ScheduleError, match="deadlock|never sent"):
+        replay_tampered(4, 2, lambda c: isinstance(c, SendActivation), lambda cmds, i: cmds.pop(i), rank=1)
+
+
+def test_replay_detects_an_uncommitted_exchange():
+    with pytest.raises(ScheduleError, match="uncommitted"):
+        replay_tampered(4, 2, lambda c: isinstance(c, CommitP2P), lambda cmds, i: cmds.pop(i), rank=2)
+
+
+def test_replay_detects_a_step_before_the_compute_of_its_clock():
+    def move_step_first(cmds, i):
+        cmds.insert(0, cmds.pop(i))
+
+    with pytest.raises(ScheduleError, match="after the stage's optimizer step|backwards"):
+        replay_tampered(4, 1, lambda c: isinstance(c, AccumulateAndStep), move_step_first, rank=3)
+
+
+def test_replay_detects_a_missing_backward():
+    with pytest.raises(ScheduleError):
+        replay_tampered(3, 1, lambda c: isinstance(c, DelayedBackward), lambda cmds, i: cmds.pop(i), rank=0)
+
+
+window_plans = st.lists(
+    st.one_of(st.none(), st.tuples(st.integers(1, 5), st.integers(0, 5)).map(lambda t: (t[0], min(t))),),
+    min_size=1, max_size=6,
+).map(lambda plan: plan + [None])
+
+
+@settings(max_examples=60, deadline=None)
+@given(J=st.integers(1, 9), S=st.sampled_from([1, 3]), k=st.integers(1, 5), plan=window_plans,
+       reversible_bits=st.integers(0, 2**9 - 1))
+def test_any_window_sequence_replays_and_drains(J, S, k, plan, reversible_bits):
+    if J % S:
+        J = S * max(1, J // S)
+    reversible = [bool(reversible_bits >> j & 1) for j in range(J)]
+    timeline, _s, report = run_windows(J, S, k, plan, reversible)
+    report.assert_drained()
+    M = timeline.feed.total
+    for j in range(J):
+        assert report.backwards(j) == M and len(report.steps[j]) == M // k

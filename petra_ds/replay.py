@@ -48,7 +48,6 @@ class ReplayReport:
     max_fifo: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # stage -> depth
     fifo: dict[int, deque] = field(default_factory=lambda: defaultdict(deque))
     raw: set[int] = field(default_factory=set)  # micro-batches stage 0 still holds
-    labels: set[int] = field(default_factory=set)
     in_transit: int = 0
 
     def backwards(self, stage: int) -> int:
@@ -60,10 +59,9 @@ class ReplayReport:
         if missing:
             raise ScheduleError(f"forwards without a backward after the drain: {missing[:5]}")
         held = {j: list(q) for j, q in self.fifo.items() if q}
-        if held or self.raw or self.labels or self.in_transit:
+        if held or self.raw or self.in_transit:
             raise ScheduleError(
-                f"state left after the drain: fifo={held} raw={sorted(self.raw)} "
-                f"labels={sorted(self.labels)} messages={self.in_transit}"
+                f"state left after the drain: fifo={held} raw={sorted(self.raw)} messages={self.in_transit}"
             )
 
 
@@ -197,14 +195,11 @@ class _Replay:
         r = self.report
         if isinstance(cmd, LoadMicroBatch):
             j, m = cmd.stage, cmd.micro_batch
-            if j not in (0, self.J - 1):
-                self.fail(rank, clock, cmd, "only the first and last stages read data")
-            if j == 0:
-                if m != clock:
-                    self.fail(rank, clock, cmd, f"micro-batch {m} must enter stage 0 at clock {m}")
-                r.raw.add(m)
-            if j == self.J - 1:
-                r.labels.add(m)
+            if j != 0:
+                self.fail(rank, clock, cmd, "only stage 0 reads data")
+            if m != clock:
+                self.fail(rank, clock, cmd, f"micro-batch {m} must enter stage 0 at clock {m}")
+            r.raw.add(m)
         elif isinstance(cmd, ForwardPass):
             self.forward(rank, clock, cmd)
         elif isinstance(cmd, ReverseReconstruct):
@@ -265,8 +260,6 @@ class _Replay:
             self.take(rank, clock, cmd, (j, "act", m))
         r.forward_clock[(j, m)] = clock
         if j == self.J - 1:
-            if m not in r.labels:
-                self.fail(rank, clock, cmd, "loss computed before the labels were loaded")
             self.graph[j] = (m, clock)
         elif j > 0 and not self.reconstructs(j):
             r.fifo[j].append(m)
@@ -288,7 +281,6 @@ class _Replay:
         if j == self.J - 1:
             if self.graph.pop(j, None) != (m, clock):
                 self.fail(rank, clock, cmd, "last stage backward without its forward in this clock")
-            r.labels.discard(m)
         elif self.reconstructs(j):
             if self.tape.pop(j, None) != (m, clock):
                 self.fail(rank, clock, cmd, "reversible stage backward without its reconstruction")

@@ -118,8 +118,11 @@ class PetraInstruction(PipeInstruction):
 
 
 class LoadMicroBatch(PetraInstruction):
-    """Read the next micro-batch from the data iterator: inputs at stage 0, labels at the last stage.
+    """Stage 0 reads the next (inputs, labels) from the data iterator.
 
+    Only stage 0 reads data: the labels travel with the activations to the last stage, so a rank that
+    does not host stage 0 never touches the iterator (DeepSpeed's 1F1B has the last stage read its
+    own copy, which cannot line up with PETRA's delays across ``train_batch`` calls and drains).
     Stage 0 keeps the raw micro-batch until its backward: it is data, not an activation buffer.
     """
 
@@ -149,7 +152,7 @@ class AccumulateAndStep(PipeInstruction):
 
 
 class SendActivation(PetraInstruction):
-    """Queue x_j (output of ``stage``'s forward of ``micro_batch``) for stage j+1."""
+    """Queue x_j (output of ``stage``'s forward of ``micro_batch``) and the labels for stage j+1."""
 
 
 class RecvActivation(PetraInstruction):
@@ -239,10 +242,9 @@ class PetraSchedule(PipeSchedule):
         local = self.local_stages
         cmds: list[PipeInstruction] = []
 
-        loads = {0: self.forward_at(clock, 0), last: self.forward_at(clock, last)}
-        for stage, m in sorted(loads.items()):
-            if stage in local and m is not None:
-                cmds.append(LoadMicroBatch(stage=stage, micro_batch=m))
+        m = self.forward_at(clock, 0)
+        if 0 in local and m is not None:
+            cmds.append(LoadMicroBatch(stage=0, micro_batch=m))
 
         for stage in local:
             m = self.forward_at(clock, stage)

@@ -1,0 +1,522 @@
+"""PetraEngine: DeepSpeed's PipelineEngine running the PETRA schedule.
+
+The engine owns the clock and the transport; the math of a stage lives in ``stage.py``. It extends
+DeepSpeed the way DeepSpeed's DualPipeV engine does: a ``PipeSchedule`` subclass produces the
+instructions and this subclass merges its handlers into ``_INSTRUCTION_MAP``.
+
+Per clock every rank runs its local stages' instructions, then exchanges messages with its pipeline
+neighbours in one ``batch_isend_irecv``; a message between two stages of the same rank is handed over
+in memory. Each stage steps its own optimizer and LR scheduler after its k-th backward, reducing its
+gradients inside its data-parallel group only: no collective on the training path spans stages.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.module import PipelineModule
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.optim import Optimizer
+
+from . import messages
+from .config import PetraConfig, PetraConfigError
+from .module import stage_layers, stage_reversible, stages_per_rank_of
+from .nn.batchnorm import BatchNormPolicy
+from .nn.reversible import as_tuple
+from .schedule import (
+    AccumulateAndStep,
+    CommitP2P,
+    DelayedBackward,
+    ForwardPass,
+    LoadMicroBatch,
+    PetraSchedule,
+    RecvActivation,
+    RecvGrad,
+    ReverseReconstruct,
+    SendActivation,
+    SendGrad,
+    Timeline,
+    Window,
+)
+from .stage import Stage, StageOptions, tensor_bytes
+
+
+class StageOptimizers:
+    """The optimizers of a rank's stages seen as one, for code that expects ``engine.optimizer``.
+
+    Each stage steps its own optimizer at its own clock; ``step()`` here is not part of PETRA.
+    """
+
+    def __init__(self, optimizers: list[Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"stages": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for opt, s in zip(self.optimizers, state["stages"]):
+            opt.load_state_dict(s)
+
+
+class StageSchedulers:
+    """The LR schedulers of a rank's stages seen as one."""
+
+    def __init__(self, schedulers: list[Any]) -> None:
+        self.schedulers = schedulers
+
+    def get_last_lr(self) -> list[float]:
+        return [lr for s in self.schedulers for lr in s.get_last_lr()]
+
+    def get_lr(self) -> list[float]:
+        return self.get_last_lr()
+
+    def state_dict(self) -> dict:
+        return {"stages": [s.state_dict() for s in self.schedulers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for s, sd in zip(self.schedulers, state["stages"]):
+            s.load_state_dict(sd)
+
+
+def _param_groups(model_parameters: Any) -> list[dict]:
+    params = list(model_parameters)
+    if params and isinstance(params[0], dict):
+        return [dict(g, params=list(g["params"])) for g in params]
+    return [{"params": params}]
+
+
+class PetraEngine(PipelineEngine):
+    """Runs PETRA on a ``PipelineModule``; created by :func:`petra_ds.initialize`."""
+
+    def __init__(self, *args, petra_config: PetraConfig, bf16: bool = False, **kwargs) -> None:
+        self.petra_config = petra_config
+        self._petra_bf16 = bf16
+        super().__init__(*args, **kwargs)
+        module = self.module
+        self.stages_per_rank = stages_per_rank_of(module)
+        if self.stages_per_rank != petra_config.stages_per_rank:
+            raise PetraConfigError(
+                f'"petra.stages_per_rank" is {petra_config.stages_per_rank} but the model was built with '
+                f"stages_per_rank={self.stages_per_rank}; build it with "
+                "petra_ds.PetraPipelineModule(..., stages_per_rank=...) matching the config")
+        self.num_petra_stages = self.num_stages * self.stages_per_rank
+        self.local_stage_ids = range(self.stage_id * self.stages_per_rank,
+                                     (self.stage_id + 1) * self.stages_per_rank)
+        self.reversible = stage_reversible(module)
+        options = StageOptions(
+            gradient_accumulation_steps=self.micro_batches,
+            seed=petra_config.seed,
+            input_buffer=petra_config.input_buffer,
+            param_buffer=petra_config.param_buffer,
+            bn_policy=BatchNormPolicy(petra_config.bn_running_stats),
+            autocast_dtype=torch.bfloat16 if bf16 else None,
+            device_type=self.device.type,
+        )
+        self.stages: dict[int, Stage] = {}
+        for j in self.local_stage_ids:
+            last = j == self.num_petra_stages - 1
+            stage = Stage(j, self.num_petra_stages, stage_layers(module, j), options,
+                          loss_fn=module.loss_fn if last else None)
+            if stage.reversible != self.reversible[j]:
+                raise TypeError(f"stage {j}: its built layers and their specs disagree on reversibility")
+            self.stages[j] = stage
+        self.timeline = Timeline(self.num_petra_stages)
+        self.stage_steps = {j: 0 for j in self.local_stage_ids}
+        self.inbox: dict[tuple[int, str, int], tuple] = {}  # (stage, kind, m) -> fields, for the next clock
+        self.produced: dict[tuple[int, str, int], tuple] = {}
+        self._loaded: dict[int, tuple[Any, Any]] = {}
+        self._pending_delta: dict[int, Any] = {}
+        self._sends: list[tuple[tuple[str, int, int], tuple]] = []
+        self._recvs: list[tuple[tuple[str, int, int], tuple[int, str, int]]] = []
+        self._arrivals: dict[tuple[int, str, int], tuple] = {}
+        self.channel_layouts: dict[tuple[str, int, int], messages.Layout] = {}
+        self._window_losses: list[Tensor] = []
+        self._first_inputs_layout: messages.Layout | None = None
+        self._petra_data_iter: Iterator | None = None
+
+    # --- optimizers and schedulers, one per local stage ---
+
+    def _local_stage_params(self) -> dict[int, set[int]]:
+        module = self.module
+        spr = stages_per_rank_of(module)
+        out = {}
+        rank = module._grid.get_stage_id()
+        for j in range(rank * spr, (rank + 1) * spr):
+            ids = set()
+            for layer in stage_layers(module, j):
+                if isinstance(layer, torch.nn.Module):
+                    ids.update(id(p) for p in layer.parameters())
+            out[j] = ids
+        return out
+
+    def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
+        stage_params = self._local_stage_params()
+        groups = _param_groups(model_parameters)
+        if isinstance(client_optimizer, Optimizer) and len(stage_params) > 1:
+            raise PetraConfigError(
+                "an optimizer instance cannot serve several PETRA stages that step at different clocks; "
+                "pass a callable `optimizer=lambda params: ...` or configure it in the config")
+        optimizers = []
+        for j, ids in stage_params.items():
+            stage_groups = [dict(g, params=[p for p in g["params"] if id(p) in ids]) for g in groups]
+            stage_groups = [g for g in stage_groups if g["params"]]
+            if isinstance(client_optimizer, Optimizer):
+                opt = client_optimizer
+            elif client_optimizer is not None:
+                opt = client_optimizer(stage_groups)
+            else:
+                opt = self._configure_basic_optimizer(stage_groups)
+            optimizers.append(opt)
+        self.stage_optimizers = optimizers
+        self.basic_optimizer = self.optimizer = optimizers[0] if len(optimizers) == 1 else StageOptimizers(optimizers)
+
+    def _configure_lr_scheduler(self) -> None:
+        client = self.client_lr_scheduler
+        if client is not None and not callable(client) and len(self.stage_optimizers) > 1:
+            raise PetraConfigError(
+                "an LR scheduler instance cannot serve several PETRA stages; pass a callable "
+                "`lr_scheduler=lambda optimizer: ...` or configure it in the config")
+        schedulers = []
+        for opt in self.stage_optimizers:
+            if client is None:
+                schedulers.append(self._scheduler_from_config(opt))
+            elif callable(client) and not hasattr(client, "step"):
+                schedulers.append(client(opt))
+            else:
+                schedulers.append(client)
+        self.stage_schedulers = schedulers
+        if all(s is None for s in schedulers):
+            self.lr_scheduler = None
+        else:
+            self.lr_scheduler = schedulers[0] if len(schedulers) == 1 else StageSchedulers(schedulers)
+
+    # --- public API ---
+
+    def train_batch(self, data_iter: Iterator | None = None) -> Tensor:
+        """Advance k clocks feeding k micro-batches; no flush. Returns the mean loss of the
+        micro-batches whose loss was computed in these clocks (NaN while the pipeline fills), the
+        same value on every rank."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled; use eval_batch() instead")
+        if data_iter is not None:
+            self._petra_data_iter = data_iter
+        elif self._petra_data_iter is None and self.training_dataloader is not None:
+            self._petra_data_iter = iter(self.training_dataloader)
+        if self._petra_data_iter is None and 0 in self.stages:
+            raise ValueError("train_batch() needs a data iterator (or training_data in initialize)")
+        self.module.train()
+        window = self.timeline.train_window(self.micro_batches)
+        loss = self._run_window(window)
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.agg_train_loss = loss
+        if self.global_rank == 0 and self.monitor.enabled and not math.isnan(loss.item()):
+            self.monitor.write_events([("Train/Samples/train_loss", loss.item(), self.global_samples)])
+        return loss
+
+    def drain(self) -> Tensor:
+        """Run clocks without new data until every fed micro-batch had its backward everywhere.
+        Returns the mean loss of the micro-batches finished during the drain (NaN if none)."""
+        self.module.train()
+        return self._run_window(self.timeline.drain_window())
+
+    @property
+    def clock(self) -> int:
+        return self.timeline.clock
+
+    def _schedule(self, window: Window) -> PetraSchedule:
+        reconstructs = [r and self.petra_config.input_buffer != "all" for r in self.reversible]
+        return PetraSchedule.for_window(
+            window, self.num_stages, self.stage_id, stages_per_rank=self.stages_per_rank,
+            gradient_accumulation_steps=self.micro_batches, reversible=reconstructs)
+
+    def _run_window(self, window: Window) -> Tensor:
+        self._window_losses = []
+        self._exec_schedule(self._schedule(window))
+        self.timeline.advance(window)
+        return self._reduce_loss(self._window_losses)
+
+    def _reduce_loss(self, losses: list[Tensor]) -> Tensor:
+        """Mean over this window's finished micro-batches, averaged over data parallelism and
+        broadcast from the last stage: a collective at the window's end, where every rank is."""
+        last_rank = self.grid.stage_to_global(stage_id=self.num_stages - 1)
+        value = torch.stack([l.float() for l in losses]).mean() if losses else torch.tensor(float("nan"))
+        value = value.reshape(1).to(self.device)
+        if self.is_last_stage() and self.grid.data_parallel_size > 1:
+            dist.all_reduce(value, group=self.grid.get_data_parallel_group())
+            value /= self.grid.data_parallel_size
+        if self.num_stages > 1:
+            dist.broadcast(value, src=last_rank, group=self.grid.get_pipe_parallel_group())
+        return value[0]
+
+    # --- instructions ---
+
+    def _exec_petra_load(self, stage: int, micro_batch: int) -> None:
+        if self._petra_data_iter is None:
+            raise ValueError("no data iterator: pass one to train_batch()")
+        batch = next(self._petra_data_iter)
+        if self.batch_fn is not None:
+            batch = self.batch_fn(batch)
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError("the data iterator must yield (inputs, labels) pairs, as for DeepSpeed's pipeline")
+        inputs, labels = (self._to_device(batch[0]), self._to_device(batch[1]))
+        layout = messages.layout_of((inputs, labels))
+        if self._first_inputs_layout is None:
+            self._first_inputs_layout = layout
+        elif layout != self._first_inputs_layout:
+            raise messages.MessageLayoutError(
+                f"micro-batch {micro_batch} has layout {messages.describe(layout)} but the first one had "
+                f"{messages.describe(self._first_inputs_layout)}; PETRA exchanges shapes once: keep the "
+                "micro-batch size fixed (e.g. DataLoader(drop_last=True))")
+        self._loaded[micro_batch] = (inputs, labels)
+
+    def _to_device(self, value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return value.to(self.device)
+        if isinstance(value, (tuple, list)):
+            return tuple(self._to_device(v) for v in value)
+        return value
+
+    def _exec_petra_forward(self, stage: int, micro_batch: int) -> None:
+        st = self.stages[stage]
+        if stage == 0:
+            x, labels = self._loaded.pop(micro_batch)
+        else:
+            x, labels = self.inbox.pop((stage, "act", micro_batch))
+        out = st.forward(micro_batch, x, labels)
+        if st.is_last:
+            if not torch.isfinite(out):
+                raise FloatingPointError(
+                    f"non-finite loss {out.item()} at stage {stage}, micro-batch {micro_batch}, "
+                    f"clock {micro_batch + stage}")
+            self._window_losses.append(out)
+        else:
+            self.produced[(stage, "act", micro_batch)] = (out, labels)
+
+    def _exec_petra_reconstruct(self, stage: int, micro_batch: int) -> None:
+        delta, x_tilde = self.inbox.pop((stage, "grad", micro_batch))
+        self.stages[stage].reconstruct(micro_batch, x_tilde)
+        self._pending_delta[stage] = delta
+
+    def _exec_petra_backward(self, stage: int, micro_batch: int) -> None:
+        st = self.stages[stage]
+        if st.is_last:
+            delta = None
+        elif st.reconstructs:
+            delta = self._pending_delta.pop(stage)
+        else:
+            delta, _ = self.inbox.pop((stage, "grad", micro_batch))
+        dx, x_tilde = st.backward(micro_batch, delta)
+        if stage > 0:
+            self.produced[(stage, "grad", micro_batch)] = (dx, x_tilde)
+
+    def _exec_accumulate_and_step(self, stage: int, step: int) -> None:
+        st = self.stages[stage]
+        index = stage - self.local_stage_ids[0]
+        optimizer = self.stage_optimizers[index]
+        params = [p for p in st.params if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.grid.data_parallel_size > 1 and params:
+            grads = [p.grad for p in params]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
+            flat /= self.grid.data_parallel_size
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler = self.stage_schedulers[index]
+        if scheduler is not None:
+            scheduler.step()
+        self.stage_steps[stage] += 1
+        if self.stage_steps[stage] != step:
+            raise RuntimeError(f"stage {stage} took step {self.stage_steps[stage]}, the schedule says {step}")
+
+    def _stage_rank(self, stage: int) -> int:
+        return self.grid.stage_to_global(stage_id=stage // self.stages_per_rank)
+
+    def _exec_petra_send_act(self, stage: int, micro_batch: int) -> None:
+        self._send(("act", stage, stage + 1), (stage + 1, "act", micro_batch),
+                   self.produced.pop((stage, "act", micro_batch)))
+
+    def _exec_petra_send_grad(self, stage: int, micro_batch: int, with_input: bool) -> None:
+        dx, x_tilde = self.produced.pop((stage, "grad", micro_batch))
+        self._send(("grad", stage, stage - 1), (stage - 1, "grad", micro_batch),
+                   (dx, x_tilde if with_input else None))
+
+    def _send(self, channel, key, fields) -> None:
+        if channel[2] in self.stages:
+            self._arrivals[key] = fields
+        else:
+            self._sends.append((channel, fields))
+
+    def _exec_petra_recv_act(self, stage: int, micro_batch: int) -> None:
+        if stage - 1 not in self.stages:
+            self._recvs.append((("act", stage - 1, stage), (stage, "act", micro_batch)))
+
+    def _exec_petra_recv_grad(self, stage: int, micro_batch: int, with_input: bool) -> None:
+        if stage + 1 not in self.stages:
+            self._recvs.append((("grad", stage + 1, stage), (stage, "grad", micro_batch)))
+
+    def _exec_petra_commit(self) -> None:
+        received = self._exchange(self._sends, self._recvs, self.channel_layouts)
+        self.inbox.update(self._arrivals)
+        self.inbox.update(received)
+        self._sends, self._recvs, self._arrivals = [], [], {}
+
+    def _exchange(self, sends, recvs, layouts: dict | None) -> dict:
+        """Batched p2p with the neighbouring ranks. ``layouts`` holds the negotiated layout of each
+        channel (a header goes first on a channel's first use); ``None`` sends a header every time."""
+        if not sends and not recvs:
+            return {}
+        known = {} if layouts is None else layouts
+        header_ops, header_recvs = [], []
+        for channel, fields in sends:
+            layout = messages.layout_of(fields)
+            if channel in known:
+                if layout != known[channel]:
+                    raise messages.MessageLayoutError(
+                        f"stage {channel[1]} sends {messages.describe(layout)} to stage {channel[2]}, but the "
+                        f"layout negotiated on the first message was {messages.describe(known[channel])}; "
+                        "PETRA exchanges shapes once: keep micro-batch shapes fixed")
+            else:
+                known[channel] = layout
+                header_ops.append(dist.P2POp(dist.isend, messages.encode(layout).to(self.device),
+                                             self._stage_rank(channel[2])))
+        for channel, _key in recvs:
+            if channel not in known:
+                header = torch.zeros(messages.HEADER_LEN, dtype=torch.int64, device=self.device)
+                header_ops.append(dist.P2POp(dist.irecv, header, self._stage_rank(channel[1])))
+                header_recvs.append((channel, header))
+        if header_ops:
+            for req in dist.batch_isend_irecv(header_ops):
+                req.wait()
+            for channel, header in header_recvs:
+                known[channel] = messages.decode(header.cpu())
+        ops, buffers = [], []
+        for channel, fields in sends:
+            peer = self._stage_rank(channel[2])
+            ops.extend(dist.P2POp(dist.isend, t, peer) for t in messages.flatten(fields))
+        for channel, key in recvs:
+            peer = self._stage_rank(channel[1])
+            tensors = messages.allocate(known[channel], self.device)
+            ops.extend(dist.P2POp(dist.irecv, t, peer) for t in tensors)
+            buffers.append((key, channel, tensors))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return {key: messages.unflatten(tensors, known[channel]) for key, channel, tensors in buffers}
+
+    # --- evaluation ---
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None):
+        """Forward-only pass of ``num_micro_batches`` (default k) micro-batches through all stages,
+        with the current parameters and batch-norm running statistics. Micro-batches in flight in
+        training are not touched. Returns the mean loss (the same on every rank); with
+        ``return_logits`` also the last stage's outputs (``None`` on other ranks)."""
+        n = self.micro_batches if num_micro_batches is None else num_micro_batches
+        J = self.num_petra_stages
+        was_training = self.module.training
+        self.module.eval()
+        losses, logits = [], []
+        loaded: dict[int, tuple] = {}
+        inbox: dict[tuple[int, int], tuple] = {}
+        try:
+            with torch.no_grad():
+                for clock in range(n + J - 1):
+                    sends, recvs, arrivals = [], [], {}
+                    for j in self.local_stage_ids:
+                        m = clock - j
+                        if not 0 <= m < n:
+                            continue
+                        st = self.stages[j]
+                        if j == 0:
+                            batch = next(data_iter)
+                            if self.batch_fn is not None:
+                                batch = self.batch_fn(batch)
+                            x, labels = self._to_device(batch[0]), self._to_device(batch[1])
+                        else:
+                            x, labels = inbox.pop((j, m))
+                        out = st.run(x)
+                        if st.is_last:
+                            if compute_loss:
+                                losses.append(st.loss_fn(out, labels).detach().float())
+                            if return_logits:
+                                logits.append(out)
+                        elif j + 1 in self.stages:
+                            arrivals[(j + 1, m)] = (out, labels)
+                        else:
+                            sends.append((("eval", j, j + 1), (out, labels)))
+                    for j in self.local_stage_ids:
+                        m = clock + 1 - j
+                        if j > 0 and 0 <= m < n and j - 1 not in self.stages:
+                            recvs.append((("eval", j - 1, j), (j, m)))
+                    inbox.update(arrivals)
+                    inbox.update({(k[0], k[1]): v for k, v in self._exchange(sends, recvs, None).items()})
+        finally:
+            self.module.train(was_training)
+        loss = self._reduce_loss(losses) if (compute_loss and bcast_loss) else (
+            torch.stack(losses).mean() if losses else None)
+        if return_logits:
+            return loss, (logits if self.is_last_stage() else None)
+        return loss
+
+    # --- introspection ---
+
+    def memory_report(self) -> dict[int, dict[str, int]]:
+        """Per local stage, bytes held now: parameters, gradients, optimizer state, input buffer (now and
+        peak), parameter buffer (now and peak), stage 0's raw micro-batches, messages held."""
+        report = {}
+        for j, st in self.stages.items():
+            optimizer = self.stage_optimizers[j - self.local_stage_ids[0]]
+            ids = {id(p) for p in st.params}
+            opt_bytes = sum(tensor_bytes(list(s.values())) for p, s in optimizer.state.items() if id(p) in ids)
+            held = [v for key, v in list(self.inbox.items()) + list(self.produced.items()) if key[0] == j]
+            report[j] = {
+                "params": tensor_bytes(st.params),
+                "grads": tensor_bytes([p.grad for p in st.params if p.grad is not None]),
+                "optimizer_state": opt_bytes,
+                "input_buffer": st.input_buffer_bytes(),
+                "input_buffer_peak": st.peak_input_bytes,
+                "input_buffer_micro_batches": len(st.fifo),
+                "param_buffer": st.param_buffer_bytes(),
+                "param_buffer_peak": st.peak_param_buffer_bytes,
+                "raw_micro_batches": tensor_bytes(list(st.raw.values())),
+                "messages": tensor_bytes(held),
+            }
+        return report
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        LoadMicroBatch: _exec_petra_load,
+        ForwardPass: _exec_petra_forward,
+        ReverseReconstruct: _exec_petra_reconstruct,
+        DelayedBackward: _exec_petra_backward,
+        AccumulateAndStep: _exec_accumulate_and_step,
+        SendActivation: _exec_petra_send_act,
+        RecvActivation: _exec_petra_recv_act,
+        SendGrad: _exec_petra_send_grad,
+        RecvGrad: _exec_petra_recv_grad,
+        CommitP2P: _exec_petra_commit,
+    }

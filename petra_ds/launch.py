@@ -1,0 +1,89 @@
+"""``petra_ds.initialize``: ``deepspeed.initialize`` with PETRA when the config has a ``"petra"`` section."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+import deepspeed
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.pipe.module import PipelineModule
+
+from .config import PetraConfigError, split_config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_single_process_env() -> None:
+    """Let a plain ``python script.py`` (one process hosting every stage) start torch.distributed."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def _load(config: Any, args: Any) -> dict:
+    if config is None and getattr(args, "deepspeed_config", None):
+        config = args.deepspeed_config
+    if config is None:
+        raise PetraConfigError("no DeepSpeed config: pass config=... or --deepspeed_config")
+    if isinstance(config, dict):
+        return dict(config)
+    with open(config) as f:
+        return json.load(f)
+
+
+def initialize(
+    args: Any = None,
+    model: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple:
+    """Same arguments and returned tuple ``(engine, optimizer, dataloader, lr_scheduler)`` as
+    ``deepspeed.initialize``. With a ``"petra"`` section the engine is a :class:`PetraEngine`."""
+    from .engine import PetraEngine
+
+    raw = _load(config, args)
+    if "petra" not in raw:
+        return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                    model_parameters=model_parameters, training_data=training_data,
+                                    lr_scheduler=lr_scheduler, dist_init_required=dist_init_required,
+                                    collate_fn=collate_fn, config=raw, **kwargs)
+    petra, ds_config, bf16 = split_config(raw)
+    if not isinstance(model, PipelineModule):
+        raise TypeError("PETRA needs a deepspeed.pipe.PipelineModule (or petra_ds.PetraPipelineModule); "
+                        f"got {type(model).__name__}")
+    if optimizer is None and "optimizer" not in ds_config:
+        raise PetraConfigError('PETRA needs an optimizer: add an "optimizer" section or pass optimizer=...')
+    if args is not None and getattr(args, "deepspeed_config", None):
+        args.deepspeed_config = None  # the config is passed explicitly below
+    mpu = model.mpu()
+    config_class = DeepSpeedConfig(ds_config, mpu)
+    engine = PetraEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                         training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                         dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
+                         config_class=config_class, petra_config=petra, bf16=bf16)
+    engine._configure_python_gc()
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
+    """``deepspeed.init_distributed`` that also works in a plain ``python`` process (one rank)."""
+    ensure_single_process_env()
+    deepspeed.init_distributed(dist_backend=dist_backend, **kwargs)

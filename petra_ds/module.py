@@ -1,0 +1,89 @@
+"""A DeepSpeed ``PipelineModule`` cut into PETRA stages, several of which may live on one rank.
+
+The layers are partitioned into J = pipeline ranks x ``stages_per_rank`` stages with DeepSpeed's own
+partitioning methods, and rank r builds stages ``r*S .. r*S+S-1``. The partition and each layer's
+initial weights (seeded by layer index) do not depend on the placement, so 1 rank x 4 stages,
+2 x 2 and 4 x 1 train the same function.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
+
+from .nn.reversible import is_reversible
+
+
+def spec_is_reversible(spec: Any) -> bool:
+    """Whether a layer (spec, module or function) will be reversible once built."""
+    if isinstance(spec, TiedLayerSpec):
+        return False
+    if isinstance(spec, LayerSpec):
+        return isinstance(spec.typename, type) and callable(getattr(spec.typename, "inverse", None))
+    return isinstance(spec, nn.Module) and is_reversible(spec)
+
+
+class PetraPipelineModule(PipelineModule):
+    """``PipelineModule`` with ``stages_per_rank`` PETRA stages per pipeline rank.
+
+    Same arguments as ``PipelineModule`` plus ``stages_per_rank``; ``seed_layers`` defaults to True so
+    that initial weights depend only on the layer index.
+    """
+
+    def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, *,
+                 stages_per_rank: int = 1, seed_layers: bool = True, **kwargs) -> None:
+        if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+            raise ValueError(f"stages_per_rank must be an integer >= 1, got {stages_per_rank!r}")
+        self.stages_per_rank = stages_per_rank
+        super().__init__(layers, num_stages=num_stages, topology=topology, loss_fn=loss_fn,
+                         seed_layers=seed_layers, **kwargs)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        ranks = self.num_stages
+        num_petra = ranks * self.stages_per_rank
+        if num_petra > len(self._layer_specs):
+            raise ValueError(
+                f"{num_petra} PETRA stages (pipeline ranks {ranks} x stages_per_rank {self.stages_per_rank}) "
+                f"for {len(self._layer_specs)} layers: every stage needs at least one layer; use fewer "
+                "ranks or a smaller stages_per_rank")
+        self.num_stages = num_petra
+        try:
+            super()._partition_layers(method)
+        finally:
+            self.num_stages = ranks
+        self.petra_parts = list(self.parts)
+        if any(b <= a for a, b in zip(self.petra_parts, self.petra_parts[1:])):
+            raise ValueError(f"partition {self.petra_parts} leaves a PETRA stage without layers; "
+                             "use partition_method='uniform' or fewer stages")
+        rank = self._topo.get_coord(self.global_rank).pipe
+        first = rank * self.stages_per_rank
+        self._set_bounds(start=self.petra_parts[first], stop=self.petra_parts[first + self.stages_per_rank])
+        # DeepSpeed's per-rank view (stage_owner, tied groups) keeps counting pipeline ranks
+        self.parts = [self.petra_parts[r * self.stages_per_rank] for r in range(ranks + 1)]
+
+
+def petra_parts(module: PipelineModule) -> list[int]:
+    """Layer boundaries of the PETRA stages (DeepSpeed's own partition for a plain module)."""
+    return list(getattr(module, "petra_parts", module.parts))
+
+
+def stages_per_rank_of(module: PipelineModule) -> int:
+    return getattr(module, "stages_per_rank", 1)
+
+
+def stage_layers(module: PipelineModule, stage: int) -> list[Callable]:
+    """The built layers (callables) of local PETRA stage ``stage``."""
+    parts = petra_parts(module)
+    start, stop = parts[stage] - module._local_start, parts[stage + 1] - module._local_start
+    if start < 0 or stop > len(module.forward_funcs):
+        raise ValueError(f"PETRA stage {stage} is not built on this rank")
+    return module.forward_funcs[start:stop]
+
+
+def stage_reversible(module: PipelineModule) -> list[bool]:
+    """For every PETRA stage, whether all its layers are reversible (known on every rank)."""
+    parts = petra_parts(module)
+    specs = module._layer_specs
+    return [all(spec_is_reversible(s) for s in specs[a:b]) for a, b in zip(parts, parts[1:])]

@@ -1,0 +1,251 @@
+"""One PETRA stage's math, independent of transport, so that one process can host several stages.
+
+A stage is a run of layers F_j. Per micro-batch m it does a forward (nothing kept if it is
+reversible) and, clocks later, a backward with its parameters as they are *then*:
+
+- the last stage computes the loss in its forward and backpropagates it in the same clock;
+- a reversible stage rebuilds x~_{j-1} from x~_j, building the graph on the way, then runs the VJPs;
+- any other stage recomputes F_j with grad from its exact input: the FIFO for a non-reversible
+  stage, the raw micro-batch (data, not an activation buffer) for stage 0.
+
+``Delta_j`` accumulates into the parameters' ``.grad``; the loss is divided by k at the last stage so
+that after k backwards ``.grad`` is the mean over the k micro-batches, as DeepSpeed does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .nn.batchnorm import BatchNormPolicy
+from .nn.reversible import (
+    Activation,
+    GraphTape,
+    SequentialTape,
+    Tape,
+    as_tuple,
+    detach_leaf,
+    is_reversible,
+    like,
+    reconstruct,
+)
+from .nn.rng import micro_batch_rng
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor inside nested tuples / lists / dicts."""
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (tuple, list, deque)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+@dataclass
+class StageOptions:
+    """Per-stage policies shared by all stages of an engine."""
+
+    gradient_accumulation_steps: int = 1
+    seed: int = 0
+    input_buffer: str = "non_reversible"  # or "all": every stage keeps its exact inputs
+    param_buffer: bool = False  # weight stashing: the backward uses the forward's parameters
+    bn_policy: BatchNormPolicy = BatchNormPolicy()
+    autocast_dtype: torch.dtype | None = None  # e.g. torch.bfloat16; streams stay in their dtype
+    device_type: str = "cpu"
+
+
+class Stage:
+    """Stage ``index`` of ``num_stages``: its layers, what it keeps between forward and backward."""
+
+    def __init__(
+        self,
+        index: int,
+        num_stages: int,
+        layers: Sequence[Callable],
+        options: StageOptions,
+        loss_fn: Callable | None = None,
+    ) -> None:
+        if not layers:
+            raise ValueError(f"stage {index} has no layers")
+        self.index = index
+        self.num_stages = num_stages
+        self.layers = list(layers)
+        self.options = options
+        self.loss_fn = loss_fn
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        if self.is_last and loss_fn is None:
+            raise ValueError("the last stage needs a loss_fn (PipelineModule(loss_fn=...))")
+        self.reversible = all(isinstance(l, nn.Module) and is_reversible(l) for l in self.layers)
+        self.reconstructs = (self.reversible and not self.is_first and not self.is_last
+                             and options.input_buffer != "all")
+        self.keeps_input = not (self.is_first or self.is_last or self.reconstructs)
+        self.modules = [l for l in self.layers if isinstance(l, nn.Module)]
+        self.params = self._unique_params()
+
+        self.fifo: deque[tuple[int, Activation]] = deque()  # exact inputs of a non-reversible stage
+        self.raw: dict[int, Activation] = {}  # stage 0's micro-batches (data)
+        self.stash: dict[int, list[Tensor]] = {}  # param_buffer ablation
+        self.live: tuple[int, Activation, Activation, Tensor] | None = None  # last stage: (m, x, leaf, loss)
+        self.tape: tuple[int, Activation, Tape] | None = None  # reconstructing stage: (m, x~, tape)
+        self._swapped: list[Tensor] | None = None
+        self.backwards = 0
+        self.peak_input_bytes = 0
+        self.peak_param_buffer_bytes = 0
+
+    def _unique_params(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for module in self.modules:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    # --- running the layers ---
+
+    def run(self, x: Activation) -> Activation:
+        """F_j(x) with the current parameters (autocast inside, outputs back in the input dtype)."""
+        dtype = self.options.autocast_dtype
+        if dtype is None:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+        stream_dtype = next((t.dtype for t in as_tuple(x) if t.is_floating_point()), torch.float32)
+        with torch.autocast(self.options.device_type, dtype=dtype):
+            for layer in self.layers:
+                x = layer(x)
+        return like(x, [t.to(stream_dtype) if t.is_floating_point() and t.dtype == dtype else t
+                        for t in as_tuple(x)])
+
+    @contextmanager
+    def scope(self, m: int, updates_bn: bool) -> Iterator[None]:
+        """Keyed RNG of (seed, m, stage) and the batch-norm policy for one evaluation."""
+        policy = self.options.bn_policy
+        with ExitStack() as stack:
+            stack.enter_context(micro_batch_rng(self.options.seed, m, self.index))
+            for module in self.modules:
+                scope = policy.backward_scope if updates_bn else policy.forward_scope
+                stack.enter_context(scope(module))
+            yield
+
+    def _updates_bn_in_backward(self) -> bool:
+        return self.options.bn_policy.update_in == "backward"
+
+    # --- forward ---
+
+    def forward(self, m: int, x: Activation, labels: Any = None) -> Activation | Tensor:
+        """x_j = F_j(x_{j-1}); the last stage returns the (unscaled, detached) loss instead."""
+        if self.is_last:
+            # its only evaluation is the one that is differentiated: it plays the backward's role
+            with self.scope(m, updates_bn=self._updates_bn_in_backward()), torch.enable_grad():
+                leaf = detach_leaf(x)
+                loss = self.loss_fn(self.run(leaf), labels)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            self.live = (m, x, leaf, loss)
+            return loss.detach()
+        with self.scope(m, updates_bn=not self._updates_bn_in_backward()), torch.no_grad():
+            y = self.run(x)
+        if self.is_first:
+            self.raw[m] = x
+        elif self.keeps_input:
+            self.fifo.append((m, x))
+        if self.options.param_buffer:
+            self.stash[m] = [p.detach().clone() for p in self.params]
+        self._account()
+        return y
+
+    # --- backward ---
+
+    def reconstruct(self, m: int, y_tilde: Activation) -> Activation:
+        """x~_{j-1} = F_j^{-1}(x~_j) with the current parameters, keeping the graph for the backward."""
+        if not self.reconstructs:
+            raise RuntimeError(f"stage {self.index} does not reconstruct its input")
+        self._use_forward_params(m)
+        with self.scope(m, updates_bn=self._updates_bn_in_backward()):
+            x = y_tilde
+            tapes = []
+            for layer in reversed(self.layers):
+                x, tape = reconstruct(layer, x)
+                tapes.append(tape)
+        self.tape = (m, x, SequentialTape(tapes))
+        return x
+
+    def backward(self, m: int, delta: Activation | None) -> tuple[Activation | None, Activation]:
+        """delta_j and x~_{j-1} for micro-batch ``m``; Delta_j accumulates into ``.grad``."""
+        k = self.options.gradient_accumulation_steps
+        if self.is_last:
+            if self.live is None or self.live[0] != m:
+                raise RuntimeError(f"last stage: no live graph for micro-batch {m}")
+            _, x_tilde, leaf, loss = self.live
+            self.live = None
+            self._use_forward_params(m)
+            (loss / k).backward()
+            dx = like(leaf, [t.grad if t.is_floating_point() else None for t in as_tuple(leaf)])
+        elif self.reconstructs:
+            if self.tape is None or self.tape[0] != m:
+                raise RuntimeError(f"stage {self.index}: backward of micro-batch {m} without its reconstruction")
+            _, x_tilde, tape = self.tape
+            self.tape = None
+            dx = tape.backward(delta)
+        else:
+            x_tilde = self._pop_input(m)
+            self._use_forward_params(m)
+            with self.scope(m, updates_bn=self._updates_bn_in_backward()), torch.enable_grad():
+                leaf = detach_leaf(x_tilde)
+                y = self.run(leaf)
+            dx = GraphTape(leaf, y).backward(delta)
+        self._restore_params()
+        self.backwards += 1
+        self._account()
+        return dx, x_tilde
+
+    def _pop_input(self, m: int) -> Activation:
+        if self.is_first:
+            if m not in self.raw:
+                raise RuntimeError(f"stage 0 lost micro-batch {m}")
+            return self.raw.pop(m)
+        if not self.fifo or self.fifo[0][0] != m:
+            raise RuntimeError(f"stage {self.index}: FIFO head is not micro-batch {m}")
+        return self.fifo.popleft()[1]
+
+    # --- weight stashing (ablation) ---
+
+    def _use_forward_params(self, m: int) -> None:
+        if not self.options.param_buffer or self._swapped is not None:
+            return
+        stashed = self.stash.pop(m, None)
+        if stashed is None:  # the last stage's forward and backward share a clock
+            return
+        with torch.no_grad():
+            self._swapped = [p.detach().clone() for p in self.params]
+            for p, s in zip(self.params, stashed):
+                p.copy_(s)
+
+    def _restore_params(self) -> None:
+        if self._swapped is None:
+            return
+        with torch.no_grad():
+            for p, s in zip(self.params, self._swapped):
+                p.copy_(s)
+        self._swapped = None
+
+    # --- accounting ---
+
+    def input_buffer_bytes(self) -> int:
+        return tensor_bytes([x for _, x in self.fifo])
+
+    def param_buffer_bytes(self) -> int:
+        return tensor_bytes(list(self.stash.values()))
+
+    def _account(self) -> None:
+        self.peak_input_bytes = max(self.peak_input_bytes, self.input_buffer_bytes())
+        self.peak_param_buffer_bytes = max(self.peak_param_buffer_bytes, self.param_buffer_bytes())

@@ -13,7 +13,7 @@ gradients inside its data-parallel group only: no collective on the training pat
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from deepspeed import comm as dist
@@ -150,6 +150,10 @@ class PetraEngine(PipelineEngine):
         self._window_losses: list[Tensor] = []
         self._first_inputs_layout: messages.Layout | None = None
         self._petra_data_iter: Iterator | None = None
+        #: called as f(stage_index, stage) after the data-parallel reduction, before each optimizer step
+        self.step_observers: list[Callable[[int, Stage], None]] = []
+        #: called as f(engine, clock) at the end of every clock
+        self.clock_observers: list[Callable[["PetraEngine", int], None]] = []
 
     # --- optimizers and schedulers, one per local stage ---
 
@@ -253,11 +257,22 @@ class PetraEngine(PipelineEngine):
         self.timeline.advance(window)
         return self._reduce_loss(self._window_losses)
 
+    def _exec_schedule(self, pipe_schedule: PetraSchedule) -> None:
+        """DeepSpeed's instruction loop, one clock per step, with the clock observers."""
+        for clock, step_cmds in enumerate(pipe_schedule, start=pipe_schedule.start_clock):
+            for cmd in step_cmds:
+                handler = self._INSTRUCTION_MAP.get(type(cmd))
+                if handler is None:
+                    raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
+                handler(self, **cmd.kwargs)
+            for observe in self.clock_observers:
+                observe(self, clock)
+
     def _reduce_loss(self, losses: list[Tensor]) -> Tensor:
         """Mean over this window's finished micro-batches, averaged over data parallelism and
         broadcast from the last stage: a collective at the window's end, where every rank is."""
         last_rank = self.grid.stage_to_global(stage_id=self.num_stages - 1)
-        value = torch.stack([l.float() for l in losses]).mean() if losses else torch.tensor(float("nan"))
+        value = torch.stack([l.float() for l in losses]).mean() if losses else torch.tensor(float("nan"), dtype=torch.float32)
         value = value.reshape(1).to(self.device)
         if self.is_last_stage() and self.grid.data_parallel_size > 1:
             dist.all_reduce(value, group=self.grid.get_data_parallel_group())
@@ -342,6 +357,8 @@ class PetraEngine(PipelineEngine):
             flat /= self.grid.data_parallel_size
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
+        for observe in self.step_observers:
+            observe(stage, st)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler = self.stage_schedulers[index]

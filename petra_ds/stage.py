@@ -27,8 +27,8 @@ from .nn.reversible import (
     Activation,
     GraphTape,
     SequentialTape,
-    Tape,
     as_tuple,
+    assign_rng_keys,
     detach_leaf,
     is_reversible,
     like,
@@ -88,13 +88,16 @@ class Stage:
                              and options.input_buffer != "all")
         self.keeps_input = not (self.is_first or self.is_last or self.reconstructs)
         self.modules = [l for l in self.layers if isinstance(l, nn.Module)]
+        key = 0
+        for module in self.modules:  # keyed-RNG layer indices, unique inside the stage
+            key = assign_rng_keys(module, key)
         self.params = self._unique_params()
 
         self.fifo: deque[tuple[int, Activation]] = deque()  # exact inputs of a non-reversible stage
         self.raw: dict[int, Activation] = {}  # stage 0's micro-batches (data)
         self.stash: dict[int, list[Tensor]] = {}  # param_buffer ablation
         self.live: tuple[int, Activation, Activation, Tensor] | None = None  # last stage: (m, x, leaf, loss)
-        self.tape: tuple[int, Activation, Tape] | None = None  # reconstructing stage: (m, x~, tape)
+        self.tape: tuple[int, Activation, SequentialTape] | None = None  # reconstructing stage: (m, x~, tape)
         self._swapped: list[Tensor] | None = None
         self.backwards = 0
         self.peak_input_bytes = 0

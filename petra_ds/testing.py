@@ -1,0 +1,212 @@
+"""A small mixed reversible / non-reversible model and a multi-process runner, for tests and demos.
+
+``launch(spec, world_size)`` starts ``world_size`` CPU processes (gloo), trains the toy model with
+PetraEngine as ``spec`` says and returns what every rank recorded: the gradients each stage stepped
+with, the final parameters by global name, the losses and, on request, a memory report per clock.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+
+from .nn import AdditiveCoupling, SwapCoupling
+
+WIDTH = 4
+IN_FEATURES = 6
+CLASSES = 3
+
+
+def _mlp(dropout: float) -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Dropout(dropout), nn.Linear(2 * WIDTH, WIDTH))
+
+
+class Stem(nn.Module):
+    """Non-reversible: features to a pair of streams."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(IN_FEATURES, 2 * WIDTH)
+
+    def forward(self, x):
+        y = torch.tanh(self.linear(x))
+        return y[:, :WIDTH], y[:, WIDTH:]
+
+
+class Mix(nn.Module):
+    """Non-reversible: mixes the two streams (a stand-in for a downsampling block)."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2 * WIDTH, 2 * WIDTH)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        y = self.dropout(torch.tanh(self.linear(torch.cat(x, dim=1))))
+        return y[:, :WIDTH], y[:, WIDTH:]
+
+
+class Additive(AdditiveCoupling):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__(_mlp(dropout), _mlp(dropout))
+
+
+class Swap(SwapCoupling):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__(_mlp(dropout))
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2 * WIDTH, CLASSES)
+
+    def forward(self, x):
+        return self.linear(torch.cat(x, dim=1))
+
+
+def toy_layer_specs(dropout: float = 0.0) -> list:
+    """Stem, Additive, Mix, Swap, Additive, Swap, Mix, Additive, Head (9 layers)."""
+    from deepspeed.runtime.pipe.module import LayerSpec
+
+    return [
+        LayerSpec(Stem), LayerSpec(Additive, dropout), LayerSpec(Mix, dropout), LayerSpec(Swap, dropout),
+        LayerSpec(Additive, dropout), LayerSpec(Swap, dropout), LayerSpec(Mix), LayerSpec(Additive, dropout),
+        LayerSpec(Head),
+    ]
+
+
+def toy_data(num: int, micro_batch: int, seed: int = 0, dtype=torch.float64) -> list[tuple]:
+    """``num`` global micro-batches of ``micro_batch`` samples (inputs, labels)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(micro_batch, IN_FEATURES, generator=g, dtype=dtype),
+             torch.randint(0, CLASSES, (micro_batch,), generator=g)) for _ in range(num)]
+
+
+DEFAULT_SPEC: dict[str, Any] = {
+    "pipe": 1, "dp": 1, "stages_per_rank": 4, "k": 2, "micro_batch": 4, "train_batches": 3,
+    "drain": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+    "dropout": 0.1, "dtype": "float64", "petra": {}, "bf16": False, "base_seed": 1234, "data_seed": 0,
+    "memory_trace": False, "capture_grads": True, "eval_batches": 0,
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train in this process (already launched as one rank) and return what it recorded."""
+    import deepspeed
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    import petra_ds
+
+    spec = {**DEFAULT_SPEC, **spec}
+    dtype = getattr(torch, spec["dtype"])
+    torch.set_default_dtype(dtype)
+    deepspeed.init_distributed(dist_backend="gloo")
+    topology = PipeDataParallelTopology(num_pp=spec["pipe"], num_dp=spec["dp"])
+    model = petra_ds.PetraPipelineModule(
+        toy_layer_specs(spec["dropout"]), topology=topology, loss_fn=nn.CrossEntropyLoss(),
+        stages_per_rank=spec["stages_per_rank"], partition_method="uniform", base_seed=spec["base_seed"])
+    k, b, dp = spec["k"], spec["micro_batch"], spec["dp"]
+    config = {
+        "train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": k,
+        "optimizer": spec["optimizer"], "steps_per_print": 10**9,
+        "petra": {"stages_per_rank": spec["stages_per_rank"], **spec["petra"]},
+    }
+    if spec["bf16"]:
+        config["bf16"] = {"enabled": True}
+    engine, *_ = petra_ds.initialize(model=model, config=config)
+    replica = engine.grid.data_parallel_id
+    data = [(x[replica * b:(replica + 1) * b], y[replica * b:(replica + 1) * b])
+            for x, y in toy_data(k * spec["train_batches"], b * dp, spec["data_seed"], dtype)]
+
+    names = {}
+    for i, layer in enumerate(model.forward_funcs):
+        if isinstance(layer, nn.Module):
+            for name, p in layer.named_parameters():
+                names[id(p)] = f"{model._local_start + i}.{name}"
+    grads: dict[int, list[dict[str, torch.Tensor]]] = {j: [] for j in engine.stages}
+    if spec["capture_grads"]:
+        engine.step_observers.append(
+            lambda j, st: grads[j].append({names[id(p)]: p.grad.detach().clone() for p in st.params}))
+    memory: list[tuple[int, dict]] = []
+    if spec["memory_trace"]:
+        engine.clock_observers.append(lambda eng, clock: memory.append((clock, eng.memory_report())))
+    it = iter(data)
+    losses = [engine.train_batch(it).item() for _ in range(spec["train_batches"])]
+    if spec["drain"]:
+        losses.append(engine.drain().item())
+    evals = [engine.eval_batch(iter(data)).item() for _ in range(spec["eval_batches"])]
+    params = {names[id(p)]: p.detach().clone() for p in model.parameters()}
+    return {
+        "rank": engine.global_rank, "stages": sorted(engine.stages), "parts": model.petra_parts,
+        "grads": grads, "params": params, "losses": losses, "evals": evals, "memory": memory,
+        "clock": engine.clock, "stage_steps": dict(engine.stage_steps),
+        "reconstructs": {j: st.reconstructs for j, st in engine.stages.items()},
+    }
+
+
+def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        torch.save(run_rank(spec), path)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, path)
+        raise
+
+
+def launch(spec: dict[str, Any], world_size: int | None = None, timeout: float = 300) -> list[dict]:
+    """Run ``run_rank(spec)`` in ``world_size`` fresh processes; return their results by rank."""
+    spec = {**DEFAULT_SPEC, **spec}
+    world = world_size or spec["pipe"] * spec["dp"]
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_entry, args=(r, world, port, spec, out_dir)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results = []
+        for r in range(world):
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            result = torch.load(path, weights_only=False) if os.path.exists(path) else {"error": "no result"}
+            if "error" in result:
+                raise RuntimeError(f"rank {r} failed:\n{result['error']}")
+            results.append(result)
+    return results
+
+
+def merged_params(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Parameters by global name over all ranks of data-parallel replica 0."""
+    out: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, value in result["params"].items():
+            out.setdefault(name, value)
+    return out
+
+
+def merged_grads(results: list[dict]) -> dict[int, list[dict[str, torch.Tensor]]]:
+    out: dict[int, list] = {}
+    for result in results:
+        for j, steps in result["grads"].items():
+            out.setdefault(j, steps)
+    return out

@@ -1,0 +1,150 @@
+"""Independent plain-PyTorch references for the engine tests.
+
+``delayed_training`` replays PETRA's clock (and its ablations) in one loop with plain autograd: the
+reversible reconstruction inverts layer by layer and then re-runs the forward (the naive route, not
+the engine's fused one) and weight stashing differentiates with ``torch.func.functional_call`` on
+the stashed tensors (not the engine's parameter swap).
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.utils import partition_uniform, set_random_seed
+from torch import nn
+from torch.func import functional_call
+
+from petra_ds.nn import assign_rng_keys, is_reversible, micro_batch_rng
+from petra_ds.testing import toy_layer_specs
+
+LOSS = nn.CrossEntropyLoss()
+
+
+def build_stages(num_stages: int, dropout: float, base_seed: int = 1234):
+    torch.set_default_dtype(torch.float64)
+    specs = toy_layer_specs(dropout)
+    layers = []
+    for idx, spec in enumerate(specs):
+        set_random_seed(base_seed + idx)
+        layers.append(spec.build())
+    parts = partition_uniform(len(specs), num_stages)
+    stages = []
+    for a, b in zip(parts, parts[1:]):
+        key = 0
+        for layer in layers[a:b]:
+            key = assign_rng_keys(layer, key)
+        stages.append([(idx, layers[idx]) for idx in range(a, b)])
+    return stages
+
+
+def named_params(stage):
+    return {f"{idx}.{n}": p for idx, layer in stage for n, p in layer.named_parameters()}
+
+
+def run(stage, x):
+    for _, layer in stage:
+        x = layer(x)
+    return x
+
+
+def autograd_group_grads(stages, data, group, seed):
+    """Plain end-to-end autograd of the mean loss over micro-batches ``group``."""
+    for stage in stages:
+        for _, layer in stage:
+            layer.zero_grad(set_to_none=True)
+    for m in group:
+        x, y = data[m]
+        for j, stage in enumerate(stages):
+            with micro_batch_rng(seed, m, j):
+                x = run(stage, x)
+        (LOSS(x, y) / len(group)).backward()
+    return [{n: p.grad.clone() for n, p in named_params(stage).items()} for stage in stages]
+
+
+class _Inverse(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, y):
+        return self.layer.inverse(y)
+
+
+def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False, param_buffer=False):
+    """PETRA's clock in one loop. Returns (final params by name, grads per stage per step)."""
+    J, M = len(stages), len(data)
+    params = [named_params(s) for s in stages]
+    opts = [torch.optim.SGD(list(p.values()), lr=lr, momentum=momentum) for p in params]
+    reconstructs = [0 < j < J - 1 and all(is_reversible(l) for _, l in s) and not input_buffer_all
+                    for j, s in enumerate(stages)]
+    inputs, stash, acts, grads_in = {}, {}, {}, {}
+    counts, recorded = [0] * J, [[] for _ in range(J)]
+
+    def call(j, m, x, values=None, inverse=False):
+        stage = stages[j]
+        with micro_batch_rng(seed, m, j):
+            for idx, layer in (reversed(stage) if inverse else stage):
+                module = _Inverse(layer) if inverse else layer
+                prefix = "layer." if inverse else ""
+                if values is None:
+                    x = module(x)
+                else:
+                    local = {prefix + n.split(".", 1)[1]: v for n, v in values.items() if n.split(".")[0] == str(idx)}
+                    x = functional_call(module, local, (x,))
+        return x
+
+    for t in range(M + 2 * (J - 1)):
+        new_acts, new_grads = {}, {}
+        for j in range(J - 1):
+            m = t - j
+            if 0 <= m < M:
+                x = data[m][0] if j == 0 else acts.pop((j, m))
+                with torch.no_grad():
+                    new_acts[(j + 1, m)] = call(j, m, x)
+                inputs[(j, m)] = x
+                if param_buffer:
+                    stash[(j, m)] = {n: p.detach().clone() for n, p in params[j].items()}
+        for j in range(J):
+            m = t - 2 * (J - 1) + j
+            if not 0 <= m < M:
+                continue
+            if j == J - 1:
+                x_in = data[m][0] if J == 1 else acts.pop((j, m))
+                delta = None
+            else:
+                delta, y_tilde = grads_in.pop((j, m))
+                values = stash.get((j, m)) if param_buffer else None
+                if reconstructs[j]:
+                    with torch.no_grad():
+                        x_in = call(j, m, y_tilde, values, inverse=True)
+                else:
+                    x_in = inputs[(j, m)]
+            values = stash.pop((j, m), None) if param_buffer else None
+            inputs.pop((j, m), None)
+            leaves = [v.detach().requires_grad_() for v in values.values()] if values else None
+            if values:
+                values = dict(zip(values.keys(), leaves))
+            x_leaf = tuple(t.detach().requires_grad_() for t in x_in) if isinstance(x_in, tuple) \
+                else x_in.detach().requires_grad_(x_in.is_floating_point())
+            out = call(j, m, x_leaf, values)
+            wrt = list(params[j].values()) if values is None else leaves
+            leaves_x = list(x_leaf) if isinstance(x_leaf, tuple) else ([x_leaf] if x_leaf.requires_grad else [])
+            if j == J - 1:
+                grads = torch.autograd.grad(LOSS(out, data[m][1]) / k, leaves_x + wrt, allow_unused=True)
+            else:
+                grads = torch.autograd.grad(list(out), leaves_x + wrt, grad_outputs=list(delta), allow_unused=True)
+            dx, dtheta = grads[:len(leaves_x)], grads[len(leaves_x):]
+            for p, g in zip(params[j].values(), dtheta):
+                if g is not None:
+                    p.grad = g.clone() if p.grad is None else p.grad + g
+            if j > 0:
+                new_grads[(j - 1, m)] = (tuple(dx), x_in)
+            counts[j] += 1
+            if counts[j] % k == 0:
+                recorded[j].append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                                    for n, p in params[j].items()})
+                opts[j].step()
+                opts[j].zero_grad(set_to_none=True)
+        acts.update(new_acts)
+        grads_in.update(new_grads)
+    final = {n: p.detach().clone() for ps in params for n, p in ps.items()}
+    return final, recorded

@@ -1,0 +1,139 @@
+"""PetraEngine against oracles (DESIGN.md section 5), on CPU with gloo, in float64."""
+
+import functools
+
+import pytest
+import torch
+
+from petra_ds.schedule import delay
+from petra_ds.testing import launch, merged_grads, merged_params, toy_data
+
+import oracle
+
+TOL = 1e-10
+SEED = 0  # petra.seed default
+
+
+@functools.lru_cache(maxsize=None)
+def _run(pipe, stages_per_rank, dp=1, **kw):
+    spec = {"pipe": pipe, "stages_per_rank": stages_per_rank, "dp": dp, **{k: v for k, v in kw.items()}}
+    for key in ("optimizer", "petra"):
+        if key in spec:
+            spec[key] = eval(spec[key])
+    return launch(spec)
+
+
+def run(pipe, stages_per_rank, dp=1, **kw):
+    """Launch once per distinct configuration (cached across tests)."""
+    return _run(pipe, stages_per_rank, dp, **{k: repr(v) if isinstance(v, dict) else v for k, v in kw.items()})
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys() and a
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+SGD0 = {"type": "SGD", "params": {"lr": 0.0}}
+SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+
+
+def test_lr0_every_stage_gradient_equals_autograd():
+    """J = 4 over 4 processes, reversible and non-reversible stages mixed, dropout on."""
+    k, batches = 2, 4
+    results = run(4, 1, k=k, train_batches=batches, optimizer=SGD0, dropout=0.1)
+    assert {j: r for res in results for j, r in res["reconstructs"].items()} == {0: False, 1: True, 2: False, 3: False}
+    grads = merged_grads(results)
+    stages = oracle.build_stages(4, dropout=0.1)
+    data = toy_data(k * batches, 4)
+    for step in range(batches):
+        ref = oracle.autograd_group_grads(stages, data, range(step * k, (step + 1) * k), SEED)
+        for j in range(4):
+            assert max_diff(grads[j][step], ref[j]) < TOL, (step, j)
+
+
+def test_single_stage_is_backprop_with_accumulation():
+    k, batches = 3, 4
+    results = run(1, 1, k=k, train_batches=batches, optimizer=SGD, dropout=0.1)
+    (stage,) = oracle.build_stages(1, dropout=0.1)
+    params = oracle.named_params(stage)
+    opt = torch.optim.SGD(list(params.values()), lr=0.1, momentum=0.9)
+    data = toy_data(k * batches, 4)
+    for step in range(batches):
+        opt.zero_grad()
+        for m in range(step * k, (step + 1) * k):
+            x, y = data[m]
+            with oracle.micro_batch_rng(SEED, m, 0):
+                loss = oracle.LOSS(oracle.run(stage, x), y) / k
+            loss.backward()
+        assert max_diff(results[0]["grads"][0][step], {n: p.grad for n, p in params.items()}) < TOL
+        opt.step()
+    assert max_diff(results[0]["params"], {n: p.detach() for n, p in params.items()}) < TOL
+
+
+def test_layout_invariance():
+    """1 rank x 4 stages, 2 x 2 and 4 x 1: identical parameters after 4k clocks with lr > 0."""
+    runs = [merged_params(run(p, s, k=2, train_batches=4, optimizer=SGD, dropout=0.1)) for p, s in [(1, 4), (2, 2), (4, 1)]]
+    assert max_diff(runs[0], runs[1]) < 1e-12
+    assert max_diff(runs[0], runs[2]) < 1e-12
+    before = oracle.named_params([l for s in oracle.build_stages(4, 0.1) for l in s])
+    assert max_diff(runs[0], {n: p.detach() for n, p in before.items()}) > 1e-3, "training must move the weights"
+
+
+def test_data_parallel_invariance():
+    """2 pipeline replicas x micro-batch b equal 1 replica x micro-batch 2b (no batch statistics)."""
+    two = merged_params(run(2, 1, dp=2, k=2, micro_batch=3, train_batches=3, optimizer=SGD, dropout=0.0))
+    one = merged_params(run(2, 1, dp=1, k=2, micro_batch=6, train_batches=3, optimizer=SGD, dropout=0.0))
+    assert max_diff(two, one) < TOL
+
+
+@pytest.mark.parametrize("input_buffer_all,param_buffer", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["petra", "input_buffer", "param_buffer", "delayed_gradients"])
+def test_variant_equals_direct_reference(input_buffer_all, param_buffer):
+    k, batches = 2, 4
+    petra = {"input_buffer": "all" if input_buffer_all else "non_reversible", "param_buffer": param_buffer}
+    results = run(1, 4, k=k, train_batches=batches, optimizer=SGD, dropout=0.1, petra=petra)
+    final, grads = oracle.delayed_training(oracle.build_stages(4, 0.1), toy_data(k * batches, 4), k, 0.1, 0.9, SEED,
+                                           input_buffer_all=input_buffer_all, param_buffer=param_buffer)
+    assert max_diff(results[0]["params"], final) < TOL
+    for j in range(4):
+        assert len(results[0]["grads"][j]) == len(grads[j]) == batches
+        for got, want in zip(results[0]["grads"][j], grads[j]):
+            assert max_diff(got, want) < TOL
+
+
+def test_variants_differ_from_each_other():
+    """The ablations are not the same computation in disguise."""
+    k = 2
+    finals = [oracle.delayed_training(oracle.build_stages(4, 0.1), toy_data(k * 4, 4), k, 0.1, 0.9, SEED, a, b)[0]
+              for a, b in [(False, False), (True, True)]]
+    assert max_diff(*finals) > 1e-8
+
+
+def test_memory_report_buffers_follow_the_clock():
+    J, k, batches = 4, 2, 4
+    results = run(4, 1, k=k, train_batches=batches, optimizer=SGD, dropout=0.1, memory_trace=True)
+    M = k * batches
+    for res in results:
+        for clock, report in res["memory"]:
+            for j, entry in report.items():
+                assert entry["param_buffer"] == 0
+                in_flight = sum(1 for m in range(M) if m + j <= clock < m + j + delay(j, J))
+                if res["reconstructs"][j] or j in (0, J - 1):
+                    assert entry["input_buffer"] == 0 and entry["input_buffer_micro_batches"] == 0, (clock, j)
+                else:
+                    assert entry["input_buffer_micro_batches"] == in_flight, (clock, j)
+                    assert entry["input_buffer"] == in_flight * 4 * 8 * 8  # pair of (4, 4) float64
+                if j == 0:
+                    assert entry["raw_micro_batches"] == in_flight * 4 * 6 * 8
+        for j, entry in res["memory"][-1][1].items():
+            kept = 0 if (res["reconstructs"][j] or j in (0, J - 1)) else delay(j, J) + 1
+            assert entry["input_buffer_peak"] == kept * 4 * 8 * 8, j
+
+
+def test_param_buffer_holds_one_copy_per_micro_batch_in_flight():
+    J, k = 4, 2
+    results = run(1, 4, k=k, train_batches=4, optimizer=SGD, dropout=0.1, memory_trace=True, petra={"param_buffer": True})
+    for clock, report in results[0]["memory"]:
+        for j, entry in report.items():
+            in_flight = sum(1 for m in range(8) if m + j <= clock < m + j + delay(j, J))
+            assert entry["param_buffer"] == in_flight * entry["params"], (clock, j)

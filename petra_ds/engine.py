@@ -13,6 +13,8 @@ gradients inside its data-parallel group only: no collective on the training pat
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import asdict
 from typing import Any, Callable, Iterator
 
 import torch
@@ -23,7 +25,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim import Optimizer
 
-from . import messages
+from . import checkpoint, messages
 from .config import PetraConfig, PetraConfigError
 from .module import stage_layers, stage_reversible, stages_per_rank_of
 from .nn.batchnorm import BatchNormPolicy
@@ -40,6 +42,7 @@ from .schedule import (
     ReverseReconstruct,
     SendActivation,
     SendGrad,
+    FeedLog,
     Timeline,
     Window,
 )
@@ -360,7 +363,8 @@ class PetraEngine(PipelineEngine):
         for observe in self.step_observers:
             observe(stage, st)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for p in params:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
+            p.grad = None
         scheduler = self.stage_schedulers[index]
         if scheduler is not None:
             scheduler.step()
@@ -498,6 +502,83 @@ class PetraEngine(PipelineEngine):
         if return_logits:
             return loss, (logits if self.is_last_stage() else None)
         return loss
+
+    # --- checkpoints ---
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+        """Write layer weights in DeepSpeed's layout and every rank's in-flight PETRA state, atomically.
+
+        Called by every rank between ``train_batch`` calls; no micro-batch needs to be drained."""
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        if self._sends or self._recvs or self.produced or self._loaded:
+            raise RuntimeError("save_checkpoint() must be called between train_batch() calls")
+        if self.global_rank == 0:
+            checkpoint.prepare(save_dir, tag)
+        dist.barrier()
+        path = checkpoint.partial_dir(save_dir, tag)
+        self.module.save_state_dict(path, checkpoint_engine=self.checkpoint_engine,
+                                    exclude_frozen_params=exclude_frozen_parameters)
+        checkpoint.atomic_save(self._petra_state(client_state),
+                               checkpoint.state_file(path, self.stage_id, self.grid.data_parallel_id))
+        dist.barrier()
+        final = os.path.join(save_dir, tag)
+        if self.global_rank == 0:
+            final = checkpoint.commit(save_dir, tag, save_latest)
+        dist.barrier()
+        return final
+
+    def _petra_state(self, client_state: dict | None) -> dict:
+        return {
+            "format": 1,
+            "layout": self._layout_signature(),
+            "clock": self.timeline.clock,
+            "feed": self.timeline.feed.intervals,
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "stage_steps": dict(self.stage_steps),
+            "optimizers": [opt.state_dict() for opt in self.stage_optimizers],
+            "schedulers": [s.state_dict() if s is not None else None for s in self.stage_schedulers],
+            "stages": {j: st.state_dict() for j, st in self.stages.items()},
+            "inbox": self.inbox,
+            "client_state": client_state or {},
+        }
+
+    def _layout_signature(self) -> dict:
+        return {"pipe": self.num_stages, "data": self.grid.data_parallel_size,
+                "stages_per_rank": self.stages_per_rank, "k": self.micro_batches,
+                "petra": asdict(self.petra_config)}
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, **_: Any) -> tuple[str | None, dict]:
+        """Load what :meth:`save_checkpoint` wrote; training continues exactly where it stopped.
+        Returns ``(path, client_state)`` like DeepSpeed."""
+        tag, path = checkpoint.resolve(load_dir, None if tag is None else str(tag))
+        self.module.load_state_dir(load_dir=path, checkpoint_engine=self.checkpoint_engine,
+                                   strict=load_module_strict)
+        if load_module_only:
+            return path, {}
+        state_path = checkpoint.state_file(path, self.stage_id, self.grid.data_parallel_id)
+        state = torch.load(state_path, map_location=self.device, weights_only=False)
+        if state["layout"] != self._layout_signature():
+            raise ValueError(f"checkpoint {path} was written with {state['layout']}, this run has "
+                             f"{self._layout_signature()}; resume with the same layout and petra config")
+        self.timeline = Timeline(self.num_petra_stages, state["clock"], FeedLog(tuple(map(tuple, state["feed"]))))
+        self.global_steps = state["global_steps"]
+        self.global_samples = state["global_samples"]
+        self.stage_steps = dict(state["stage_steps"])
+        if load_optimizer_states:
+            for opt, sd in zip(self.stage_optimizers, state["optimizers"]):
+                opt.load_state_dict(sd)
+        if load_lr_scheduler_states:
+            for sched, sd in zip(self.stage_schedulers, state["schedulers"]):
+                if sched is not None and sd is not None:
+                    sched.load_state_dict(sd)
+        for j, st in self.stages.items():
+            st.load_state_dict(state["stages"][j])
+        self.inbox = dict(state["inbox"])
+        return path, state["client_state"]
 
     # --- introspection ---
 

@@ -59,6 +59,9 @@ class StageOptions:
     bn_policy: BatchNormPolicy = BatchNormPolicy()
     autocast_dtype: torch.dtype | None = None  # e.g. torch.bfloat16; streams stay in their dtype
     device_type: str = "cpu"
+    #: diagnostic: keep a copy of each reconstructing stage's true input to measure x~ against it
+    #: (this is the buffer PETRA saves; never on in training runs)
+    track_reconstruction: bool = False
 
 
 class Stage:
@@ -100,6 +103,9 @@ class Stage:
         self.tape: tuple[int, Activation, SequentialTape] | None = None  # reconstructing stage: (m, x~, tape)
         self._swapped: list[Tensor] | None = None
         self.backwards = 0
+        self._truth: dict[int, Activation] = {}
+        #: max |x~ - x| / max |x| per reconstructed micro-batch, with ``track_reconstruction``
+        self.reconstruction_errors: list[float] = []
         self.peak_input_bytes = 0
         self.peak_param_buffer_bytes = 0
 
@@ -161,6 +167,8 @@ class Stage:
             self.raw[m] = x
         elif self.keeps_input:
             self.fifo.append((m, x))
+        elif self.reconstructs and self.options.track_reconstruction:
+            self._truth[m] = x
         if self.options.param_buffer:
             self.stash[m] = [p.detach().clone() for p in self.params]
         self._account()
@@ -180,6 +188,11 @@ class Stage:
                 x, tape = reconstruct(layer, x)
                 tapes.append(tape)
         self.tape = (m, x, SequentialTape(tapes))
+        truth = self._truth.pop(m, None)
+        if truth is not None:
+            error = max(float((a - b).abs().max()) for a, b in zip(as_tuple(x), as_tuple(truth)))
+            scale = max(float(t.abs().max()) for t in as_tuple(truth))
+            self.reconstruction_errors.append(error / max(scale, 1e-30))
         return x
 
     def backward(self, m: int, delta: Activation | None) -> tuple[Activation | None, Activation]:
@@ -240,6 +253,32 @@ class Stage:
             for p, s in zip(self.params, self._swapped):
                 p.copy_(s)
         self._swapped = None
+
+    # --- checkpoint ---
+
+    def state_dict(self) -> dict:
+        """What is in flight at this stage between two clocks (parameters are saved elsewhere)."""
+        if self.live is not None or self.tape is not None or self._swapped is not None:
+            raise RuntimeError(f"stage {self.index} is in the middle of a clock")
+        return {
+            "grads": [None if p.grad is None else p.grad.detach().clone() for p in self.params],
+            "fifo": list(self.fifo),
+            "raw": dict(self.raw),
+            "stash": dict(self.stash),
+            "backwards": self.backwards,
+            "peak_input_bytes": self.peak_input_bytes,
+            "peak_param_buffer_bytes": self.peak_param_buffer_bytes,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for p, g in zip(self.params, state["grads"]):
+            p.grad = None if g is None else g.to(p.device).clone()
+        self.fifo = deque(state["fifo"])
+        self.raw = dict(state["raw"])
+        self.stash = dict(state["stash"])
+        self.backwards = state["backwards"]
+        self.peak_input_bytes = state["peak_input_bytes"]
+        self.peak_param_buffer_bytes = state["peak_param_buffer_bytes"]
 
     # --- accounting ---
 

@@ -7,6 +7,8 @@ with, the final parameters by global name, the losses and, on request, a memory 
 
 from __future__ import annotations
 
+import importlib
+import itertools
 import multiprocessing as mp
 import os
 import socket
@@ -84,17 +86,21 @@ def toy_layer_specs(dropout: float = 0.0) -> list:
 
 
 def toy_data(num: int, micro_batch: int, seed: int = 0, dtype=torch.float64) -> list[tuple]:
-    """``num`` global micro-batches of ``micro_batch`` samples (inputs, labels)."""
+    """``num`` global micro-batches of ``micro_batch`` samples; the label is the argmax of the first
+    ``CLASSES`` features, so the toy model can learn it."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(micro_batch, IN_FEATURES, generator=g, dtype=dtype),
-             torch.randint(0, CLASSES, (micro_batch,), generator=g)) for _ in range(num)]
+    out = []
+    for _ in range(num):
+        x = torch.randn(micro_batch, IN_FEATURES, generator=g, dtype=dtype)
+        out.append((x, x[:, :CLASSES].argmax(dim=1)))  # a learnable rule
+    return out
 
 
 DEFAULT_SPEC: dict[str, Any] = {
     "pipe": 1, "dp": 1, "stages_per_rank": 4, "k": 2, "micro_batch": 4, "train_batches": 3,
     "drain": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
     "dropout": 0.1, "dtype": "float64", "petra": {}, "bf16": False, "base_seed": 1234, "data_seed": 0,
-    "memory_trace": False, "capture_grads": True, "eval_batches": 0,
+    "memory_trace": False, "capture_grads": True, "eval_batches": 0, "track_reconstruction": False,
 }
 
 
@@ -127,10 +133,19 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if spec["bf16"]:
         config["bf16"] = {"enabled": True}
-    engine, *_ = petra_ds.initialize(model=model, config=config)
+    config.update(spec.get("config", {}))
+    model_parameters = None
+    if spec.get("no_decay_on_bias"):  # the paper's recipe: no weight decay on biases
+        named = list(model.named_parameters())
+        model_parameters = [{"params": [p for n, p in named if not n.endswith("bias")]},
+                            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+    engine, *_ = petra_ds.initialize(model=model, config=config, model_parameters=model_parameters)
+    for stage in engine.stages.values():
+        stage.options.track_reconstruction = spec["track_reconstruction"]
     replica = engine.grid.data_parallel_id
+    distinct = spec.get("distinct_micro_batches") or k * spec["train_batches"]
     data = [(x[replica * b:(replica + 1) * b], y[replica * b:(replica + 1) * b])
-            for x, y in toy_data(k * spec["train_batches"], b * dp, spec["data_seed"], dtype)]
+            for x, y in toy_data(distinct, b * dp, spec["data_seed"], dtype)]
 
     names = {}
     for i, layer in enumerate(model.forward_funcs):
@@ -144,17 +159,34 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     memory: list[tuple[int, dict]] = []
     if spec["memory_trace"]:
         engine.clock_observers.append(lambda eng, clock: memory.append((clock, eng.memory_report())))
-    it = iter(data)
-    losses = [engine.train_batch(it).item() for _ in range(spec["train_batches"])]
+    if spec.get("load_dir"):
+        engine.load_checkpoint(spec["load_dir"])
+    if spec.get("bad_micro_batch") is not None:  # one micro-batch of another size
+        bad = spec["bad_micro_batch"]
+        data[bad] = (data[bad][0][:-1], data[bad][1][:-1])
+    it = (data[m % distinct] for m in itertools.count(engine.timeline.feed.total))
+    losses = []
+    while engine.global_steps < spec["train_batches"]:
+        losses.append(engine.train_batch(it).item())
+        if spec.get("save_dir") and engine.global_steps == spec.get("save_after"):
+            engine.save_checkpoint(spec["save_dir"], tag=spec.get("save_tag"))
+        if spec.get("eval_every"):
+            engine.eval_batch(iter(data))
     if spec["drain"]:
         losses.append(engine.drain().item())
     evals = [engine.eval_batch(iter(data)).item() for _ in range(spec["eval_batches"])]
     params = {names[id(p)]: p.detach().clone() for p in model.parameters()}
+    probe = None
+    if spec.get("probe"):
+        module_name, function = spec["probe"].split(":")
+        probe = getattr(importlib.import_module(module_name), function)(engine)
     return {
+        "probe": probe,
         "rank": engine.global_rank, "stages": sorted(engine.stages), "parts": model.petra_parts,
         "grads": grads, "params": params, "losses": losses, "evals": evals, "memory": memory,
         "clock": engine.clock, "stage_steps": dict(engine.stage_steps),
         "reconstructs": {j: st.reconstructs for j, st in engine.stages.items()},
+        "reconstruction_errors": {j: list(st.reconstruction_errors) for j, st in engine.stages.items()},
     }
 
 

@@ -137,3 +137,21 @@ def test_param_buffer_holds_one_copy_per_micro_batch_in_flight():
         for j, entry in report.items():
             in_flight = sum(1 for m in range(8) if m + j <= clock < m + j + delay(j, J))
             assert entry["param_buffer"] == in_flight * entry["params"], (clock, j)
+
+
+def test_exact_resume_in_fresh_processes(tmp_path):
+    """Save at clock c mid-flight (no drain), start fresh processes, load, continue: same parameters."""
+    common = dict(k=2, train_batches=5, optimizer=SGD, dropout=0.1, petra={"input_buffer": "non_reversible"})
+    whole = merged_params(run(2, 2, **common))
+    ckpt = str(tmp_path / "ckpt")
+    first = launch({"pipe": 2, "stages_per_rank": 2, **common, "save_dir": ckpt, "save_after": 2, "save_tag": "c4"})
+    assert max_diff(merged_params(first), whole) == 0.0
+    resumed = launch({"pipe": 2, "stages_per_rank": 2, **common, "load_dir": ckpt})
+    assert resumed[0]["clock"] == first[0]["clock"]
+    assert max_diff(merged_params(resumed), whole) == 0.0
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "c4").iterdir()) == [
+        "layer_00-model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt",
+        "layer_03-model_states.pt", "layer_04-model_states.pt", "layer_05-model_states.pt",
+        "layer_06-model_states.pt", "layer_07-model_states.pt", "layer_08-model_states.pt",
+        "petra_state-pipe_00-data_00.pt", "petra_state-pipe_01-data_00.pt"]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "c4"

@@ -1,0 +1,87 @@
+"""Optimizers, schedulers and parameter groups from the DeepSpeed config, one set per stage; bf16;
+shape changes; layer files a plain PipelineModule reads."""
+
+import time
+
+import pytest
+
+from petra_ds.messages import MessageLayoutError
+from petra_ds.testing import launch
+
+
+def run_probe(**spec):
+    results = launch({"pipe": 1, "stages_per_rank": 4, "probe": "probes:optimizers", **spec})
+    return results[0]
+
+
+@pytest.mark.parametrize("opt,cls", [
+    ({"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}}, "SGD"),
+    ({"type": "Adam", "params": {"lr": 1e-3}}, None),
+    ({"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}, None),
+])
+def test_optimizer_per_stage_from_config(opt, cls):
+    res = run_probe(optimizer=opt, train_batches=2, drain=False)
+    probe = res["probe"]
+    assert sorted(probe) == [0, 1, 2, 3]
+    classes = {p["class"] for p in probe.values()}
+    assert len(classes) == 1
+    if cls:
+        assert classes == {cls}
+        assert all(p["groups"][0]["nesterov"] for p in probe.values())
+    else:
+        assert "Adam" in classes.pop()
+    for j, p in probe.items():
+        assert p["groups"][0]["lr"] == opt["params"]["lr"]
+
+
+def test_param_groups_split_per_stage_and_keep_their_options():
+    res = run_probe(optimizer={"type": "SGD", "params": {"lr": 0.05, "weight_decay": 5e-4}},
+                    no_decay_on_bias=True, train_batches=1, drain=False)
+    for j, p in res["probe"].items():
+        assert [g["weight_decay"] for g in p["groups"]] == [5e-4, 0.0]
+        assert p["group_sizes"][0] == p["group_sizes"][1] > 0  # every Linear has a weight and a bias
+
+
+def test_each_stage_steps_its_own_scheduler():
+    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 8,
+                                            "warmup_type": "linear"}}
+    res = run_probe(optimizer={"type": "SGD", "params": {"lr": 0.1}}, config={"scheduler": sched},
+                    k=1, train_batches=5, drain=False)
+    probe = res["probe"]
+    steps = {j: p["stage_steps"] for j, p in probe.items()}
+    # after clocks 0..4 with J = 4, stage j ran the backwards of m <= 4 - 2(3 - j): they step apart
+    assert steps == {0: 0, 1: 0, 2: 1, 3: 2}
+    for j, p in probe.items():
+        assert p["scheduler_steps"] == steps[j]
+    # DeepSpeed's linear WarmupLR gives lr = 0.1 * (steps - 1) / 8
+    assert probe[3]["lr"] == pytest.approx(0.1 / 8) and probe[2]["lr"] == probe[1]["lr"] == 0.0
+
+
+def test_bf16_on_cpu_trains_and_bounds_the_reconstruction_error():
+    """bf16 autocast in F and G with fp32 parameters and fp32 streams (DESIGN.md section 2)."""
+    common = {"k": 2, "dtype": "float32", "micro_batch": 16, "dropout": 0.1}
+    frozen = {"optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "train_batches": 6, "track_reconstruction": True}
+    errors = {}
+    for bf16 in (False, True):
+        res = launch({"pipe": 1, "stages_per_rank": 4, **common, **frozen, "bf16": bf16})[0]
+        errors[bf16] = res["reconstruction_errors"][1]
+        assert len(errors[bf16]) == 12
+    assert max(errors[False]) < 1e-5
+    assert max(errors[True]) < 2e-2  # the documented bound: relative max error per reversible stage
+    trained = launch({"pipe": 1, "stages_per_rank": 4, **common, "bf16": True, "train_batches": 60,
+                      "distinct_micro_batches": 8, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+                      "capture_grads": False, "dropout": 0.0})[0]
+    losses = trained["losses"]
+    first, last = sum(losses[1:11]) / 10, sum(losses[-11:-1]) / 10
+    assert last < 0.7 * first, (first, last)
+
+
+def test_a_micro_batch_of_another_shape_stops_every_rank_with_a_clear_error():
+    start = time.time()
+    with pytest.raises(RuntimeError) as info:
+        launch({"pipe": 2, "stages_per_rank": 1, "k": 2, "train_batches": 5, "bad_micro_batch": 5}, timeout=120)
+    assert time.time() - start < 120
+    message = str(info.value)
+    assert MessageLayoutError.__name__ in message
+    assert "micro-batch 5 has layout (float64[3, 6], int64[3]) but the first one had (float64[4, 6], int64[4])" in message
+    assert "drop_last=True" in message

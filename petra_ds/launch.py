@@ -71,8 +71,6 @@ def initialize(
                         f"got {type(model).__name__}")
     if optimizer is None and "optimizer" not in ds_config:
         raise PetraConfigError('PETRA needs an optimizer: add an "optimizer" section or pass optimizer=...')
-    if args is not None and getattr(args, "deepspeed_config", None):
-        args.deepspeed_config = None  # the config is passed explicitly below
     mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_config, mpu)
     engine = PetraEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,

@@ -155,3 +155,55 @@ def test_exact_resume_in_fresh_processes(tmp_path):
         "layer_06-model_states.pt", "layer_07-model_states.pt", "layer_08-model_states.pt",
         "petra_state-pipe_00-data_00.pt", "petra_state-pipe_01-data_00.pt"]
     assert (tmp_path / "ckpt" / "latest").read_text() == "c4"
+
+
+PLAIN_LOAD = """
+import sys, torch, petra_ds
+from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from petra_ds.testing import toy_layer_specs
+petra_ds.init_distributed(dist_backend="gloo")
+torch.set_default_dtype(torch.float64)
+module = PipelineModule(toy_layer_specs(0.1), num_stages=1, loss_fn=torch.nn.CrossEntropyLoss(),
+                        partition_method="uniform")
+module.load_state_dir(sys.argv[1], checkpoint_engine=TorchCheckpointEngine())
+torch.save({f"{i}.{n}": p.detach() for i, layer in enumerate(module.forward_funcs)
+            for n, p in layer.named_parameters()}, sys.argv[2])
+"""
+
+
+def test_a_plain_deepspeed_pipeline_module_loads_the_layer_files(tmp_path):
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "ckpt"
+    results = launch({"pipe": 2, "stages_per_rank": 2, "k": 2, "train_batches": 3, "drain": False,
+                      "optimizer": SGD, "save_dir": str(ckpt), "save_after": 3, "save_tag": "end"})
+    out = tmp_path / "plain.pt"
+    proc = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(ckpt / "end"), str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert max_diff(torch.load(out), merged_params(results)) == 0.0
+
+
+def test_eval_uses_current_parameters_and_does_not_disturb_training():
+    common = dict(k=2, train_batches=4, optimizer=SGD, dropout=0.1)
+    plain = merged_params(run(2, 2, **common))
+    results = run(2, 2, **common, eval_every=True, eval_batches=1)
+    assert max_diff(merged_params(results), plain) == 0.0, "eval between train_batch calls changed training"
+    stages = oracle.build_stages(4, dropout=0.1)
+    final = merged_params(results)
+    with torch.no_grad():
+        for stage in stages:
+            for idx, layer in stage:
+                layer.eval()
+                for n, p in layer.named_parameters():
+                    p.copy_(final[f"{idx}.{n}"])
+        data = toy_data(2 * 4, 4)
+        losses = []
+        for x, y in data[:2]:
+            for stage in stages:
+                x = oracle.run(stage, x)
+            losses.append(oracle.LOSS(x, y))
+    expected = torch.stack(losses).mean().item()
+    assert len(results) == 2 and all(r["evals"][0] == pytest.approx(expected, abs=1e-6) for r in results)

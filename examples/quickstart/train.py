@@ -1,0 +1,63 @@
+"""The smallest PETRA run: a 9-layer toy network mixing reversible and non-reversible layers.
+
+    deepspeed --num_gpus 4 examples/quickstart/train.py --deepspeed_config ds_configs/quickstart.json
+    torchrun --nproc_per_node 2 examples/quickstart/train.py --deepspeed_config ds_configs/quickstart.json
+    python examples/quickstart/train.py --deepspeed_config ds_configs/quickstart.json   # one process, all stages
+
+The pipeline has one rank per process (J = processes x petra.stages_per_rank); rank 0 prints the
+losses and writes a JSON summary with --output.
+"""
+
+import argparse
+import itertools
+import json
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+from torch import nn
+
+import petra_ds
+from petra_ds.testing import toy_data, toy_layer_specs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    parser.add_argument("--steps", type=int, default=30, help="train_batch() calls")
+    parser.add_argument("--distinct-micro-batches", type=int, default=16)
+    parser.add_argument("--output", default=None, help="summary JSON written by rank 0")
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+
+    petra_ds.init_distributed()
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    stages_per_rank = config.get("petra", {}).get("stages_per_rank", 1)
+    model = petra_ds.PetraPipelineModule(toy_layer_specs(dropout=0.1), num_stages=dist.get_world_size(),
+                                         loss_fn=nn.CrossEntropyLoss(), stages_per_rank=stages_per_rank,
+                                         partition_method="uniform")
+    engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config)
+
+    data = toy_data(args.distinct_micro_batches, engine.train_micro_batch_size_per_gpu(), dtype=torch.float32)
+    stream = itertools.cycle(data)
+    losses = []
+    for step in range(args.steps):
+        loss = engine.train_batch(stream).item()
+        losses.append(loss)
+        if dist.get_rank() == 0:
+            print(f"step {step + 1:3d}  clock {engine.clock:4d}  loss {loss:.4f}", flush=True)
+    engine.drain()
+    eval_loss = engine.eval_batch(iter(data), num_micro_batches=len(data)).item()
+    if dist.get_rank() == 0:
+        summary = {"world_size": dist.get_world_size(), "num_stages": engine.num_petra_stages,
+                   "stages_per_rank": engine.stages_per_rank, "clock": engine.clock, "losses": losses,
+                   "eval_loss": eval_loss}
+        print(json.dumps({k: v for k, v in summary.items() if k != "losses"}))
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from .nn.batchnorm import BatchNormPolicy
+from .nn.batchnorm import BatchNormPolicy, running_stats
 from .nn.reversible import (
     Activation,
     GraphTape,
@@ -135,18 +135,17 @@ class Stage:
                         for t in as_tuple(x)])
 
     @contextmanager
-    def scope(self, m: int, updates_bn: bool) -> Iterator[None]:
-        """Keyed RNG of (seed, m, stage) and the batch-norm policy for one evaluation."""
-        policy = self.options.bn_policy
+    def scope(self, m: int, update_bn: bool) -> Iterator[None]:
+        """Keyed RNG of (seed, m, stage); batch norms update their running statistics iff ``update_bn``."""
         with ExitStack() as stack:
             stack.enter_context(micro_batch_rng(self.options.seed, m, self.index))
             for module in self.modules:
-                scope = policy.backward_scope if updates_bn else policy.forward_scope
-                stack.enter_context(scope(module))
+                stack.enter_context(running_stats(module, update_bn))
             yield
 
-    def _updates_bn_in_backward(self) -> bool:
-        return self.options.bn_policy.update_in == "backward"
+    @property
+    def _bn_in_forward(self) -> bool:
+        return self.options.bn_policy.update_in == "forward"
 
     # --- forward ---
 
@@ -154,14 +153,14 @@ class Stage:
         """x_j = F_j(x_{j-1}); the last stage returns the (unscaled, detached) loss instead."""
         if self.is_last:
             # its only evaluation is the one that is differentiated: it plays the backward's role
-            with self.scope(m, updates_bn=self._updates_bn_in_backward()), torch.enable_grad():
+            with self.scope(m, update_bn=True), torch.enable_grad():
                 leaf = detach_leaf(x)
                 loss = self.loss_fn(self.run(leaf), labels)
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
             self.live = (m, x, leaf, loss)
             return loss.detach()
-        with self.scope(m, updates_bn=not self._updates_bn_in_backward()), torch.no_grad():
+        with self.scope(m, update_bn=self._bn_in_forward), torch.no_grad():
             y = self.run(x)
         if self.is_first:
             self.raw[m] = x
@@ -181,7 +180,7 @@ class Stage:
         if not self.reconstructs:
             raise RuntimeError(f"stage {self.index} does not reconstruct its input")
         self._use_forward_params(m)
-        with self.scope(m, updates_bn=self._updates_bn_in_backward()):
+        with self.scope(m, update_bn=not self._bn_in_forward):
             x = y_tilde
             tapes = []
             for layer in reversed(self.layers):
@@ -215,7 +214,7 @@ class Stage:
         else:
             x_tilde = self._pop_input(m)
             self._use_forward_params(m)
-            with self.scope(m, updates_bn=self._updates_bn_in_backward()), torch.enable_grad():
+            with self.scope(m, update_bn=not self._bn_in_forward), torch.enable_grad():
                 leaf = detach_leaf(x_tilde)
                 y = self.run(leaf)
             dx = GraphTape(leaf, y).backward(delta)

@@ -26,8 +26,10 @@ IN_FEATURES = 6
 CLASSES = 3
 
 
-def _mlp(dropout: float) -> nn.Module:
-    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Dropout(dropout), nn.Linear(2 * WIDTH, WIDTH))
+def _mlp(dropout: float, batchnorm: bool = False) -> nn.Module:
+    norm = [nn.BatchNorm1d(2 * WIDTH)] if batchnorm else []
+    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), *norm, nn.Tanh(), nn.Dropout(dropout),
+                         nn.Linear(2 * WIDTH, WIDTH))
 
 
 class Stem(nn.Module):
@@ -56,13 +58,13 @@ class Mix(nn.Module):
 
 
 class Additive(AdditiveCoupling):
-    def __init__(self, dropout: float = 0.0) -> None:
-        super().__init__(_mlp(dropout), _mlp(dropout))
+    def __init__(self, dropout: float = 0.0, batchnorm: bool = False) -> None:
+        super().__init__(_mlp(dropout, batchnorm), _mlp(dropout, batchnorm))
 
 
 class Swap(SwapCoupling):
-    def __init__(self, dropout: float = 0.0) -> None:
-        super().__init__(_mlp(dropout))
+    def __init__(self, dropout: float = 0.0, batchnorm: bool = False) -> None:
+        super().__init__(_mlp(dropout, batchnorm))
 
 
 class Head(nn.Module):
@@ -74,14 +76,16 @@ class Head(nn.Module):
         return self.linear(torch.cat(x, dim=1))
 
 
-def toy_layer_specs(dropout: float = 0.0) -> list:
-    """Stem, Additive, Mix, Swap, Additive, Swap, Mix, Additive, Head (9 layers)."""
+def toy_layer_specs(dropout: float = 0.0, batchnorm: bool = False) -> list:
+    """Stem, Additive, Mix, Swap, Additive, Swap, Mix, Additive, Head (9 layers); ``batchnorm`` puts a
+    BatchNorm1d inside every coupling's functions."""
     from deepspeed.runtime.pipe.module import LayerSpec
 
+    bn = batchnorm
     return [
-        LayerSpec(Stem), LayerSpec(Additive, dropout), LayerSpec(Mix, dropout), LayerSpec(Swap, dropout),
-        LayerSpec(Additive, dropout), LayerSpec(Swap, dropout), LayerSpec(Mix), LayerSpec(Additive, dropout),
-        LayerSpec(Head),
+        LayerSpec(Stem), LayerSpec(Additive, dropout, bn), LayerSpec(Mix, dropout), LayerSpec(Swap, dropout, bn),
+        LayerSpec(Additive, dropout, bn), LayerSpec(Swap, dropout, bn), LayerSpec(Mix),
+        LayerSpec(Additive, dropout, bn), LayerSpec(Head),
     ]
 
 
@@ -123,7 +127,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     deepspeed.init_distributed(dist_backend="gloo")
     topology = PipeDataParallelTopology(num_pp=spec["pipe"], num_dp=spec["dp"])
     model = petra_ds.PetraPipelineModule(
-        toy_layer_specs(spec["dropout"]), topology=topology, loss_fn=nn.CrossEntropyLoss(),
+        toy_layer_specs(spec["dropout"], spec.get("batchnorm", False)), topology=topology, loss_fn=nn.CrossEntropyLoss(),
         stages_per_rank=spec["stages_per_rank"], partition_method="uniform", base_seed=spec["base_seed"])
     k, b, dp = spec["k"], spec["micro_batch"], spec["dp"]
     config = {

@@ -15,3 +15,17 @@ def optimizers(engine):
         }
         for i, j in enumerate(engine.local_stage_ids)
     }
+
+
+def batch_norm_updates(engine):
+    """Per local stage: batches tracked by each of its batch norms, its backwards, its forwards."""
+    from torch import nn
+
+    fed = engine.timeline.feed
+    out = {}
+    for j, st in engine.stages.items():
+        tracked = [int(m.num_batches_tracked) for mod in st.modules for m in mod.modules()
+                   if isinstance(m, nn.BatchNorm1d)]
+        forwards = sum(1 for m in range(fed.total) if m + j < engine.clock)
+        out[j] = {"tracked": tracked, "backwards": st.backwards, "forwards": forwards}
+    return out

@@ -85,3 +85,21 @@ def test_a_micro_batch_of_another_shape_stops_every_rank_with_a_clear_error():
     assert MessageLayoutError.__name__ in message
     assert "micro-batch 5 has layout (float64[3, 6], int64[3]) but the first one had (float64[4, 6], int64[4])" in message
     assert "drop_last=True" in message
+
+
+@pytest.mark.parametrize("policy", ["backward", "forward"])
+def test_batch_norm_running_stats_are_updated_where_the_policy_says(policy):
+    """Paper 4.1: by default only the backward recomputation / reconstruction updates them (the last
+    stage's single evaluation is its backward); "forward" is the ablation."""
+    res = launch({"pipe": 1, "stages_per_rank": 4, "k": 2, "train_batches": 3, "drain": False, "batchnorm": True,
+                  "petra": {"bn_running_stats": policy}, "probe": "probes:batch_norm_updates"})[0]
+    probe = res["probe"]
+    for j, entry in probe.items():
+        if not entry["tracked"]:
+            continue
+        if policy == "backward" or j == 3:
+            expected = entry["backwards"]
+        else:
+            expected = entry["forwards"]
+        assert set(entry["tracked"]) == {expected}, (j, entry)
+    assert probe[1]["forwards"] > probe[1]["backwards"] > 0, "the check needs micro-batches in flight"

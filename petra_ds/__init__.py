@@ -6,7 +6,14 @@ from .module import PetraPipelineModule
 
 __version__ = "0.1.0"
 
-__all__ = ["PetraConfig", "PetraConfigError", "PetraPipelineModule", "ensure_single_process_env", "init_distributed", "initialize"]
+__all__ = [
+    "PetraConfig",
+    "PetraConfigError",
+    "PetraPipelineModule",
+    "ensure_single_process_env",
+    "init_distributed",
+    "initialize",
+]
 
 
 def __getattr__(name: str):

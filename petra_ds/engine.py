@@ -20,7 +20,6 @@ from typing import Any, Callable, Iterator
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.pipe.module import PipelineModule
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim import Optimizer
@@ -29,7 +28,6 @@ from . import checkpoint, messages
 from .config import PetraConfig, PetraConfigError
 from .module import stage_layers, stage_reversible, stages_per_rank_of
 from .nn.batchnorm import BatchNormPolicy
-from .nn.reversible import as_tuple
 from .schedule import (
     AccumulateAndStep,
     CommitP2P,
@@ -110,7 +108,6 @@ class PetraEngine(PipelineEngine):
 
     def __init__(self, *args, petra_config: PetraConfig, bf16: bool = False, **kwargs) -> None:
         self.petra_config = petra_config
-        self._petra_bf16 = bf16
         super().__init__(*args, **kwargs)
         module = self.module
         self.stages_per_rank = stages_per_rank_of(module)
@@ -181,10 +178,12 @@ class PetraEngine(PipelineEngine):
                 "an optimizer instance cannot serve several PETRA stages that step at different clocks; "
                 "pass a callable `optimizer=lambda params: ...` or configure it in the config")
         optimizers = []
-        for j, ids in stage_params.items():
+        for ids in stage_params.values():
             stage_groups = [dict(g, params=[p for p in g["params"] if id(p) in ids]) for g in groups]
             stage_groups = [g for g in stage_groups if g["params"]]
-            if isinstance(client_optimizer, Optimizer):
+            if not stage_groups:  # a stage without trainable parameters (e.g. a reshape) steps nothing
+                opt = None
+            elif isinstance(client_optimizer, Optimizer):
                 opt = client_optimizer
             elif client_optimizer is not None:
                 opt = client_optimizer(stage_groups)
@@ -192,7 +191,8 @@ class PetraEngine(PipelineEngine):
                 opt = self._configure_basic_optimizer(stage_groups)
             optimizers.append(opt)
         self.stage_optimizers = optimizers
-        self.basic_optimizer = self.optimizer = optimizers[0] if len(optimizers) == 1 else StageOptimizers(optimizers)
+        present = [opt for opt in optimizers if opt is not None]
+        self.basic_optimizer = self.optimizer = present[0] if len(present) == 1 else StageOptimizers(present)
 
     def _configure_lr_scheduler(self) -> None:
         client = self.client_lr_scheduler
@@ -202,17 +202,17 @@ class PetraEngine(PipelineEngine):
                 "`lr_scheduler=lambda optimizer: ...` or configure it in the config")
         schedulers = []
         for opt in self.stage_optimizers:
-            if client is None:
+            if opt is None:
+                schedulers.append(None)
+            elif client is None:
                 schedulers.append(self._scheduler_from_config(opt))
             elif callable(client) and not hasattr(client, "step"):
                 schedulers.append(client(opt))
             else:
                 schedulers.append(client)
         self.stage_schedulers = schedulers
-        if all(s is None for s in schedulers):
-            self.lr_scheduler = None
-        else:
-            self.lr_scheduler = schedulers[0] if len(schedulers) == 1 else StageSchedulers(schedulers)
+        present = [s for s in schedulers if s is not None]
+        self.lr_scheduler = (present[0] if len(present) == 1 else StageSchedulers(present)) if present else None
 
     # --- public API ---
 
@@ -275,7 +275,8 @@ class PetraEngine(PipelineEngine):
         """Mean over this window's finished micro-batches, averaged over data parallelism and
         broadcast from the last stage: a collective at the window's end, where every rank is."""
         last_rank = self.grid.stage_to_global(stage_id=self.num_stages - 1)
-        value = torch.stack([l.float() for l in losses]).mean() if losses else torch.tensor(float("nan"), dtype=torch.float32)
+        nan = torch.tensor(float("nan"), dtype=torch.float32)
+        value = torch.stack([loss.float() for loss in losses]).mean() if losses else nan
         value = value.reshape(1).to(self.device)
         if self.is_last_stage() and self.grid.data_parallel_size > 1:
             dist.all_reduce(value, group=self.grid.get_data_parallel_group())
@@ -362,7 +363,8 @@ class PetraEngine(PipelineEngine):
                 g.copy_(synced)
         for observe in self.step_observers:
             observe(stage, st)
-        optimizer.step()
+        if optimizer is not None:
+            optimizer.step()
         for p in params:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
             p.grad = None
         scheduler = self.stage_schedulers[index]
@@ -461,7 +463,6 @@ class PetraEngine(PipelineEngine):
         was_training = self.module.training
         self.module.eval()
         losses, logits = [], []
-        loaded: dict[int, tuple] = {}
         inbox: dict[tuple[int, int], tuple] = {}
         try:
             with torch.no_grad():
@@ -537,7 +538,7 @@ class PetraEngine(PipelineEngine):
             "global_steps": self.global_steps,
             "global_samples": self.global_samples,
             "stage_steps": dict(self.stage_steps),
-            "optimizers": [opt.state_dict() for opt in self.stage_optimizers],
+            "optimizers": [None if opt is None else opt.state_dict() for opt in self.stage_optimizers],
             "schedulers": [s.state_dict() if s is not None else None for s in self.stage_schedulers],
             "stages": {j: st.state_dict() for j, st in self.stages.items()},
             "inbox": self.inbox,
@@ -570,7 +571,8 @@ class PetraEngine(PipelineEngine):
         self.stage_steps = dict(state["stage_steps"])
         if load_optimizer_states:
             for opt, sd in zip(self.stage_optimizers, state["optimizers"]):
-                opt.load_state_dict(sd)
+                if opt is not None:
+                    opt.load_state_dict(sd)
         if load_lr_scheduler_states:
             for sched, sd in zip(self.stage_schedulers, state["schedulers"]):
                 if sched is not None and sd is not None:
@@ -588,8 +590,8 @@ class PetraEngine(PipelineEngine):
         report = {}
         for j, st in self.stages.items():
             optimizer = self.stage_optimizers[j - self.local_stage_ids[0]]
-            ids = {id(p) for p in st.params}
-            opt_bytes = sum(tensor_bytes(list(s.values())) for p, s in optimizer.state.items() if id(p) in ids)
+            state = {} if optimizer is None else optimizer.state
+            opt_bytes = sum(tensor_bytes(list(s.values())) for s in state.values())
             held = [v for key, v in list(self.inbox.items()) + list(self.produced.items()) if key[0] == j]
             report[j] = {
                 "params": tensor_bytes(st.params),

@@ -315,7 +315,7 @@ class _Replay:
                 self.channels[channel].append(message)
             self.committing.add(rank)
         pending = self.queued_recvs[rank]
-        for kind, src, dst, m, with_input, cmd in pending:
+        for kind, src, dst, m, _with_input, cmd in pending:
             queue = self.channels[(kind, src, dst)]
             if not queue:
                 return False

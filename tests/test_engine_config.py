@@ -30,14 +30,14 @@ def test_optimizer_per_stage_from_config(opt, cls):
         assert all(p["groups"][0]["nesterov"] for p in probe.values())
     else:
         assert "Adam" in classes.pop()
-    for j, p in probe.items():
+    for p in probe.values():
         assert p["groups"][0]["lr"] == opt["params"]["lr"]
 
 
 def test_param_groups_split_per_stage_and_keep_their_options():
     res = run_probe(optimizer={"type": "SGD", "params": {"lr": 0.05, "weight_decay": 5e-4}},
                     no_decay_on_bias=True, train_batches=1, drain=False)
-    for j, p in res["probe"].items():
+    for p in res["probe"].values():
         assert [g["weight_decay"] for g in p["groups"]] == [5e-4, 0.0]
         assert p["group_sizes"][0] == p["group_sizes"][1] > 0  # every Linear has a weight and a bias
 

@@ -110,6 +110,10 @@ class PetraEngine(PipelineEngine):
         self.petra_config = petra_config
         super().__init__(*args, **kwargs)
         module = self.module
+        if module.tied_modules:
+            raise NotImplementedError(
+                f"tied layers ({sorted(module.tied_modules)}) are not supported by PETRA yet: their stages "
+                "step at different clocks, so the tied gradient has no common step; untie them")
         self.stages_per_rank = stages_per_rank_of(module)
         if self.stages_per_rank != petra_config.stages_per_rank:
             raise PetraConfigError(

@@ -120,17 +120,21 @@ class Stage:
 
     # --- running the layers ---
 
+    def _autocast(self):
+        """bf16 autocast when configured: the forward, the recomputation and the reconstruction must
+        evaluate F and G identically, or the reconstruction would not undo the forward."""
+        dtype = self.options.autocast_dtype
+        return torch.autocast(self.options.device_type, dtype=dtype, enabled=dtype is not None)
+
     def run(self, x: Activation) -> Activation:
         """F_j(x) with the current parameters (autocast inside, outputs back in the input dtype)."""
         dtype = self.options.autocast_dtype
-        if dtype is None:
-            for layer in self.layers:
-                x = layer(x)
-            return x
         stream_dtype = next((t.dtype for t in as_tuple(x) if t.is_floating_point()), torch.float32)
-        with torch.autocast(self.options.device_type, dtype=dtype):
+        with self._autocast():
             for layer in self.layers:
                 x = layer(x)
+        if dtype is None:
+            return x
         return like(x, [t.to(stream_dtype) if t.is_floating_point() and t.dtype == dtype else t
                         for t in as_tuple(x)])
 
@@ -180,7 +184,7 @@ class Stage:
         if not self.reconstructs:
             raise RuntimeError(f"stage {self.index} does not reconstruct its input")
         self._use_forward_params(m)
-        with self.scope(m, update_bn=not self._bn_in_forward):
+        with self.scope(m, update_bn=not self._bn_in_forward), self._autocast():
             x = y_tilde
             tapes = []
             for layer in reversed(self.layers):

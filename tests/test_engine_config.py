@@ -66,8 +66,10 @@ def test_bf16_on_cpu_trains_and_bounds_the_reconstruction_error():
         res = launch({"pipe": 1, "stages_per_rank": 4, **common, **frozen, "bf16": bf16})[0]
         errors[bf16] = res["reconstruction_errors"][1]
         assert len(errors[bf16]) == 12
+    # the documented bound: relative max error per reversible stage, the same with bf16 autocast as in
+    # fp32 because the reconstruction runs F and G under the same autocast as the forward
     assert max(errors[False]) < 1e-5
-    assert max(errors[True]) < 2e-2  # the documented bound: relative max error per reversible stage
+    assert max(errors[True]) < 1e-5
     trained = launch({"pipe": 1, "stages_per_rank": 4, **common, "bf16": True, "train_batches": 60,
                       "distinct_micro_batches": 8, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
                       "capture_grads": False, "dropout": 0.0})[0]

@@ -143,7 +143,13 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         named = list(model.named_parameters())
         model_parameters = [{"params": [p for n, p in named if not n.endswith("bias")]},
                             {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
-    engine, *_ = petra_ds.initialize(model=model, config=config, model_parameters=model_parameters)
+    client = {}
+    if spec.get("client_optimizer"):  # callables, as users pass them to deepspeed.initialize
+        lr, gamma = spec["client_optimizer"]["lr"], spec["client_optimizer"]["gamma"]
+        config.pop("optimizer")
+        client = {"optimizer": lambda groups: torch.optim.SGD(groups, lr=lr),
+                  "lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)}
+    engine, *_ = petra_ds.initialize(model=model, config=config, model_parameters=model_parameters, **client)
     for stage in engine.stages.values():
         stage.options.track_reconstruction = spec["track_reconstruction"]
     replica = engine.grid.data_parallel_id

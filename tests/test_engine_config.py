@@ -57,6 +57,15 @@ def test_each_stage_steps_its_own_scheduler():
     assert probe[3]["lr"] == pytest.approx(0.1 / 8) and probe[2]["lr"] == probe[1]["lr"] == 0.0
 
 
+def test_client_optimizer_and_scheduler_callables_are_built_per_stage():
+    res = run_probe(client_optimizer={"lr": 0.08, "gamma": 0.5}, k=1, train_batches=5, drain=False)
+    for j, p in res["probe"].items():
+        assert p["class"] == "SGD"
+        assert p["scheduler_steps"] == p["stage_steps"]
+        assert p["lr"] == pytest.approx(0.08 * 0.5 ** p["stage_steps"]), j
+    assert res["probe"][3]["stage_steps"] == 2 and res["probe"][0]["stage_steps"] == 0
+
+
 def test_bf16_on_cpu_trains_and_bounds_the_reconstruction_error():
     """bf16 autocast in F and G with fp32 parameters and fp32 streams (DESIGN.md section 2)."""
     common = {"k": 2, "dtype": "float32", "micro_batch": 16, "dropout": 0.1}

@@ -1,0 +1,37 @@
+"""The "petra" config section and what PETRA refuses from the rest of a DeepSpeed config."""
+
+import pytest
+
+from petra_ds.config import PetraConfig, PetraConfigError, split_config
+
+BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+def test_defaults_and_bf16_taken_out_of_deepspeeds_hands():
+    petra, ds, bf16 = split_config({**BASE, "petra": {}, "bf16": {"enabled": True}})
+    assert petra == PetraConfig()
+    assert bf16 and "bf16" not in ds and "petra" not in ds and ds["optimizer"] == BASE["optimizer"]
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"stages_per_rnak": 2}, r"unknown key\(s\) \['stages_per_rnak'\] in the \"petra\" config section"),
+    ({"stages_per_rank": 0}, r'"petra.stages_per_rank" must be an integer >= 1, got 0'),
+    ({"input_buffer": "some"}, r'"petra.input_buffer" must be one of'),
+    ({"param_buffer": "yes"}, r'"petra.param_buffer" must be true or false'),
+    ({"bn_running_stats": "eval"}, r'"petra.bn_running_stats" must be one of'),
+])
+def test_bad_petra_values_name_the_key(section, message):
+    with pytest.raises(PetraConfigError, match=message):
+        split_config({**BASE, "petra": section})
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"fp16": {"enabled": True}}, '"fp16" is not supported with PETRA'),
+    ({"gradient_clipping": 1.0}, '"gradient_clipping" is not supported with PETRA'),
+    ({"zero_optimization": {"stage": 1}}, '"zero_optimization.stage" 1 is not supported'),
+    ({"gradient_accumulation_steps": 0}, "PETRA's k\\) must be >= 1"),
+])
+def test_settings_that_need_a_cross_stage_collective_are_refused(extra, message):
+    with pytest.raises(PetraConfigError, match=message):
+        split_config({**BASE, **extra, "petra": {}})

@@ -1,0 +1,1 @@
+"""Models as DeepSpeed layer specs: RevNets and ResNet baselines (``revnet``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -60,6 +61,9 @@ def initialize(
     from .engine import PetraEngine
 
     raw = _load(config, args)
+    if getattr(args, "deepspeed_config", None):
+        args = copy.copy(args)  # the config now travels as a dict; DeepSpeed refuses both
+        args.deepspeed_config = None
     if "petra" not in raw:
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                     model_parameters=model_parameters, training_data=training_data,

@@ -53,7 +53,7 @@ class PetraPipelineModule(PipelineModule):
             super()._partition_layers(method)
         finally:
             self.num_stages = ranks
-        self.petra_parts = list(self.parts)
+        self.petra_parts = [int(p) for p in self.parts]  # "parameters" partitioning returns numpy ints
         if any(b <= a for a, b in zip(self.petra_parts, self.petra_parts[1:])):
             raise ValueError(f"partition {self.petra_parts} leaves a PETRA stage without layers; "
                              "use partition_method='uniform' or fewer stages")

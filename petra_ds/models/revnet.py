@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from ..nn import SwapCoupling
 
 DEPTHS = {18: ("basic", (2, 2, 2, 2)), 34: ("basic", (3, 4, 6, 3)), 50: ("bottleneck", (3, 4, 6, 3))}
-WIDTHS = (64, 128, 256, 512)
 
 
 def _bn(channels: int) -> nn.BatchNorm2d:
@@ -125,13 +124,14 @@ class ResHead(nn.Module):
         return self.fc(nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
-def _plan(depth: int):
+def _plan(depth: int, base_width: int = 64):
     """(kind, [(in_channels, width, stride), ...] per block, final channels)."""
     if depth not in DEPTHS:
         raise ValueError(f"depth must be one of {sorted(DEPTHS)}, got {depth}")
     kind, counts = DEPTHS[depth]
-    blocks, channels = [], 64
-    for stage, (width, count) in enumerate(zip(WIDTHS, counts)):
+    blocks, channels = [], base_width
+    widths = [base_width * 2**i for i in range(4)]
+    for stage, (width, count) in enumerate(zip(widths, counts)):
         for i in range(count):
             stride = 2 if (stage > 0 and i == 0) else 1
             blocks.append((channels, width, stride))
@@ -139,12 +139,13 @@ def _plan(depth: int):
     return kind, blocks, channels
 
 
-def revnet_layers(depth: int, num_classes: int = 1000, cifar: bool = False) -> list:
-    """Layer specs of RevNet-``depth``: stem, one layer per residual block, head."""
+def revnet_layers(depth: int, num_classes: int = 1000, cifar: bool = False, base_width: int = 64) -> list:
+    """Layer specs of RevNet-``depth``: stem, one layer per residual block, head. ``base_width`` 64 is
+    the paper's network; smaller values give the same structure at a fraction of the cost."""
     from deepspeed.runtime.pipe.module import LayerSpec
 
-    kind, blocks, final = _plan(depth)
-    layers = [LayerSpec(Stem, 64, cifar, 2)]
+    kind, blocks, final = _plan(depth, base_width)
+    layers = [LayerSpec(Stem, base_width, cifar, 2)]
     for in_channels, width, stride in blocks:
         if stride == 1 and in_channels == _out_channels(kind, width):
             layers.append(LayerSpec(RevBlock, kind, width))
@@ -154,12 +155,12 @@ def revnet_layers(depth: int, num_classes: int = 1000, cifar: bool = False) -> l
     return layers
 
 
-def resnet_layers(depth: int, num_classes: int = 1000, cifar: bool = False) -> list:
+def resnet_layers(depth: int, num_classes: int = 1000, cifar: bool = False, base_width: int = 64) -> list:
     """Layer specs of the ResNet-``depth`` baseline, from the same residual branches."""
     from deepspeed.runtime.pipe.module import LayerSpec
 
-    kind, blocks, final = _plan(depth)
-    layers = [LayerSpec(Stem, 64, cifar, 1)]
+    kind, blocks, final = _plan(depth, base_width)
+    layers = [LayerSpec(Stem, base_width, cifar, 1)]
     layers += [LayerSpec(ResBlock, kind, c, w, s) for c, w, s in blocks]
     layers.append(LayerSpec(ResHead, final, num_classes))
     return layers

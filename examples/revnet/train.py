@@ -1,0 +1,209 @@
+"""Train a RevNet (or a ResNet baseline) with PETRA or with DeepSpeed's 1F1B pipeline.
+
+    deepspeed --num_gpus 2 examples/revnet/train.py --deepspeed_config ds_configs/petra.json --dataset digits
+    deepspeed --num_gpus 2 examples/revnet/train.py --deepspeed_config ds_configs/backprop.json --dataset digits
+    torchrun --nproc_per_node 2 examples/revnet/train.py --deepspeed_config ds_configs/petra.json ...
+    python examples/revnet/train.py --deepspeed_config ds_configs/petra.json ...   # one process, all stages
+
+A config with a "petra" section trains with PETRA (petra_ds.initialize); one without trains with
+DeepSpeed's synchronous 1F1B schedule. Without an "optimizer" section the paper's recipe is used
+(petra_ds.recipe). PETRA's default partition is one stage per residual block (10 for RevNet18, 18 for
+RevNet34/50) spread evenly over the pipeline ranks; --stages picks a coarser J.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from deepspeed.runtime.utils import set_random_seed
+from deepspeed.utils import RepeatingLoader
+from torch import nn
+from tqdm import tqdm
+
+import petra_ds
+from petra_ds.data import INFO, build_dataset, make_loader
+from petra_ds.models.revnet import resnet_layers, revnet_layers
+from petra_ds.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
+
+ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
+
+
+class ClassificationLoss(nn.Module):
+    """Cross-entropy that also counts correct predictions when called without gradients (eval)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
+        self.correct, self.total = 0, 0
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            self.correct += int((logits.argmax(dim=1) == labels).sum())
+            self.total += labels.numel()
+        return nn.functional.cross_entropy(logits.float(), labels)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="revnet18", choices=sorted(ARCHS))
+    parser.add_argument("--dataset", default="cifar10", choices=sorted(INFO))
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--download", action="store_true", help="download CIFAR-10 when online")
+    parser.add_argument("--epochs", type=int, default=None, help="default: 300 on CIFAR-10/digits, 90 on ImageNet")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many train_batch calls")
+    parser.add_argument("--output-dir", default="runs/revnet")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--width", type=int, default=64, help="base width (64 is the paper's network)")
+    parser.add_argument("--stages", type=int, default=None, help="PETRA stages J (default: one per block)")
+    parser.add_argument("--data-parallel", type=int, default=1, help="pipeline replicas")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per process")
+    parser.add_argument("--warmup-epochs", type=float, default=5.0)
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    parser = deepspeed.add_config_arguments(parser)
+    return parser.parse_args()
+
+
+def build_model(args, config: dict, info, loss_fn: nn.Module):
+    kind, depth = ARCHS[args.arch]
+    layers = (revnet_layers if kind == "revnet" else resnet_layers)(depth, info.num_classes, info.cifar_stem, args.width)
+    world = dist.get_world_size()
+    if world % args.data_parallel:
+        raise SystemExit(f"--data-parallel {args.data_parallel} does not divide the world size {world}")
+    ranks = world // args.data_parallel
+    topology = PipeDataParallelTopology(num_pp=ranks, num_dp=args.data_parallel)
+    if "petra" not in config:
+        # seed_fn: DeepSpeed's "parameters" partition yields numpy indices that random.seed rejects
+        return PipelineModule(layers, topology=topology, loss_fn=loss_fn, partition_method="parameters",
+                              seed_layers=True, seed_fn=lambda seed: set_random_seed(int(seed)),
+                              base_seed=args.seed, dynamic_shape=True)
+    stages = args.stages or len(layers)
+    if stages % ranks:
+        raise SystemExit(f"--stages {stages} must be a multiple of the {ranks} pipeline ranks")
+    config["petra"]["stages_per_rank"] = stages // ranks
+    method = "uniform" if stages == len(layers) else "parameters"
+    return petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=loss_fn, stages_per_rank=stages // ranks,
+                                        partition_method=method, base_seed=args.seed)
+
+
+def evaluate(engine, loader, loss_fn: ClassificationLoss) -> tuple[float, float]:
+    """(mean loss, accuracy) over the whole evaluation set, the same on every rank."""
+    loss_fn.reset()
+    loss = engine.eval_batch(iter(loader), num_micro_batches=len(loader))
+    counts = torch.tensor([loss_fn.correct, loss_fn.total], dtype=torch.float64, device=engine.device)
+    grid = engine.grid
+    if grid.data_parallel_size > 1:
+        dist.all_reduce(counts, group=grid.get_data_parallel_group())
+    if grid.pipe_parallel_size > 1:
+        last = grid.stage_to_global(stage_id=grid.pipe_parallel_size - 1)
+        dist.broadcast(counts, src=last, group=grid.get_pipe_parallel_group())
+    return float(loss), float(counts[0] / counts[1])
+
+
+def plot(metrics: list[dict], losses: list[tuple[int, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    if losses:
+        left.plot(*zip(*losses), lw=0.8, label="train")
+    left.plot([m["step"] for m in metrics], [m["eval_loss"] for m in metrics], "o-", label="eval")
+    left.set_xlabel("train_batch calls")
+    left.set_ylabel("loss")
+    left.legend()
+    right.plot([m["epoch"] for m in metrics], [100 * m["eval_acc"] for m in metrics], "o-")
+    right.set_xlabel("epoch")
+    right.set_ylabel("eval accuracy (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    petra_ds.init_distributed()
+    torch.manual_seed(args.seed)
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    method = "petra" if "petra" in config else "backprop"
+    info = INFO[args.dataset]
+    epochs = args.epochs or (90 if args.dataset.startswith("imagenet") else 300)
+    loss_fn = ClassificationLoss()
+    model = build_model(args, config, info, loss_fn)
+
+    micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
+    train_set = build_dataset(args.dataset, args.data_dir, train=True, download=args.download)
+    eval_set = build_dataset(args.dataset, args.data_dir, train=False, download=args.download)
+    if args.data_parallel > 1:
+        shard = dist.get_rank() % args.data_parallel  # PipeDataParallelTopology puts data innermost
+        train_set = torch.utils.data.Subset(train_set, range(shard, len(train_set), args.data_parallel))
+    train_loader = make_loader(train_set, micro, train=True, workers=args.workers, seed=args.seed)
+    eval_loader = make_loader(eval_set, micro, train=False, workers=args.workers)
+    steps_per_epoch = max(1, len(train_loader) // k)
+
+    recipe = paper_recipe(args.dataset, epochs, micro * k * args.data_parallel, args.warmup_epochs)
+    extra = {}
+    if "optimizer" not in config:
+        extra = dict(optimizer=sgd_factory(recipe),
+                     model_parameters=no_decay_groups(model.named_parameters(), recipe.weight_decay),
+                     lr_scheduler=scheduler_factory(recipe, steps_per_epoch))
+    engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config, **extra)
+
+    rank0 = dist.get_rank() == 0
+    os.makedirs(args.output_dir, exist_ok=True)
+    total_steps = epochs * steps_per_epoch if args.max_steps is None else min(args.max_steps, epochs * steps_per_epoch)
+    data = RepeatingLoader(train_loader)
+    metrics, losses = [], []
+    best = 0.0
+    start = time.time()
+    bar = tqdm(total=total_steps, disable=not rank0, desc=f"{method} {args.arch}", dynamic_ncols=True)
+    for step in range(1, total_steps + 1):
+        loss = float(engine.train_batch(data))
+        if not math.isnan(loss):
+            losses.append((step, loss))
+            bar.set_postfix(loss=f"{loss:.3f}")
+        bar.update()
+        last = step == total_steps
+        if step % steps_per_epoch == 0 or last:
+            if last and method == "petra":
+                engine.drain()
+            eval_loss, eval_acc = evaluate(engine, eval_loader, loss_fn)
+            best = max(best, eval_acc)
+            elapsed = time.time() - start
+            row = {"epoch": step / steps_per_epoch, "step": step, "train_loss": losses[-1][1] if losses else None,
+                   "eval_loss": eval_loss, "eval_acc": eval_acc, "elapsed_s": elapsed,
+                   "samples_per_s": step * micro * k * args.data_parallel / elapsed}
+            metrics.append(row)
+            if rank0:
+                bar.write(json.dumps(row))
+                with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                if engine.monitor.enabled:
+                    engine.monitor.write_events([("Eval/loss", eval_loss, step), ("Eval/accuracy", eval_acc, step)])
+    bar.close()
+    if rank0:
+        summary = {"method": method, "arch": args.arch, "dataset": args.dataset, "final_eval_acc": metrics[-1]["eval_acc"],
+                   "best_eval_acc": best, "final_eval_loss": metrics[-1]["eval_loss"],
+                   "samples_per_s": metrics[-1]["samples_per_s"], "steps": total_steps, "world_size": dist.get_world_size(),
+                   "stages": getattr(engine, "num_petra_stages", engine.num_stages), "args": vars(args), "config": config,
+                   "recipe": vars(recipe) if extra else None}
+        with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+        plot(metrics, losses, os.path.join(args.output_dir, "curves.png"))
+        print(json.dumps({k: summary[k] for k in ("method", "final_eval_acc", "best_eval_acc", "samples_per_s")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""PETRA vs backprop (DeepSpeed 1F1B) on the same architecture, data, epochs and seed.
+
+    OMP_NUM_THREADS=1 python benchmarks/accuracy.py --dataset digits --width 16 --epochs 40 --procs 2
+
+Runs examples/revnet/train.py once per method under the deepspeed launcher, prints the final and best
+eval accuracies and their difference in points, and saves everything as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", default="digits")
+    parser.add_argument("--arch", default="revnet18")
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--petra-config", default="ds_configs/petra_digits.json")
+    parser.add_argument("--backprop-config", default="ds_configs/backprop_digits.json")
+    parser.add_argument("--output", default="benchmarks/results/accuracy_digits.json")
+    parser.add_argument("--run-dir", default="runs/accuracy")
+    args = parser.parse_args()
+
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    results = {}
+    for method, config in (("petra", args.petra_config), ("backprop", args.backprop_config)):
+        out = os.path.join(args.run_dir, method)
+        cmd = [deepspeed, "--num_gpus", str(args.procs), "examples/revnet/train.py", "--deepspeed_config", config,
+               "--dataset", args.dataset, "--arch", args.arch, "--width", str(args.width), "--epochs",
+               str(args.epochs), "--seed", str(args.seed), "--workers", "1", "--output-dir", out]
+        start = time.time()
+        subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        with open(os.path.join(ROOT, out, "summary.json")) as f:
+            summary = json.load(f)
+        results[method] = {"final_eval_acc": summary["final_eval_acc"], "best_eval_acc": summary["best_eval_acc"],
+                           "samples_per_s": summary["samples_per_s"], "stages": summary["stages"],
+                           "wall_s": time.time() - start, "command": " ".join(cmd[1:])}
+    gap = 100 * (results["backprop"]["final_eval_acc"] - results["petra"]["final_eval_acc"])
+    report = {"dataset": args.dataset, "arch": args.arch, "width": args.width, "epochs": args.epochs,
+              "procs": args.procs, "seed": args.seed, "results": results, "gap_points_final": gap}
+    os.makedirs(os.path.dirname(os.path.join(ROOT, args.output)), exist_ok=True)
+    with open(os.path.join(ROOT, args.output), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{'method':10s} {'final':>8s} {'best':>8s} {'samples/s':>10s} {'wall s':>8s}")
+    for method, r in results.items():
+        print(f"{method:10s} {100 * r['final_eval_acc']:7.2f}% {100 * r['best_eval_acc']:7.2f}% "
+              f"{r['samples_per_s']:10.1f} {r['wall_s']:8.1f}")
+    print(f"backprop - petra (final): {gap:+.2f} points")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,17 +5,15 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from subprocess_env import ROOT, launcher_env
+
 SCRIPT = os.path.join(ROOT, "examples", "quickstart", "train.py")
 CONFIG = os.path.join(ROOT, "ds_configs", "quickstart.json")
 
 
 def run(cmd, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
     out = tmp_path / "summary.json"
-    proc = subprocess.run(cmd + ["--output", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run(cmd + ["--output", str(out)], cwd=ROOT, env=launcher_env(), capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())

@@ -7,20 +7,17 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from subprocess_env import ROOT, launcher_env
 
 
 @pytest.mark.parametrize("config,method,stages", [("petra.json", "petra", 10), ("backprop.json", "backprop", 2)])
 def test_two_process_run_writes_a_valid_summary(tmp_path, config, method, stages):
     out = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
            os.path.join(ROOT, "examples", "revnet", "train.py"), "--deepspeed_config",
            os.path.join(ROOT, "ds_configs", config), "--dataset", "digits", "--width", "8", "--epochs", "2",
            "--max-steps", "6", "--workers", "1", "--output-dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == method and summary["stages"] == stages and summary["world_size"] == 2

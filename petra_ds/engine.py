@@ -32,6 +32,7 @@ from .schedule import (
     AccumulateAndStep,
     CommitP2P,
     DelayedBackward,
+    FeedLog,
     ForwardPass,
     LoadMicroBatch,
     PetraSchedule,
@@ -40,7 +41,6 @@ from .schedule import (
     ReverseReconstruct,
     SendActivation,
     SendGrad,
-    FeedLog,
     Timeline,
     Window,
 )

@@ -15,7 +15,8 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from .config import PetraConfigError, split_config
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -30,7 +31,7 @@ def ensure_single_process_env() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 def _load(config: Any, args: Any) -> dict:

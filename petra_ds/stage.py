@@ -15,14 +15,14 @@ that after k backwards ``.grad`` is the mean over the k micro-batches, as DeepSp
 from __future__ import annotations
 
 from collections import deque
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .nn.batchnorm import BatchNormPolicy, running_stats
+from .nn.batchnorm import BatchNormPolicy, batch_norms, norms_running_stats
 from .nn.reversible import (
     Activation,
     GraphTape,
@@ -95,6 +95,7 @@ class Stage:
         for module in self.modules:  # keyed-RNG layer indices, unique inside the stage
             key = assign_rng_keys(module, key)
         self.params = self._unique_params()
+        self.norms = [bn for module in self.modules for bn in batch_norms(module)]
 
         self.fifo: deque[tuple[int, Activation]] = deque()  # exact inputs of a non-reversible stage
         self.raw: dict[int, Activation] = {}  # stage 0's micro-batches (data)
@@ -129,22 +130,21 @@ class Stage:
     def run(self, x: Activation) -> Activation:
         """F_j(x) with the current parameters (autocast inside, outputs back in the input dtype)."""
         dtype = self.options.autocast_dtype
+        if dtype is None:
+            for layer in self.layers:
+                x = layer(x)
+            return x
         stream_dtype = next((t.dtype for t in as_tuple(x) if t.is_floating_point()), torch.float32)
         with self._autocast():
             for layer in self.layers:
                 x = layer(x)
-        if dtype is None:
-            return x
         return like(x, [t.to(stream_dtype) if t.is_floating_point() and t.dtype == dtype else t
                         for t in as_tuple(x)])
 
     @contextmanager
     def scope(self, m: int, update_bn: bool) -> Iterator[None]:
         """Keyed RNG of (seed, m, stage); batch norms update their running statistics iff ``update_bn``."""
-        with ExitStack() as stack:
-            stack.enter_context(micro_batch_rng(self.options.seed, m, self.index))
-            for module in self.modules:
-                stack.enter_context(running_stats(module, update_bn))
+        with micro_batch_rng(self.options.seed, m, self.index), norms_running_stats(self.norms, update_bn):
             yield
 
     @property

@@ -11,7 +11,6 @@ import importlib
 import itertools
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import traceback
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .launch import free_port
 from .nn import AdditiveCoupling, SwapCoupling
 
 WIDTH = 4
@@ -106,12 +106,6 @@ DEFAULT_SPEC: dict[str, Any] = {
     "dropout": 0.1, "dtype": "float64", "petra": {}, "bf16": False, "base_seed": 1234, "data_seed": 0,
     "memory_trace": False, "capture_grads": True, "eval_batches": 0, "track_reconstruction": False,
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +211,7 @@ def launch(spec: dict[str, Any], world_size: int | None = None, timeout: float =
     spec = {**DEFAULT_SPEC, **spec}
     world = world_size or spec["pipe"] * spec["dp"]
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_entry, args=(r, world, port, spec, out_dir)) for r in range(world)]
         for p in procs:

@@ -1,6 +1,7 @@
 """PetraEngine against oracles (DESIGN.md section 5), on CPU with gloo, in float64."""
 
 import functools
+import json
 
 import pytest
 import torch
@@ -15,17 +16,14 @@ SEED = 0  # petra.seed default
 
 
 @functools.lru_cache(maxsize=None)
-def _run(pipe, stages_per_rank, dp=1, **kw):
-    spec = {"pipe": pipe, "stages_per_rank": stages_per_rank, "dp": dp, **{k: v for k, v in kw.items()}}
-    for key in ("optimizer", "petra"):
-        if key in spec:
-            spec[key] = eval(spec[key])
-    return launch(spec)
+def _run(spec_json):
+    return launch(json.loads(spec_json))
 
 
 def run(pipe, stages_per_rank, dp=1, **kw):
     """Launch once per distinct configuration (cached across tests)."""
-    return _run(pipe, stages_per_rank, dp, **{k: repr(v) if isinstance(v, dict) else v for k, v in kw.items()})
+    spec = {"pipe": pipe, "stages_per_rank": stages_per_rank, "dp": dp, **kw}
+    return _run(json.dumps(spec, sort_keys=True))
 
 
 def max_diff(a, b):

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from torch import nn
 
 BN_POLICIES = ("backward", "forward")
 
 
-def _batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+def batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The batch norms under ``module`` that keep running statistics."""
     return [
         m
         for m in module.modules()
@@ -23,14 +24,18 @@ def _batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     ]
 
 
-@contextmanager
-def running_stats(module: nn.Module, update: bool) -> Iterator[None]:
+def running_stats(module: nn.Module, update: bool):
     """Inside, batch norms in training mode update their running statistics only if ``update``.
 
     With ``update=False`` they still normalise with batch statistics (PyTorch's path for
     ``track_running_stats=False``); evaluation mode always reads the running statistics.
     """
-    norms = _batch_norms(module)
+    return norms_running_stats(batch_norms(module), update)
+
+
+@contextmanager
+def norms_running_stats(norms: Sequence[nn.modules.batchnorm._BatchNorm], update: bool) -> Iterator[None]:
+    """:func:`running_stats` for a list from :func:`batch_norms`, found once by a caller on a hot path."""
     saved = [m.track_running_stats for m in norms]
     for m in norms:
         m.track_running_stats = update

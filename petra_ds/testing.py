@@ -100,6 +100,41 @@ def toy_data(num: int, micro_batch: int, seed: int = 0, dtype=torch.float64) -> 
     return out
 
 
+def revgpt_tiny_config(dropout: float = 0.0, tie_embeddings: bool = False):
+    """A RevGPT small enough for float64 oracles: 4 blocks, 7 layers."""
+    from .models.transformer import RevGPTConfig
+
+    return RevGPTConfig(vocab_size=VOCAB, seq_len=SEQ_LEN, d_model=8, n_layers=4, n_heads=2, mlp_ratio=2,
+                        dropout=dropout, tie_embeddings=tie_embeddings)
+
+
+VOCAB, SEQ_LEN = 11, 6
+
+
+def token_data(num: int, micro_batch: int, seed: int = 0, dtype=None) -> list[tuple]:
+    """``num`` micro-batches of (ids, next ids) where the next token is the current one plus one
+    (mod ``VOCAB``) most of the time: learnable, with some noise."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        start = torch.randint(0, VOCAB, (micro_batch, 1), generator=g)
+        ids = (start + torch.arange(SEQ_LEN + 1)) % VOCAB
+        noise = torch.rand(ids.shape, generator=g) < 0.1
+        ids = torch.where(noise, torch.randint(0, VOCAB, ids.shape, generator=g), ids)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+def model_for(spec: dict[str, Any]) -> tuple[list, Any, Any]:
+    """(layer specs, loss_fn, data function) of the test model ``spec["model"]``: "toy" or "revgpt"."""
+    if spec.get("model", "toy") == "revgpt":
+        from .models.transformer import lm_loss, revgpt_layers
+
+        config = revgpt_tiny_config(spec["dropout"], spec.get("tie_embeddings", False))
+        return revgpt_layers(config), lm_loss, token_data
+    return toy_layer_specs(spec["dropout"], spec.get("batchnorm", False)), nn.CrossEntropyLoss(), toy_data
+
+
 DEFAULT_SPEC: dict[str, Any] = {
     "pipe": 1, "dp": 1, "stages_per_rank": 4, "k": 2, "micro_batch": 4, "train_batches": 3,
     "drain": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
@@ -120,8 +155,9 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_default_dtype(dtype)
     deepspeed.init_distributed(dist_backend="gloo")
     topology = PipeDataParallelTopology(num_pp=spec["pipe"], num_dp=spec["dp"])
+    layer_specs, loss_fn, data_fn = model_for(spec)
     model = petra_ds.PetraPipelineModule(
-        toy_layer_specs(spec["dropout"], spec.get("batchnorm", False)), topology=topology, loss_fn=nn.CrossEntropyLoss(),
+        layer_specs, topology=topology, loss_fn=loss_fn,
         stages_per_rank=spec["stages_per_rank"], partition_method="uniform", base_seed=spec["base_seed"])
     k, b, dp = spec["k"], spec["micro_batch"], spec["dp"]
     config = {
@@ -149,7 +185,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     replica = engine.grid.data_parallel_id
     distinct = spec.get("distinct_micro_batches") or k * spec["train_batches"]
     data = [(x[replica * b:(replica + 1) * b], y[replica * b:(replica + 1) * b])
-            for x, y in toy_data(distinct, b * dp, spec["data_seed"], dtype)]
+            for x, y in data_fn(distinct, b * dp, spec["data_seed"], dtype)]
 
     names = {}
     for i, layer in enumerate(model.forward_funcs):

@@ -19,9 +19,10 @@ from petra_ds.testing import toy_layer_specs
 LOSS = nn.CrossEntropyLoss()
 
 
-def build_stages(num_stages: int, dropout: float, base_seed: int = 1234):
+def build_stages(num_stages: int, dropout: float, base_seed: int = 1234, specs=None):
+    """The layers built as PetraPipelineModule builds them (seed per layer index), cut into stages."""
     torch.set_default_dtype(torch.float64)
-    specs = toy_layer_specs(dropout)
+    specs = toy_layer_specs(dropout) if specs is None else specs
     layers = []
     for idx, spec in enumerate(specs):
         set_random_seed(base_seed + idx)
@@ -46,7 +47,7 @@ def run(stage, x):
     return x
 
 
-def autograd_group_grads(stages, data, group, seed):
+def autograd_group_grads(stages, data, group, seed, loss=LOSS):
     """Plain end-to-end autograd of the mean loss over micro-batches ``group``."""
     for stage in stages:
         for _, layer in stage:
@@ -56,7 +57,7 @@ def autograd_group_grads(stages, data, group, seed):
         for j, stage in enumerate(stages):
             with micro_batch_rng(seed, m, j):
                 x = run(stage, x)
-        (LOSS(x, y) / len(group)).backward()
+        (loss(x, y) / len(group)).backward()
     return [{n: p.grad.clone() for n, p in named_params(stage).items()} for stage in stages]
 
 

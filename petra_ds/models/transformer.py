@@ -1,0 +1,166 @@
+"""A decoder-only reversible transformer (RevGPT) as DeepSpeed layer specs.
+
+    embedding (non-reversible)  ids -> (h, h): token + position embedding, dropout, copied into two streams
+    N x RevGPTBlock (reversible) y1 = x1 + F(x2), y2 = x2 + G(y1); F = pre-norm causal self-attention
+                                 (``scaled_dot_product_attention``), G = pre-norm MLP
+    final norm (non-reversible)  (y1, y2) -> LayerNorm((y1 + y2) / 2)
+    LM head (non-reversible)     -> logits; optionally the embedding's weight (``TiedLayerSpec``)
+
+Dropout draws from the keyed RNG (``petra_ds.nn.rng``), so a block's reconstruction sees the masks
+of its forward. Under bf16 autocast F and G compute in bf16 while the two residual streams stay in
+their own dtype (fp32): the coupling casts F's and G's outputs back before adding or subtracting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ..nn.coupling import AdditiveCoupling
+
+TIE_KEY = "embedding"
+
+
+@dataclass
+class RevGPTConfig:
+    vocab_size: int
+    seq_len: int
+    d_model: int = 256
+    n_layers: int = 12
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    dropout: float = 0.1
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
+        if self.n_layers < 1 or self.vocab_size < 1 or self.seq_len < 1:
+            raise ValueError(f"RevGPTConfig needs n_layers, vocab_size and seq_len >= 1, got {asdict(self)}")
+
+
+def _init_linear(module: nn.Module) -> None:
+    """GPT-2's initialisation: N(0, 0.02) weights, zero biases."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+
+class Embedding(nn.Module):
+    """Token and learned position embeddings, both streams start from the same ``h``."""
+
+    def __init__(self, vocab_size: int, d_model: int, seq_len: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.token = nn.Embedding(vocab_size, d_model)
+        self.position = nn.Embedding(seq_len, d_model)
+        self.dropout = nn.Dropout(dropout)
+        _init_linear(self)
+
+    def forward(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        if ids.dim() != 2:
+            raise ValueError(f"RevGPT expects token ids of shape (batch, seq), got {tuple(ids.shape)}")
+        if ids.shape[1] > self.position.num_embeddings:
+            raise ValueError(f"sequence of {ids.shape[1]} tokens, the model was built for seq_len "
+                             f"{self.position.num_embeddings}")
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        h = self.dropout(self.token(ids) + self.position(positions))
+        return h, h
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The tied LM head: ``h @ token.weight^T``."""
+        return F.linear(h, self.token.weight)
+
+
+def tied_logits(embedding: Embedding, h: Tensor) -> Tensor:
+    return embedding.logits(h)
+
+
+class CausalSelfAttention(nn.Module):
+    """F: pre-norm multi-head causal self-attention."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.norm = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.attn_dropout = dropout
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        p = self.attn_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+
+class MLP(nn.Module):
+    """G: pre-norm two-layer MLP with GELU."""
+
+    def __init__(self, d_model: int, ratio: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, ratio * d_model), nn.GELU(),
+                                 nn.Linear(ratio * d_model, d_model), nn.Dropout(dropout))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+class RevGPTBlock(AdditiveCoupling):
+    """``y1 = x1 + Attention(x2)``, ``y2 = x2 + MLP(y1)``."""
+
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
+                 n_layers: int = 1) -> None:
+        super().__init__(CausalSelfAttention(d_model, n_heads, dropout), MLP(d_model, mlp_ratio, dropout))
+        _init_linear(self)
+        # GPT-2: residual projections scaled by 1/sqrt(2 N) so the streams do not grow with depth
+        for out in (self.F.proj, self.G.net[3]):
+            nn.init.normal_(out.weight, std=0.02 / (2 * n_layers) ** 0.5)
+
+
+class FinalNorm(nn.Module):
+    """(y1, y2) -> LayerNorm of their mean: one stream for the head."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, x: tuple[Tensor, Tensor]) -> Tensor:
+        y1, y2 = x
+        return self.norm((y1 + y2) / 2)
+
+
+class LMHead(nn.Module):
+    def __init__(self, d_model: int, vocab_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d_model, vocab_size, bias=False)
+        _init_linear(self)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.linear(h)
+
+
+def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean next-token cross-entropy (labels already shifted; -100 is ignored), computed in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+
+
+def revgpt_layers(config: RevGPTConfig) -> list[LayerSpec]:
+    """Embedding, ``n_layers`` reversible blocks, final norm, LM head: one spec per layer."""
+    c = config
+    embed_args = (c.vocab_size, c.d_model, c.seq_len, c.dropout)
+    if c.tie_embeddings:
+        first = TiedLayerSpec(TIE_KEY, Embedding, *embed_args, tied_weight_attr=["token.weight"])
+        head = TiedLayerSpec(TIE_KEY, Embedding, *embed_args, forward_fn=tied_logits, tied_weight_attr=["token.weight"])
+    else:
+        first, head = LayerSpec(Embedding, *embed_args), LayerSpec(LMHead, c.d_model, c.vocab_size)
+    blocks = [LayerSpec(RevGPTBlock, c.d_model, c.n_heads, c.mlp_ratio, c.dropout, c.n_layers) for _ in range(c.n_layers)]
+    return [first, *blocks, LayerSpec(FinalNorm, c.d_model), head]

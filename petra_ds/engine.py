@@ -26,7 +26,16 @@ from torch.optim import Optimizer
 
 from . import checkpoint, messages
 from .config import PetraConfig, PetraConfigError
-from .module import stage_layers, stage_reversible, stages_per_rank_of
+from .module import (
+    Tie,
+    give_readers_their_copy,
+    layer_module,
+    stage_layers,
+    stage_reversible,
+    stage_ties,
+    stages_per_rank_of,
+    tied_params,
+)
 from .nn.batchnorm import BatchNormPolicy
 from .schedule import (
     AccumulateAndStep,
@@ -38,9 +47,13 @@ from .schedule import (
     PetraSchedule,
     RecvActivation,
     RecvGrad,
+    RecvTiedGrad,
+    RecvTiedWeight,
     ReverseReconstruct,
     SendActivation,
     SendGrad,
+    SendTiedGrad,
+    SendTiedWeight,
     Timeline,
     Window,
 )
@@ -109,11 +122,9 @@ class PetraEngine(PipelineEngine):
     def __init__(self, *args, petra_config: PetraConfig, bf16: bool = False, **kwargs) -> None:
         self.petra_config = petra_config
         super().__init__(*args, **kwargs)
+        if not hasattr(self, "ties"):  # no optimizer configured: _configure_optimizer did not run
+            self._setup_ties()
         module = self.module
-        if module.tied_modules:
-            raise NotImplementedError(
-                f"tied layers ({sorted(module.tied_modules)}) are not supported by PETRA yet: their stages "
-                "step at different clocks, so the tied gradient has no common step; untie them")
         self.stages_per_rank = stages_per_rank_of(module)
         if self.stages_per_rank != petra_config.stages_per_rank:
             raise PetraConfigError(
@@ -161,22 +172,51 @@ class PetraEngine(PipelineEngine):
 
     # --- optimizers and schedulers, one per local stage ---
 
+    def _local_range(self) -> range:
+        spr = stages_per_rank_of(self.module)
+        rank = self.module._grid.get_stage_id()
+        return range(rank * spr, (rank + 1) * spr)
+
+    def _setup_ties(self) -> None:
+        """Ties across stages: readers' own copies, and the parameters each side sends and receives."""
+        self.ties: list[Tie] = stage_ties(self.module)
+        local = self._local_range()
+        #: (stage, key) -> the tied tensors that stage sends (reader: gradients) or receives (reader: weights)
+        self.tied_tensors: dict[tuple[int, str], list[torch.nn.Parameter]] = {}
+        self._copy_of: dict[int, int] = {}  # id(reader copy's param) -> id(the owner's param it mirrors)
+        for tie in self.ties:
+            if tie.owner in local:
+                self.tied_tensors[(tie.owner, tie.key)] = tied_params(self.module.tied_modules[tie.key], tie.attrs)
+            for j, twin in give_readers_their_copy(self.module, tie, local).items():
+                self.tied_tensors[(j, tie.key)] = tied_params(twin, tie.attrs)
+                base = self.module.tied_modules[tie.key]
+                if twin is not base:
+                    self._copy_of.update({id(c): id(b) for c, b in zip(twin.parameters(), base.parameters())})
+
+    def _reader_tied_ids(self, stage: int) -> set[int]:
+        return {id(p) for tie in self.ties if stage in tie.readers for p in self.tied_tensors[(stage, tie.key)]}
+
     def _local_stage_params(self) -> dict[int, set[int]]:
-        module = self.module
-        spr = stages_per_rank_of(module)
+        """Per local stage, the parameters its optimizer steps (a reader's tied copies are not among them)."""
         out = {}
-        rank = module._grid.get_stage_id()
-        for j in range(rank * spr, (rank + 1) * spr):
+        for j in self._local_range():
             ids = set()
-            for layer in stage_layers(module, j):
-                if isinstance(layer, torch.nn.Module):
-                    ids.update(id(p) for p in layer.parameters())
-            out[j] = ids
+            for layer in stage_layers(self.module, j):
+                module = layer_module(layer)
+                if module is not None:
+                    ids.update(id(p) for p in module.parameters())
+            out[j] = ids - self._reader_tied_ids(j)
         return out
 
     def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
+        self._setup_ties()
         stage_params = self._local_stage_params()
         groups = _param_groups(model_parameters)
+        if self._copy_of:  # a reader's copy joins the groups of the parameters it copies
+            by_id = {id(p): p for p in self.module.parameters()}
+            for g in groups:
+                members = {id(p) for p in g["params"]}
+                g["params"] += [by_id[c] for c, b in self._copy_of.items() if b in members and c not in members and c in by_id]
         if isinstance(client_optimizer, Optimizer) and len(stage_params) > 1:
             raise PetraConfigError(
                 "an optimizer instance cannot serve several PETRA stages that step at different clocks; "
@@ -252,11 +292,13 @@ class PetraEngine(PipelineEngine):
     def clock(self) -> int:
         return self.timeline.clock
 
-    def _schedule(self, window: Window) -> PetraSchedule:
+    def _schedule(self, window: Window, stage_id: int | None = None) -> PetraSchedule:
         reconstructs = [r and self.petra_config.input_buffer != "all" for r in self.reversible]
         return PetraSchedule.for_window(
-            window, self.num_stages, self.stage_id, stages_per_rank=self.stages_per_rank,
-            gradient_accumulation_steps=self.micro_batches, reversible=reconstructs)
+            window, self.num_stages, self.stage_id if stage_id is None else stage_id,
+            stages_per_rank=self.stages_per_rank,
+            gradient_accumulation_steps=self.micro_batches, reversible=reconstructs,
+            ties=[(tie.key, tie.owner, tie.readers) for tie in self.ties])
 
     def _run_window(self, window: Window) -> Tensor:
         self._window_losses = []
@@ -365,18 +407,69 @@ class PetraEngine(PipelineEngine):
             flat /= self.grid.data_parallel_size
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
+        self._tied_gradients(stage, step)
         for observe in self.step_observers:
             observe(stage, st)
         if optimizer is not None:
             optimizer.step()
         for p in params:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
             p.grad = None
+        self._tied_weights(stage, step)
         scheduler = self.stage_schedulers[index]
         if scheduler is not None:
             scheduler.step()
         self.stage_steps[stage] += 1
         if self.stage_steps[stage] != step:
             raise RuntimeError(f"stage {stage} took step {self.stage_steps[stage]}, the schedule says {step}")
+
+    # --- tied weights across stages (see module.Tie) ---
+
+    def _tied_gradients(self, stage: int, step: int) -> None:
+        """A reader sets aside its gradient of the tied weights for the owner; the owner adds every
+        reader's gradient of the same step (a reader's k-th backward comes before the owner's)."""
+        for tie in self.ties:
+            if stage in tie.readers:
+                self.produced[(stage, f"tied_grad:{tie.key}", step)] = tuple(
+                    p.grad.detach().clone() for p in self.tied_tensors[(stage, tie.key)])
+            elif stage == tie.owner:
+                for reader in tie.readers:
+                    contribution = self.inbox.pop((stage, f"tied_grad:{tie.key}:{reader}", step), None)
+                    if contribution is None:
+                        raise RuntimeError(f"stage {stage} takes step {step} without stage {reader}'s gradient "
+                                           f"of the tied weights {tie.key!r}")
+                    for p, g in zip(self.tied_tensors[(stage, tie.key)], contribution):
+                        p.grad.add_(g)
+
+    def _tied_weights(self, stage: int, step: int) -> None:
+        for tie in self.ties:
+            if stage == tie.owner:
+                weights = tuple(p.detach().clone() for p in self.tied_tensors[(stage, tie.key)])
+                for reader in tie.readers:
+                    self.produced[(stage, f"tied_weight:{tie.key}:{reader}", step)] = weights
+
+    def _exec_send_tied_grad(self, stage: int, owner: int, key: str, step: int) -> None:
+        self._send((f"tied_grad:{key}", stage, owner), (owner, f"tied_grad:{key}:{stage}", step),
+                   self.produced.pop((stage, f"tied_grad:{key}", step)))
+
+    def _exec_recv_tied_grad(self, stage: int, reader: int, key: str, step: int) -> None:
+        if reader not in self.stages:
+            self._recvs.append(((f"tied_grad:{key}", reader, stage), (stage, f"tied_grad:{key}:{reader}", step)))
+
+    def _exec_send_tied_weight(self, stage: int, reader: int, key: str, step: int) -> None:
+        self._send((f"tied_weight:{key}", stage, reader), (reader, f"tied_weight:{key}", step),
+                   self.produced.pop((stage, f"tied_weight:{key}:{reader}", step)))
+
+    def _exec_recv_tied_weight(self, stage: int, owner: int, key: str, step: int) -> None:
+        if owner not in self.stages:
+            self._recvs.append(((f"tied_weight:{key}", owner, stage), (stage, f"tied_weight:{key}", step)))
+
+    def _apply_tied_weights(self) -> None:
+        """Weights received this clock replace the readers' copies before the next clock."""
+        for key in [k for k in self.inbox if k[1].startswith("tied_weight:")]:
+            stage, kind, _step = key
+            with torch.no_grad():
+                for p, w in zip(self.tied_tensors[(stage, kind.split(":", 1)[1])], self.inbox.pop(key)):
+                    p.copy_(w)
 
     def _stage_rank(self, stage: int) -> int:
         return self.grid.stage_to_global(stage_id=stage // self.stages_per_rank)
@@ -409,6 +502,7 @@ class PetraEngine(PipelineEngine):
         self.inbox.update(self._arrivals)
         self.inbox.update(received)
         self._sends, self._recvs, self._arrivals = [], [], {}
+        self._apply_tied_weights()
 
     def _exchange(self, sends, recvs, layouts: dict | None) -> dict:
         """Batched p2p with the neighbouring ranks. ``layouts`` holds the negotiated layout of each
@@ -546,6 +640,8 @@ class PetraEngine(PipelineEngine):
             "schedulers": [s.state_dict() if s is not None else None for s in self.stage_schedulers],
             "stages": {j: st.state_dict() for j, st in self.stages.items()},
             "inbox": self.inbox,
+            "reader_tied_modules": {f"{j}:{tie.key}": self._reader_module(j, tie).state_dict()
+                                    for tie in self.ties for j in tie.readers if j in self.stages},
             "client_state": client_state or {},
         }
 
@@ -584,7 +680,15 @@ class PetraEngine(PipelineEngine):
         for j, st in self.stages.items():
             st.load_state_dict(state["stages"][j])
         self.inbox = dict(state["inbox"])
+        for tie in self.ties:  # DeepSpeed's layer files hold the owner's weights, not a reader's copy
+            for j in tie.readers:
+                if j in self.stages:
+                    self._reader_module(j, tie).load_state_dict(state["reader_tied_modules"][f"{j}:{tie.key}"])
         return path, state["client_state"]
+
+    def _reader_module(self, stage: int, tie: Tie) -> torch.nn.Module:
+        ids = {id(p) for p in self.tied_tensors[(stage, tie.key)]}
+        return next(m for m in self.stages[stage].modules if any(id(p) in ids for p in m.parameters()))
 
     # --- introspection ---
 
@@ -622,5 +726,9 @@ class PetraEngine(PipelineEngine):
         RecvActivation: _exec_petra_recv_act,
         SendGrad: _exec_petra_send_grad,
         RecvGrad: _exec_petra_recv_grad,
+        SendTiedGrad: _exec_send_tied_grad,
+        RecvTiedGrad: _exec_recv_tied_grad,
+        SendTiedWeight: _exec_send_tied_weight,
+        RecvTiedWeight: _exec_recv_tied_weight,
         CommitP2P: _exec_petra_commit,
     }

@@ -8,6 +8,10 @@ initial weights (seeded by layer index) do not depend on the placement, so 1 ran
 
 from __future__ import annotations
 
+import copy
+import functools
+from bisect import bisect_right
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
@@ -87,3 +91,70 @@ def stage_reversible(module: PipelineModule) -> list[bool]:
     parts = petra_parts(module)
     specs = module._layer_specs
     return [all(spec_is_reversible(s) for s in specs[a:b]) for a, b in zip(parts, parts[1:])]
+
+
+def layer_module(layer: Callable) -> nn.Module | None:
+    """The module behind a built layer: the layer itself, or the tied module of a ``TiedLayerSpec``
+    with a ``forward_fn`` (DeepSpeed builds those as ``partial(forward_fn, module)``)."""
+    if isinstance(layer, nn.Module):
+        return layer
+    if isinstance(layer, functools.partial) and layer.args and isinstance(layer.args[0], nn.Module):
+        return layer.args[0]
+    return None
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A ``TiedLayerSpec`` key used by several PETRA stages.
+
+    The first stage using it (the owner) steps the tied weights with the sum of every user's gradient
+    for the same k micro-batches; every later stage (a reader) keeps its own copy, sends its gradient
+    to the owner at its own step, and receives the owner's new weights one clock after the owner steps.
+    """
+
+    key: str
+    attrs: tuple[str, ...]
+    owner: int
+    readers: tuple[int, ...]
+
+
+def stage_ties(module: PipelineModule) -> list[Tie]:
+    """The ties that span PETRA stages (a tie inside one stage is plain weight sharing)."""
+    parts = petra_parts(module)
+    uses: dict[str, tuple[list[str], set[int]]] = {}
+    for idx, spec in enumerate(module._layer_specs):
+        if isinstance(spec, TiedLayerSpec):
+            uses.setdefault(spec.key, (list(spec.tied_weight_attr), set()))[1].add(bisect_right(parts, idx) - 1)
+    ties = []
+    for key, (attrs, stages) in sorted(uses.items()):
+        ordered = sorted(stages)
+        if len(ordered) > 1:
+            ties.append(Tie(key, tuple(attrs), ordered[0], tuple(ordered[1:])))
+    return ties
+
+
+def tied_params(module: nn.Module, attrs: tuple[str, ...]) -> list[nn.Parameter]:
+    return [functools.reduce(getattr, attr.split("."), module) for attr in attrs]
+
+
+def give_readers_their_copy(module: PipelineModule, tie: Tie, local_stages: range) -> dict[int, nn.Module]:
+    """Per local reader stage, the module it uses for ``tie``; a reader on the owner's rank gets a deep
+    copy (DeepSpeed shares one module per rank), so that every reader holds its own weights whatever
+    the placement of the stages."""
+    parts = petra_parts(module)
+    out = {}
+    for j in tie.readers:
+        if j not in local_stages:
+            continue
+        base = module.tied_modules[tie.key]
+        twin = copy.deepcopy(base) if tie.owner in local_stages else base
+        for idx in range(parts[j] - module._local_start, parts[j + 1] - module._local_start):
+            layer = module.forward_funcs[idx]
+            if layer is base:
+                module.forward_funcs[idx] = twin
+            elif isinstance(layer, functools.partial) and layer.args and layer.args[0] is base:
+                module.forward_funcs[idx] = functools.partial(layer.func, twin, *layer.args[1:], **layer.keywords)
+        if twin is not base:
+            module.add_module(f"petra_tied_{tie.key}_stage{j}", twin)
+        out[j] = twin
+    return out

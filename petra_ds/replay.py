@@ -26,9 +26,13 @@ from .schedule import (
     PetraSchedule,
     RecvActivation,
     RecvGrad,
+    RecvTiedGrad,
+    RecvTiedWeight,
     ReverseReconstruct,
     SendActivation,
     SendGrad,
+    SendTiedGrad,
+    SendTiedWeight,
     Window,
     delay,
 )
@@ -49,6 +53,8 @@ class ReplayReport:
     fifo: dict[int, deque] = field(default_factory=lambda: defaultdict(deque))
     raw: set[int] = field(default_factory=set)  # micro-batches stage 0 still holds
     in_transit: int = 0
+    #: (reader, key) -> the owner steps whose weights the reader received, in order
+    tied_weights: dict[tuple[int, str], list[int]] = field(default_factory=dict)
 
     def backwards(self, stage: int) -> int:
         return sum(1 for (j, _m) in self.backward_clock if j == stage)
@@ -72,6 +78,7 @@ def streams_for(
     stages_per_rank: int,
     gradient_accumulation_steps: int,
     reversible: Sequence[bool] | None = None,
+    ties: Sequence[tuple[str, int, Sequence[int]]] = (),
 ) -> dict[int, list[list[PipeInstruction]]]:
     """Every rank's instruction lists for consecutive windows, as the engine would run them."""
     streams: dict[int, list[list[PipeInstruction]]] = {}
@@ -81,7 +88,7 @@ def streams_for(
             for window in windows
             for clock_cmds in PetraSchedule.for_window(
                 window, pipeline_ranks, rank, stages_per_rank=stages_per_rank,
-                gradient_accumulation_steps=gradient_accumulation_steps, reversible=reversible)
+                gradient_accumulation_steps=gradient_accumulation_steps, reversible=reversible, ties=ties)
         ]
     return streams
 
@@ -94,14 +101,19 @@ def replay(
     gradient_accumulation_steps: int,
     reversible: Sequence[bool] | None = None,
     start_clock: int = 0,
+    ties: Sequence[tuple[str, int, Sequence[int]]] = (),
 ) -> ReplayReport:
-    """Replay ``streams[rank]`` (a list of per-clock instruction lists starting at ``start_clock``)."""
+    """Replay ``streams[rank]`` (a list of per-clock instruction lists starting at ``start_clock``).
+
+    With ``ties`` ``(key, owner, readers)`` it also checks the tied-weight traffic: every reader sends
+    its gradient at its own step, the owner has all of them before it steps, and every reader receives
+    the weights of every owner step in the clock the owner took it."""
     return _Replay(streams, num_stages, stages_per_rank, gradient_accumulation_steps,
-                   reversible, start_clock).run()
+                   reversible, start_clock, ties).run()
 
 
 class _Replay:
-    def __init__(self, streams, num_stages, stages_per_rank, k, reversible, start_clock):
+    def __init__(self, streams, num_stages, stages_per_rank, k, reversible, start_clock, ties=()):
         self.streams = {rank: [list(c) for c in clocks] for rank, clocks in streams.items()}
         self.J = num_stages
         self.S = stages_per_rank
@@ -121,6 +133,7 @@ class _Replay:
         self.tape: dict[int, tuple[int, int]] = {}  # stage -> (mb, clock) of a reconstruction
         self.graph: dict[int, tuple[int, int]] = {}  # last stage's live graph
         self.done_this_clock: dict[int, int] = {}  # stage -> clock of its last step
+        self.ties = {key: (owner, tuple(readers)) for key, owner, readers in ties}
 
     def reconstructs(self, j: int) -> bool:
         return 0 < j < self.J - 1 and self.reversible[j]
@@ -217,6 +230,23 @@ class _Replay:
                 self.fail(rank, clock, cmd, f"stage {j} has run {r.backwards(j)} backwards, not "
                           f"{cmd.step} x k = {cmd.step * self.k}")
             self.done_this_clock[j] = clock
+            for key, (owner, readers) in self.ties.items():
+                if j in readers:
+                    self.outbox[(j, f"tied_grad:{key}", cmd.step)] = clock
+                if j == owner:
+                    for reader in readers:
+                        self.take(rank, clock, cmd, (j, f"tied_grad:{key}:{reader}", cmd.step), same_or_earlier=True)
+                        self.outbox[(j, f"tied_weight:{key}:{reader}", cmd.step)] = clock
+        elif isinstance(cmd, SendTiedGrad):
+            self.queue_tied(rank, clock, cmd, (cmd.stage, f"tied_grad:{cmd.key}", cmd.step),
+                            (f"tied_grad:{cmd.key}", cmd.stage, cmd.owner))
+        elif isinstance(cmd, SendTiedWeight):
+            self.queue_tied(rank, clock, cmd, (cmd.stage, f"tied_weight:{cmd.key}:{cmd.reader}", cmd.step),
+                            (f"tied_weight:{cmd.key}", cmd.stage, cmd.reader))
+        elif isinstance(cmd, RecvTiedGrad):
+            self.queued_recvs[rank].append((f"tied_grad:{cmd.key}", cmd.reader, cmd.stage, cmd.step, False, cmd))
+        elif isinstance(cmd, RecvTiedWeight):
+            self.queued_recvs[rank].append((f"tied_weight:{cmd.key}", cmd.owner, cmd.stage, cmd.step, False, cmd))
         elif isinstance(cmd, SendActivation):
             self.queue_send(rank, clock, cmd, "act", cmd.stage + 1, False)
         elif isinstance(cmd, SendGrad):
@@ -236,12 +266,16 @@ class _Replay:
         if self.done_this_clock.get(cmd.stage) == clock:
             self.fail(rank, clock, cmd, "compute after the stage's optimizer step in the same clock")
 
-    def take(self, rank, clock, cmd, key):
-        """Consume a message that must have been received at the previous clock."""
+    def take(self, rank, clock, cmd, key, same_or_earlier=False):
+        """Consume a message that must have been received at the previous clock (``same_or_earlier``:
+        at any earlier clock, for a tied gradient waiting for the owner's step)."""
         received = self.inbox.pop(key, None)
         if received is None:
             self.fail(rank, clock, cmd, f"no {key[1]} message for micro-batch {key[2]} was received")
-        if received != clock - 1:
+        if same_or_earlier:
+            if received >= clock:
+                self.fail(rank, clock, cmd, f"{key[1]} of step {key[2]} received at clock {received}, needed earlier")
+        elif received != clock - 1:
             self.fail(rank, clock, cmd, f"message received at clock {received}, used at {clock}: "
                       "messages travel exactly one clock")
 
@@ -309,6 +343,11 @@ class _Replay:
                       f"{'needs' if self.reconstructs(dst) else 'does not need'} x~")
         self.queued_sends[rank].append(((kind, j, dst), (m, clock, with_input)))
 
+    def queue_tied(self, rank, clock, cmd, produced, channel):
+        if self.outbox.pop(produced, None) != clock:
+            self.fail(rank, clock, cmd, "sends tied weights or gradients not produced by a step at this clock")
+        self.queued_sends[rank].append((channel, (cmd.step, clock, False)))
+
     def commit(self, rank, clock) -> bool:
         if rank not in self.committing:
             for channel, message in self.queued_sends.pop(rank, []):
@@ -327,7 +366,12 @@ class _Replay:
                 self.fail(rank, clock, cmd, f"message sent at clock {sent_clock} received at {clock}")
             if sent_with_input != with_input:
                 self.fail(rank, clock, cmd, "sender and receiver disagree on the payload")
-            self.inbox[(dst, kind, m)] = clock
+            if kind.startswith("tied_weight:"):
+                self.report.tied_weights.setdefault((dst, kind.split(":", 1)[1]), []).append(m)
+            elif kind.startswith("tied_grad:"):
+                self.inbox[(dst, f"{kind}:{src}", m)] = clock
+            else:
+                self.inbox[(dst, kind, m)] = clock
         self.queued_recvs[rank] = []
         self.committing.discard(rank)
         return True

@@ -174,6 +174,34 @@ class RecvGrad(PetraInstruction):
         super().__init__(stage=stage, micro_batch=micro_batch, with_input=with_input)
 
 
+class SendTiedGrad(PipeInstruction):
+    """A reader of tied weights sends the gradient it accumulated for its step ``step`` to the owner."""
+
+    def __init__(self, stage: int, owner: int, key: str, step: int) -> None:
+        super().__init__(stage=stage, owner=owner, key=key, step=step)
+
+
+class RecvTiedGrad(PipeInstruction):
+    """The owner of tied weights receives ``reader``'s gradient for step ``step`` (it steps later)."""
+
+    def __init__(self, stage: int, reader: int, key: str, step: int) -> None:
+        super().__init__(stage=stage, reader=reader, key=key, step=step)
+
+
+class SendTiedWeight(PipeInstruction):
+    """The owner sends the tied weights of its step ``step`` to ``reader``."""
+
+    def __init__(self, stage: int, reader: int, key: str, step: int) -> None:
+        super().__init__(stage=stage, reader=reader, key=key, step=step)
+
+
+class RecvTiedWeight(PipeInstruction):
+    """A reader receives the owner's weights of step ``step``; they replace its copy from the next clock."""
+
+    def __init__(self, stage: int, owner: int, key: str, step: int) -> None:
+        super().__init__(stage=stage, owner=owner, key=key, step=step)
+
+
 # --- the schedule --------------------------------------------------------------------------------
 
 
@@ -183,7 +211,9 @@ class PetraSchedule(PipeSchedule):
     ``stages`` and ``stage_id`` keep DeepSpeed's meaning (pipeline ranks, this rank); the rank hosts
     PETRA stages ``stage_id * stages_per_rank ...`` up to the next rank's first. ``micro_batches`` is
     the number fed in this window (``feed`` already lists them); ``reversible[j]`` says whether stage
-    ``j`` reconstructs its input instead of keeping it.
+    ``j`` reconstructs its input instead of keeping it. ``ties`` lists ``(key, owner, readers)`` of the
+    tied weights shared across stages (see ``petra_ds.module.Tie``): a reader sends its gradient at
+    its step, the owner sends its new weights at its step.
     """
 
     def __init__(
@@ -198,8 +228,10 @@ class PetraSchedule(PipeSchedule):
         stages_per_rank: int = 1,
         gradient_accumulation_steps: int = 1,
         reversible: Sequence[bool] | None = None,
+        ties: Sequence[tuple[str, int, Sequence[int]]] = (),
     ) -> None:
         super().__init__(micro_batches, stages, stage_id)
+        self.ties = [(key, owner, tuple(readers)) for key, owner, readers in ties]
         if stages_per_rank < 1:
             raise ValueError(f"stages_per_rank must be >= 1, got {stages_per_rank}")
         if gradient_accumulation_steps < 1:
@@ -233,6 +265,38 @@ class PetraSchedule(PipeSchedule):
         m = backward_micro_batch(clock, stage, self.num_petra_stages)
         return m if self.feed.fed(m) else None
 
+    def step_at(self, clock: int, stage: int) -> int | None:
+        """The optimizer step ``stage`` takes at ``clock`` (after its k-th backward since the last), if any."""
+        m = self.backward_at(clock, stage)
+        if m is None or self.feed.ordinal(m) % self.k:
+            return None
+        return self.feed.ordinal(m) // self.k
+
+    def tied_messages(self, clock: int) -> list[PipeInstruction]:
+        """Sends, then receives, in (tie, reader) order on every rank, so that the messages between two
+        ranks pair up in the same order on both sides."""
+        local = self.local_stages
+        sends: list[PipeInstruction] = []
+        recvs: list[PipeInstruction] = []
+        for key, owner, readers in self.ties:
+            for reader in readers:
+                step = self.step_at(clock, reader)
+                if step is not None:
+                    if reader in local:
+                        sends.append(SendTiedGrad(stage=reader, owner=owner, key=key, step=step))
+                    if owner in local:
+                        recvs.append(RecvTiedGrad(stage=owner, reader=reader, key=key, step=step))
+        for key, owner, readers in self.ties:
+            step = self.step_at(clock, owner)
+            if step is None:
+                continue
+            for reader in readers:
+                if owner in local:
+                    sends.append(SendTiedWeight(stage=owner, reader=reader, key=key, step=step))
+                if reader in local:
+                    recvs.append(RecvTiedWeight(stage=reader, owner=owner, key=key, step=step))
+        return sends + recvs
+
     def steps(self) -> Iterator[list[PipeInstruction]]:
         for clock in range(self.start_clock, self.start_clock + self.clocks):
             yield self.clock_instructions(clock)
@@ -258,9 +322,9 @@ class PetraSchedule(PipeSchedule):
                 cmds.append(ReverseReconstruct(stage=stage, micro_batch=m))
             cmds.append(DelayedBackward(stage=stage, micro_batch=m))
         for stage in local:
-            m = self.backward_at(clock, stage)
-            if m is not None and self.feed.ordinal(m) % self.k == 0:
-                cmds.append(AccumulateAndStep(stage=stage, step=self.feed.ordinal(m) // self.k))
+            step = self.step_at(clock, stage)
+            if step is not None:
+                cmds.append(AccumulateAndStep(stage=stage, step=step))
 
         exchange: list[PipeInstruction] = []
         for stage in local:
@@ -277,6 +341,7 @@ class PetraSchedule(PipeSchedule):
             m = self.backward_at(clock + 1, stage)
             if m is not None and stage < last:
                 exchange.append(RecvGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage)))
+        exchange.extend(self.tied_messages(clock))
         if exchange:
             cmds.extend(exchange)
             cmds.append(CommitP2P())

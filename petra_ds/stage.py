@@ -34,6 +34,7 @@ from .nn.reversible import (
     like,
     reconstruct,
 )
+from .module import layer_module
 from .nn.rng import micro_batch_rng
 
 
@@ -90,7 +91,11 @@ class Stage:
         self.reconstructs = (self.reversible and not self.is_first and not self.is_last
                              and options.input_buffer != "all")
         self.keeps_input = not (self.is_first or self.is_last or self.reconstructs)
-        self.modules = [l for l in self.layers if isinstance(l, nn.Module)]
+        self.modules = []
+        for layer in self.layers:
+            module = layer_module(layer)
+            if module is not None and all(module is not m for m in self.modules):
+                self.modules.append(module)
         key = 0
         for module in self.modules:  # keyed-RNG layer indices, unique inside the stage
             key = assign_rng_keys(module, key)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .launch import free_port
+from .module import layer_module
 from .nn import AdditiveCoupling, SwapCoupling
 
 WIDTH = 4
@@ -189,9 +190,10 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
     names = {}
     for i, layer in enumerate(model.forward_funcs):
-        if isinstance(layer, nn.Module):
-            for name, p in layer.named_parameters():
-                names[id(p)] = f"{model._local_start + i}.{name}"
+        module = layer_module(layer)
+        if module is not None:
+            for name, p in module.named_parameters():
+                names.setdefault(id(p), f"{model._local_start + i}.{name}")
     grads: dict[int, list[dict[str, torch.Tensor]]] = {j: [] for j in engine.stages}
     if spec["capture_grads"]:
         engine.step_observers.append(

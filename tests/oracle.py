@@ -9,6 +9,7 @@ the stashed tensors (not the engine's parameter swap).
 from __future__ import annotations
 
 import torch
+from deepspeed.runtime.pipe.module import TiedLayerSpec
 from deepspeed.runtime.utils import partition_uniform, set_random_seed
 from torch import nn
 from torch.func import functional_call
@@ -23,10 +24,14 @@ def build_stages(num_stages: int, dropout: float, base_seed: int = 1234, specs=N
     """The layers built as PetraPipelineModule builds them (seed per layer index), cut into stages."""
     torch.set_default_dtype(torch.float64)
     specs = toy_layer_specs(dropout) if specs is None else specs
-    layers = []
+    layers, tied = [], {}
     for idx, spec in enumerate(specs):
         set_random_seed(base_seed + idx)
-        layers.append(spec.build())
+        if isinstance(spec, TiedLayerSpec):  # one shared module: plain weight tying, end to end
+            module = tied.setdefault(spec.key, spec.build())
+            layers.append(module if spec.forward_fn is None else _Tied(spec.forward_fn, module))
+        else:
+            layers.append(spec.build())
     parts = partition_uniform(len(specs), num_stages)
     stages = []
     for a, b in zip(parts, parts[1:]):
@@ -38,7 +43,8 @@ def build_stages(num_stages: int, dropout: float, base_seed: int = 1234, specs=N
 
 
 def named_params(stage):
-    return {f"{idx}.{n}": p for idx, layer in stage for n, p in layer.named_parameters()}
+    return {f"{idx}.{n}": p for idx, layer in stage
+            for n, p in (layer.tied if isinstance(layer, _Tied) else layer).named_parameters()}
 
 
 def run(stage, x):
@@ -59,6 +65,18 @@ def autograd_group_grads(stages, data, group, seed, loss=LOSS):
                 x = run(stage, x)
         (loss(x, y) / len(group)).backward()
     return [{n: p.grad.clone() for n, p in named_params(stage).items()} for stage in stages]
+
+
+class _Tied(nn.Module):
+    """``forward_fn(module, x)`` of a TiedLayerSpec, as a module whose parameters are the shared ones."""
+
+    def __init__(self, forward_fn, module):
+        super().__init__()
+        self.forward_fn = forward_fn
+        self.tied = module
+
+    def forward(self, x):
+        return self.forward_fn(self.tied, x)
 
 
 class _Inverse(nn.Module):

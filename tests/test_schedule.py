@@ -174,3 +174,37 @@ def test_any_window_sequence_replays_and_drains(J, S, k, plan, reversible_bits):
     M = timeline.feed.total
     for j in range(J):
         assert report.backwards(j) == M and len(report.steps[j]) == M // k
+
+
+@pytest.mark.parametrize("S", [1, 2])
+@pytest.mark.parametrize("k", [1, 3])
+def test_replay_with_tied_weights(S, k):
+    """An embedding tied to the head (stage 0 <-> J-1) and a weight shared by stage 1 with two later
+    stages: no deadlock, each owner step has every reader's gradient before it, and every reader
+    receives the weights of every owner step."""
+    for J in range(2 * S, 17, S):
+        ties = [("embedding", 0, (J - 1,))] + ([("shared", 1, (2, J - 1))] if J >= 4 else [])
+        timeline = Timeline(J)
+        windows = []
+        for item in training_plan(k):
+            window = timeline.drain_window() if item is None else timeline.train_window(*item)
+            timeline.advance(window)
+            windows.append(window)
+        streams = streams_for(windows, pipeline_ranks=J // S, stages_per_rank=S, gradient_accumulation_steps=k,
+                              reversible=mixed_reversibility(J), ties=ties)
+        report = replay(streams, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k,
+                        reversible=mixed_reversibility(J), ties=ties)
+        report.assert_drained()
+        for key, owner, readers in ties:
+            steps = list(range(1, len(report.steps[owner]) + 1))
+            assert steps, (J, key)
+            for reader in readers:
+                assert report.tied_weights[(reader, key)] == steps, (J, key, reader)
+
+        # dropping one weight message is caught
+        rank = (J - 1) // S
+        broken = {r: [[c for c in cmds if not (r == rank and type(c).__name__ == "RecvTiedWeight")]
+                      for cmds in clocks] for r, clocks in streams.items()}
+        with pytest.raises(ScheduleError):
+            replay(broken, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k,
+                   reversible=mixed_reversibility(J), ties=ties).assert_drained()

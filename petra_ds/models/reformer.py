@@ -180,10 +180,10 @@ def to_reformer(config: ReformerConfig, layer_states: Sequence[State]) -> Reform
 
 
 def load_layer_files(config: ReformerConfig, checkpoint_dir: str) -> list[State]:
-    """The per-layer state dicts of a DeepSpeed pipeline checkpoint (``layer_XX-model_00-model_states.pt``)."""
+    """The per-layer state dicts of a DeepSpeed pipeline checkpoint (``layer_XX[-model_YY]-model_states.pt``)."""
     states = []
     for i in range(config.num_hidden_layers + 2):
-        paths = sorted(glob.glob(os.path.join(checkpoint_dir, f"layer_{i:02d}-model_*-model_states.pt")))
+        paths = sorted(glob.glob(os.path.join(checkpoint_dir, f"layer_{i:02d}-*model_states.pt")))
         if not paths:
             raise FileNotFoundError(f"no layer file for layer {i} in {checkpoint_dir}: is it a pipeline checkpoint "
                                     "directory (save_dir/tag) of this Reformer?")

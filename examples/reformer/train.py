@@ -1,0 +1,256 @@
+"""Train a reversible language model (RevGPT or a Hugging Face Reformer) with PETRA or DeepSpeed's 1F1B.
+
+    deepspeed --num_gpus 4 examples/reformer/train.py --deepspeed_config ds_configs/petra_lm.json \\
+        --model revgpt --data-files train.txt valid.txt --seq-len 256
+    deepspeed --num_gpus 4 examples/reformer/train.py --deepspeed_config ds_configs/backprop_lm.json ...
+    torchrun --nproc_per_node 2 examples/reformer/train.py ...
+    python examples/reformer/train.py ...            # one process, all stages
+    ... --model reformer --reformer-config path/to/config.json   # or --from-pretrained a local model dir
+    ... --dataset wikitext --dataset-config wikitext-103-raw-v1 --tokenizer gpt2        # online
+
+A config with a "petra" section trains with PETRA; one without with DeepSpeed's synchronous 1F1B.
+Without an "optimizer" section AdamW with warm-up and cosine decay is used. Text comes through
+Hugging Face ``datasets``; the tokenizer is a byte-level BPE trained on the training text (offline
+default), plain bytes, or any ``AutoTokenizer`` name/path. ``--export-hf DIR`` writes a trained Reformer
+back as a ``ReformerModelWithLMHead`` (``save_pretrained``) with its tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from deepspeed.utils import RepeatingLoader
+from tqdm import tqdm
+
+import petra_ds
+from petra_ds.data.text import build_tokenizer, lm_loader, load_text, pack
+from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="revgpt", choices=["revgpt", "reformer"])
+    p.add_argument("--data-files", nargs="+", default=None, help="local text files (names with valid/test: held out)")
+    p.add_argument("--dataset", default=None, help="a Hugging Face hub data set (online)")
+    p.add_argument("--dataset-config", default=None)
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--tokenizer", default="bpe", help="bpe (trained here), bytes, or an AutoTokenizer name/path")
+    p.add_argument("--vocab-size", type=int, default=4096, help="for --tokenizer bpe")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--max-steps", type=int, default=1000, help="train_batch calls")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-batches", type=int, default=50, help="validation micro-batches per evaluation")
+    p.add_argument("--output-dir", default="runs/lm")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--reformer-config", default=None, help="a ReformerConfig (config.json or its directory)")
+    p.add_argument("--from-pretrained", default=None, help="a local ReformerModelWithLMHead directory")
+    p.add_argument("--export-hf", default=None, help="write the trained Reformer here (save_pretrained)")
+    p.add_argument("--stages", type=int, default=None, help="PETRA stages J (default: one per layer)")
+    p.add_argument("--data-parallel", type=int, default=1)
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    p = deepspeed.add_config_arguments(p)
+    return p.parse_args()
+
+
+@contextmanager
+def rank0_first():
+    """Rank 0 builds caches (tokenizer, tokenized data) before the others read them."""
+    if dist.get_rank() != 0:
+        dist.barrier()
+    yield
+    if dist.get_rank() == 0:
+        dist.barrier()
+
+
+def reformer_model(args, vocab_size: int):
+    from transformers import ReformerConfig, ReformerModelWithLMHead
+
+    from petra_ds.models.reformer import chunk_multiple, reformer_layers
+
+    hf = None
+    if args.from_pretrained:
+        hf = ReformerModelWithLMHead.from_pretrained(args.from_pretrained)
+        config = hf.config
+    elif args.reformer_config:
+        config = ReformerConfig.from_pretrained(args.reformer_config)
+    else:  # a small local-attention Reformer sized by the command line
+        chunk = min(64, args.seq_len)
+        config = ReformerConfig(
+            vocab_size=vocab_size, hidden_size=args.d_model, num_attention_heads=args.heads,
+            attention_head_size=args.d_model // args.heads, attn_layers=["local"] * args.layers,
+            feed_forward_size=4 * args.d_model, axial_pos_embds=False, max_position_embeddings=args.seq_len,
+            is_decoder=True, local_attn_chunk_length=chunk, local_num_chunks_before=1, local_num_chunks_after=0,
+            hidden_dropout_prob=args.dropout, local_attention_probs_dropout_prob=args.dropout, chunk_size_lm_head=0)
+    if config.vocab_size < vocab_size:
+        raise SystemExit(f"the Reformer's vocab_size {config.vocab_size} is smaller than the tokenizer's {vocab_size}")
+    if args.seq_len % chunk_multiple(config):
+        raise SystemExit(f"--seq-len {args.seq_len} must be a multiple of the chunk length {chunk_multiple(config)}")
+    return config, reformer_layers(config, hf)
+
+
+def build_model(args, config: dict, vocab_size: int):
+    world = dist.get_world_size()
+    if world % args.data_parallel:
+        raise SystemExit(f"--data-parallel {args.data_parallel} does not divide the world size {world}")
+    ranks = world // args.data_parallel
+    topology = PipeDataParallelTopology(num_pp=ranks, num_dp=args.data_parallel)
+    hf_config = None
+    if args.model == "reformer":
+        hf_config, layers = reformer_model(args, vocab_size)
+    else:
+        layers = revgpt_layers(RevGPTConfig(vocab_size=vocab_size, seq_len=args.seq_len, d_model=args.d_model,
+                                            n_layers=args.layers, n_heads=args.heads, dropout=args.dropout,
+                                            tie_embeddings=args.tie_embeddings))
+    if "petra" not in config:
+        return PipelineModule(layers, topology=topology, loss_fn=lm_loss, partition_method="uniform",
+                              seed_layers=True, base_seed=args.seed), hf_config
+    stages = args.stages or len(layers)
+    if stages % ranks:
+        raise SystemExit(f"--stages {stages} must be a multiple of the {ranks} pipeline ranks")
+    config["petra"]["stages_per_rank"] = stages // ranks
+    module = petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=lm_loss, stages_per_rank=stages // ranks,
+                                          partition_method="uniform", base_seed=args.seed)
+    return module, hf_config
+
+
+def evaluate(engine, loader, batches: int) -> float:
+    return float(engine.eval_batch(iter(loader), num_micro_batches=batches))
+
+
+def plot(metrics: list[dict], losses: list[tuple[int, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    if losses:
+        left.plot(*zip(*losses), lw=0.8, label="train")
+    left.plot([m["step"] for m in metrics], [m["val_loss"] for m in metrics], "o-", label="validation")
+    left.set_xlabel("train_batch calls")
+    left.set_ylabel("loss (nats/token)")
+    left.legend()
+    right.plot([m["step"] for m in metrics], [m["val_perplexity"] for m in metrics], "o-")
+    right.set_xlabel("train_batch calls")
+    right.set_ylabel("validation perplexity")
+    right.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def export_reformer(engine, hf_config, tokenizer, args) -> None:
+    """Checkpoint (DeepSpeed's per-layer files), then rebuild a ReformerModelWithLMHead from them."""
+    from petra_ds.models.reformer import load_layer_files, to_reformer
+
+    save_dir = os.path.join(args.output_dir, "checkpoint")
+    path = engine.save_checkpoint(save_dir, tag="final")
+    if dist.get_rank() == 0:
+        model = to_reformer(hf_config, load_layer_files(hf_config, path))
+        model.save_pretrained(args.export_hf)
+        tokenizer.save_pretrained(args.export_hf)
+        print(f"Reformer written to {args.export_hf}")
+    dist.barrier()
+
+
+def main() -> None:
+    args = parse_args()
+    petra_ds.init_distributed()
+    torch.manual_seed(args.seed)
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    method = "petra" if "petra" in config else "backprop"
+    if args.export_hf and args.model != "reformer":
+        raise SystemExit("--export-hf writes a Hugging Face Reformer: use it with --model reformer")
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    with rank0_first():
+        raw = load_text(args.data_files, args.dataset, args.dataset_config, args.text_column, seed=args.seed)
+        tok_dir = os.path.join(args.output_dir, f"tokenizer-{args.tokenizer}-{args.vocab_size}")
+        if args.tokenizer in ("bpe", "bytes") and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+            tokenizer = build_tokenizer(tok_dir)
+        else:
+            tokenizer = build_tokenizer(args.tokenizer, raw["train"], args.vocab_size)
+            if dist.get_rank() == 0:
+                tokenizer.save_pretrained(tok_dir)
+        train_blocks = pack(raw["train"], tokenizer, args.seq_len)
+        val_blocks = pack(raw["validation"], tokenizer, args.seq_len)
+    vocab_size = len(tokenizer)
+
+    model, hf_config = build_model(args, config, vocab_size)
+    micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
+    if "optimizer" not in config:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01}}
+        config.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": args.max_steps, "warmup_num_steps": min(args.warmup_steps, args.max_steps // 2)}})
+    engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config)
+
+    shard = (engine.grid.data_parallel_id, args.data_parallel)
+    train_loader = lm_loader(train_blocks, micro, train=True, seed=args.seed, shard=shard)
+    val_loader = lm_loader(val_blocks, micro, train=False)
+    eval_batches = min(args.eval_batches, len(val_loader))
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print(json.dumps({"train_blocks": len(train_blocks), "val_blocks": len(val_blocks), "vocab": vocab_size,
+                          "params": sum(p.numel() for p in model.parameters()), "method": method}))
+    data = RepeatingLoader(train_loader)
+    metrics, losses = [], []
+    start = time.time()
+    bar = tqdm(total=args.max_steps, disable=not rank0, desc=f"{method} {args.model}", dynamic_ncols=True)
+    for step in range(1, args.max_steps + 1):
+        loss = float(engine.train_batch(data))
+        if not math.isnan(loss):
+            losses.append((step, loss))
+            bar.set_postfix(loss=f"{loss:.3f}")
+        bar.update()
+        last = step == args.max_steps
+        if step % args.eval_every == 0 or last:
+            if last and method == "petra":
+                engine.drain()
+            val_loss = evaluate(engine, val_loader, eval_batches)
+            elapsed = time.time() - start
+            row = {"step": step, "train_loss": losses[-1][1] if losses else None, "val_loss": val_loss,
+                   "val_perplexity": math.exp(min(val_loss, 50.0)), "elapsed_s": elapsed,
+                   "tokens_per_s": step * micro * k * args.data_parallel * args.seq_len / elapsed}
+            metrics.append(row)
+            if rank0:
+                bar.write(json.dumps(row))
+                with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                if engine.monitor.enabled:
+                    engine.monitor.write_events([("Eval/loss", val_loss, step)])
+    bar.close()
+    memory = engine.memory_report() if method == "petra" else None
+    if args.export_hf:
+        export_reformer(engine, hf_config, tokenizer, args)
+    if rank0:
+        summary = {"method": method, "model": args.model, "final_val_loss": metrics[-1]["val_loss"],
+                   "final_val_perplexity": metrics[-1]["val_perplexity"], "tokens_per_s": metrics[-1]["tokens_per_s"],
+                   "steps": args.max_steps, "world_size": dist.get_world_size(),
+                   "stages": getattr(engine, "num_petra_stages", engine.num_stages), "memory_rank0": memory,
+                   "args": vars(args), "config": config}
+        with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+        plot(metrics, losses, os.path.join(args.output_dir, "curves.png"))
+        print(json.dumps({k: summary[k] for k in ("method", "model", "final_val_loss", "final_val_perplexity")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -216,7 +216,8 @@ class PetraEngine(PipelineEngine):
             by_id = {id(p): p for p in self.module.parameters()}
             for g in groups:
                 members = {id(p) for p in g["params"]}
-                g["params"] += [by_id[c] for c, b in self._copy_of.items() if b in members and c not in members and c in by_id]
+                g["params"] += [by_id[c] for c, b in self._copy_of.items()
+                                if b in members and c not in members and c in by_id]
         if isinstance(client_optimizer, Optimizer) and len(stage_params) > 1:
             raise PetraConfigError(
                 "an optimizer instance cannot serve several PETRA stages that step at different clocks; "
@@ -292,11 +293,10 @@ class PetraEngine(PipelineEngine):
     def clock(self) -> int:
         return self.timeline.clock
 
-    def _schedule(self, window: Window, stage_id: int | None = None) -> PetraSchedule:
+    def _schedule(self, window: Window) -> PetraSchedule:
         reconstructs = [r and self.petra_config.input_buffer != "all" for r in self.reversible]
         return PetraSchedule.for_window(
-            window, self.num_stages, self.stage_id if stage_id is None else stage_id,
-            stages_per_rank=self.stages_per_rank,
+            window, self.num_stages, self.stage_id, stages_per_rank=self.stages_per_rank,
             gradient_accumulation_steps=self.micro_batches, reversible=reconstructs,
             ties=[(tie.key, tie.owner, tie.readers) for tie in self.ties])
 

@@ -262,10 +262,10 @@ def launch(spec: dict[str, Any], world_size: int | None = None, timeout: float =
         results = []
         for r in range(world):
             path = os.path.join(out_dir, f"rank{r}.pt")
-            result = torch.load(path, weights_only=False) if os.path.exists(path) else {"error": "no result"}
-            if "error" in result:
-                raise RuntimeError(f"rank {r} failed:\n{result['error']}")
-            results.append(result)
+            results.append(torch.load(path, weights_only=False) if os.path.exists(path) else {"error": "no result"})
+        failed = [f"rank {r} failed:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+        if failed:  # every rank's error: the first one to fail is not always rank 0
+            raise RuntimeError("\n".join(failed))
     return results
 
 

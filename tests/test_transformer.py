@@ -266,3 +266,18 @@ def test_tied_embeddings_train_the_same_in_every_layout(layout):
     assert torch.equal(got["0.token.weight"], got[TIED])
     assert (got["0.token.weight"] - oracle.build_stages(4, 0.1, specs=revgpt_layers(
         revgpt_tiny_config(0.1, tie_embeddings=True)))[0][0][1].token.weight).abs().max() > 1e-4
+
+
+def test_tied_embeddings_exact_resume(tmp_path):
+    """Save mid-flight with the head on another rank, resume in fresh processes: same parameters, the
+    head's copy included (DeepSpeed's layer files do not hold it; the PETRA state does)."""
+    common = {"model": "revgpt", "tie_embeddings": True, "pipe": 2, "stages_per_rank": 2, "k": 2,
+              "train_batches": 5, "dropout": 0.1, "capture_grads": False,
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}}
+    whole = {n: v for r in launch(common) for n, v in r["params"].items()}
+    ckpt = str(tmp_path / "ckpt")
+    launch({**common, "save_dir": ckpt, "save_after": 2, "save_tag": "mid"})
+    resumed = {n: v for r in launch({**common, "load_dir": ckpt}) for n, v in r["params"].items()}
+    assert whole.keys() == resumed.keys()
+    assert max((whole[n] - resumed[n]).abs().max().item() for n in whole) == 0.0
+    assert torch.equal(resumed["0.token.weight"], resumed[TIED])

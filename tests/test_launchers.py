@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+from petra_ds.launch import free_port
 from subprocess_env import ROOT, launcher_env
 
 SCRIPT = os.path.join(ROOT, "examples", "quickstart", "train.py")
@@ -21,7 +22,7 @@ def run(cmd, tmp_path):
 
 def test_deepspeed_launcher_runs_four_pipeline_ranks(tmp_path):
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    summary = run([deepspeed, "--num_gpus", "4", SCRIPT, "--deepspeed_config", CONFIG, "--steps", "10"], tmp_path)
+    summary = run([deepspeed, "--num_gpus", "4", "--master_port", str(free_port()), SCRIPT, "--deepspeed_config", CONFIG, "--steps", "10"], tmp_path)
     assert summary["world_size"] == 4 and summary["num_stages"] == 4
     assert summary["clock"] == 10 * 2 + 2 * (4 - 1)  # k clocks per train_batch, then the drain
     losses = summary["losses"]

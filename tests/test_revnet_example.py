@@ -7,13 +7,14 @@ import sys
 
 import pytest
 
+from petra_ds.launch import free_port
 from subprocess_env import ROOT, launcher_env
 
 
 @pytest.mark.parametrize("config,method,stages", [("petra.json", "petra", 10), ("backprop.json", "backprop", 2)])
 def test_two_process_run_writes_a_valid_summary(tmp_path, config, method, stages):
     out = tmp_path / "run"
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
            os.path.join(ROOT, "examples", "revnet", "train.py"), "--deepspeed_config",
            os.path.join(ROOT, "ds_configs", config), "--dataset", "digits", "--width", "8", "--epochs", "2",
            "--max-steps", "6", "--workers", "1", "--output-dir", str(out)]

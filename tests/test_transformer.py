@@ -244,6 +244,7 @@ def test_tied_embeddings_lr0_owner_steps_with_the_whole_gradient():
     assert torch.equal(params["0.token.weight"], params[TIED])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [(1, 4), (2, 2)])
 def test_tied_embeddings_train_the_same_in_every_layout(layout):
     """lr > 0, momentum: 4 x 1, 2 x 2 and 1 x 4 give identical parameters (the head's copy included),
@@ -268,6 +269,7 @@ def test_tied_embeddings_train_the_same_in_every_layout(layout):
         revgpt_tiny_config(0.1, tie_embeddings=True)))[0][0][1].token.weight).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_tied_embeddings_exact_resume(tmp_path):
     """Save mid-flight with the head on another rank, resume in fresh processes: same parameters, the
     head's copy included (DeepSpeed's layer files do not hold it; the PETRA state does)."""

@@ -1,6 +1,6 @@
 """PETRA vs backprop (DeepSpeed 1F1B) on the same small RevGPT, text, steps and seed, on CPU.
 
-    OMP_NUM_THREADS=1 python benchmarks/lm_accuracy.py --steps 600 --procs 2
+    OMP_NUM_THREADS=1 python benchmarks/lm_accuracy.py --steps 480 --procs 2
 
 The text is offline and reproducible: the docstrings of this Python's standard library, one paragraph
 per line, the last 5% of paragraphs held out. Runs examples/reformer/train.py once per method under
@@ -53,15 +53,15 @@ def stdlib_corpus(out_dir: str, max_chars: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--procs", type=int, default=2)
-    parser.add_argument("--stages", type=int, default=8, help="PETRA stages J")
+    parser.add_argument("--stages", type=int, default=4, help="PETRA stages J")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--max-chars", type=int, default=3_000_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--petra-config", default="ds_configs/petra_lm.json")

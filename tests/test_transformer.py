@@ -167,6 +167,10 @@ def test_reformer_refuses_a_non_causal_config():
     config.is_decoder = False
     with pytest.raises(ValueError, match="is_decoder=True"):
         reformer_layers(config)
+    config = reformer_config("local")
+    config.tie_word_embeddings = True
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        reformer_layers(config)
 
 
 def test_reformer_sequence_length_must_be_a_chunk_multiple():

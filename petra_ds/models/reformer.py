@@ -47,6 +47,9 @@ def _check_config(config: ReformerConfig) -> None:
         raise ValueError("causal local attention needs ReformerConfig(local_num_chunks_after=0)")
     if "lsh" in config.attn_layers and config.lsh_num_chunks_after != 0:
         raise ValueError("causal LSH attention needs ReformerConfig(lsh_num_chunks_after=0)")
+    if getattr(config, "tie_word_embeddings", False):
+        raise ValueError("the Reformer adapter keeps the LM head (2h wide) apart from the embedding (h wide): "
+                         "set ReformerConfig(tie_word_embeddings=False)")
 
 
 def chunk_multiple(config: ReformerConfig) -> int:

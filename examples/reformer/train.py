@@ -212,6 +212,8 @@ def main() -> None:
                           "params": sum(p.numel() for p in model.parameters()), "method": method}))
     data = RepeatingLoader(train_loader)
     metrics, losses = [], []
+    if rank0:  # this run's rows only
+        open(os.path.join(args.output_dir, "metrics.jsonl"), "w").close()
     start = time.time()
     bar = tqdm(total=args.max_steps, disable=not rank0, desc=f"{method} {args.model}", dynamic_ncols=True)
     for step in range(1, args.max_steps + 1):

@@ -166,6 +166,8 @@ def main() -> None:
     total_steps = epochs * steps_per_epoch if args.max_steps is None else min(args.max_steps, epochs * steps_per_epoch)
     data = RepeatingLoader(train_loader)
     metrics, losses = [], []
+    if rank0:  # this run's rows only
+        open(os.path.join(args.output_dir, "metrics.jsonl"), "w").close()
     best = 0.0
     start = time.time()
     bar = tqdm(total=total_steps, disable=not rank0, desc=f"{method} {args.arch}", dynamic_ncols=True)

@@ -228,9 +228,9 @@ TIED = "6.token.weight"  # the head's copy; layer 0 (the embedding, stage 0) own
 
 def test_tied_embeddings_lr0_owner_steps_with_the_whole_gradient():
     """The owner's gradient of the tied weights is autograd's (both uses, same k micro-batches); the
-    head's other parameters too; the head's copy holds the owner's weights."""
+    other stages' too; the head's copy (on the other rank) holds the owner's weights."""
     k, batches = 2, 3
-    spec = {"model": "revgpt", "tie_embeddings": True, "pipe": 4, "stages_per_rank": 1, "k": k,
+    spec = {"model": "revgpt", "tie_embeddings": True, "pipe": 2, "stages_per_rank": 2, "k": k,
             "train_batches": batches, "dropout": 0.1, "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
     results = _run(json.dumps(spec, sort_keys=True))
     grads = merged_grads(results)

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 INPUT_BUFFERS = ("non_reversible", "all")
 BN_RUNNING_STATS = ("backward", "forward")
+NON_FINITE = ("raise", "skip")
 
 
 class PetraConfigError(ValueError):
@@ -22,6 +23,11 @@ class PetraConfig:
     param_buffer: bool = False
     bn_running_stats: str = "backward"
     seed: int = 0
+    #: a non-finite loss or gradient: "raise" (naming stage, micro-batch / step and clock) or "skip" the
+    #: stage's update for that step; parameters are never overwritten with NaN
+    non_finite: str = "raise"
+    #: check every layer declared reversible once, on its first input (``inverse(forward(x)) == x``)
+    check_reversible: bool = True
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "PetraConfig":
@@ -49,6 +55,10 @@ class PetraConfig:
                 f'"petra.bn_running_stats" must be one of {BN_RUNNING_STATS}, got {self.bn_running_stats!r}')
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise PetraConfigError(f'"petra.seed" must be an integer, got {self.seed!r}')
+        if self.non_finite not in NON_FINITE:
+            raise PetraConfigError(f'"petra.non_finite" must be one of {NON_FINITE}, got {self.non_finite!r}')
+        if not isinstance(self.check_reversible, bool):
+            raise PetraConfigError(f'"petra.check_reversible" must be true or false, got {self.check_reversible!r}')
 
 
 def split_config(config: Mapping[str, Any]) -> tuple[PetraConfig, dict[str, Any], bool]:

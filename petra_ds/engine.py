@@ -143,6 +143,7 @@ class PetraEngine(PipelineEngine):
             bn_policy=BatchNormPolicy(petra_config.bn_running_stats),
             autocast_dtype=torch.bfloat16 if bf16 else None,
             device_type=self.device.type,
+            check_reversible=petra_config.check_reversible,
         )
         self.stages: dict[int, Stage] = {}
         for j in self.local_stage_ids:
@@ -169,6 +170,9 @@ class PetraEngine(PipelineEngine):
         self.step_observers: list[Callable[[int, Stage], None]] = []
         #: called as f(engine, clock) at the end of every clock
         self.clock_observers: list[Callable[["PetraEngine", int], None]] = []
+        #: (stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``)
+        self.skipped_steps: list[tuple[int, int]] = []
+        self.clock_now = 0
 
     # --- optimizers and schedulers, one per local stage ---
 
@@ -309,6 +313,7 @@ class PetraEngine(PipelineEngine):
     def _exec_schedule(self, pipe_schedule: PetraSchedule) -> None:
         """DeepSpeed's instruction loop, one clock per step, with the clock observers."""
         for clock, step_cmds in enumerate(pipe_schedule, start=pipe_schedule.start_clock):
+            self.clock_now = clock
             for cmd in step_cmds:
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
@@ -367,10 +372,11 @@ class PetraEngine(PipelineEngine):
             x, labels = self.inbox.pop((stage, "act", micro_batch))
         out = st.forward(micro_batch, x, labels)
         if st.is_last:
-            if not torch.isfinite(out):
+            if self.petra_config.non_finite == "raise" and not torch.isfinite(out):
                 raise FloatingPointError(
                     f"non-finite loss {out.item()} at stage {stage}, micro-batch {micro_batch}, "
-                    f"clock {micro_batch + stage}")
+                    f"clock {micro_batch + stage}; fix the data or the learning rate, or set "
+                    '"petra": {"non_finite": "skip"} to skip the updates it poisons')
             self._window_losses.append(out)
         else:
             self.produced[(stage, "act", micro_batch)] = (out, labels)
@@ -408,9 +414,10 @@ class PetraEngine(PipelineEngine):
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
         self._tied_gradients(stage, step)
+        finite = self._gradients_finite(stage, step, params)
         for observe in self.step_observers:
             observe(stage, st)
-        if optimizer is not None:
+        if optimizer is not None and finite:
             optimizer.step()
         for p in params:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
             p.grad = None
@@ -421,6 +428,18 @@ class PetraEngine(PipelineEngine):
         self.stage_steps[stage] += 1
         if self.stage_steps[stage] != step:
             raise RuntimeError(f"stage {stage} took step {self.stage_steps[stage]}, the schedule says {step}")
+
+    def _gradients_finite(self, stage: int, step: int, params: list[Tensor]) -> bool:
+        """One check per step (not per micro-batch): are the k accumulated gradients finite? With
+        ``non_finite: "raise"`` a non-finite one raises before the optimizer could write NaN."""
+        if not params or bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all()):
+            return True
+        if self.petra_config.non_finite == "raise":
+            raise FloatingPointError(
+                f"non-finite gradient at stage {stage}, optimizer step {step}, clock {self.clock_now}; "
+                'set "petra": {"non_finite": "skip"} to skip such updates')
+        self.skipped_steps.append((stage, step))
+        return False
 
     # --- tied weights across stages (see module.Tie) ---
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .nn.batchnorm import BatchNormPolicy, batch_norms, norms_running_stats
+from .nn.check import check_reversible
 from .nn.reversible import (
     Activation,
     GraphTape,
@@ -63,6 +64,8 @@ class StageOptions:
     #: diagnostic: keep a copy of each reconstructing stage's true input to measure x~ against it
     #: (this is the buffer PETRA saves; never on in training runs)
     track_reconstruction: bool = False
+    #: check the layers declared reversible on the stage's first input
+    check_reversible: bool = False
 
 
 class Stage:
@@ -114,6 +117,18 @@ class Stage:
         self.reconstruction_errors: list[float] = []
         self.peak_input_bytes = 0
         self.peak_param_buffer_bytes = 0
+        self._checked = not options.check_reversible
+
+    def check_layers(self, x: Activation) -> None:
+        """``inverse(forward(x)) == x`` for every layer declared reversible, on this input: a wrong inverse
+        would otherwise train a wrong model silently. Raises ``ReversibilityError`` naming the layer."""
+        self._checked = True
+        with torch.no_grad(), norms_running_stats(self.norms, update=False):
+            for i, layer in enumerate(self.layers):
+                if isinstance(layer, nn.Module) and is_reversible(layer):
+                    check_reversible(layer, x, name=f"stage {self.index}, its layer {i} ({type(layer).__name__})",
+                                     seed=self.options.seed)
+                x = layer(x)
 
     def _unique_params(self) -> list[nn.Parameter]:
         seen, out = set(), []
@@ -160,6 +175,8 @@ class Stage:
 
     def forward(self, m: int, x: Activation, labels: Any = None) -> Activation | Tensor:
         """x_j = F_j(x_{j-1}); the last stage returns the (unscaled, detached) loss instead."""
+        if not self._checked:
+            self.check_layers(x)
         if self.is_last:
             # its only evaluation is the one that is differentiated: it plays the backward's role
             with self.scope(m, update_bn=True), torch.enable_grad():

@@ -63,6 +63,14 @@ class Additive(AdditiveCoupling):
         super().__init__(_mlp(dropout, batchnorm), _mlp(dropout, batchnorm))
 
 
+class WrongInverse(Additive):
+    """Declared reversible, but its inverse forgets G: the start-up check must refuse it."""
+
+    def inverse(self, y):
+        y1, y2 = y
+        return y1 - self.F(y2), y2
+
+
 class Swap(SwapCoupling):
     def __init__(self, dropout: float = 0.0, batchnorm: bool = False) -> None:
         super().__init__(_mlp(dropout, batchnorm))
@@ -133,7 +141,12 @@ def model_for(spec: dict[str, Any]) -> tuple[list, Any, Any]:
 
         config = revgpt_tiny_config(spec["dropout"], spec.get("tie_embeddings", False))
         return revgpt_layers(config), lm_loss, token_data
-    return toy_layer_specs(spec["dropout"], spec.get("batchnorm", False)), nn.CrossEntropyLoss(), toy_data
+    specs = toy_layer_specs(spec["dropout"], spec.get("batchnorm", False))
+    if spec.get("wrong_inverse_at") is not None:
+        from deepspeed.runtime.pipe.module import LayerSpec
+
+        specs[spec["wrong_inverse_at"]] = LayerSpec(WrongInverse, spec["dropout"])
+    return specs, nn.CrossEntropyLoss(), toy_data
 
 
 DEFAULT_SPEC: dict[str, Any] = {
@@ -203,6 +216,11 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         engine.clock_observers.append(lambda eng, clock: memory.append((clock, eng.memory_report())))
     if spec.get("load_dir"):
         engine.load_checkpoint(spec["load_dir"])
+    if spec.get("nan_micro_batch") is not None:  # one micro-batch with a NaN feature
+        x, y = data[spec["nan_micro_batch"]]
+        x = x.clone()
+        x[0, 0] = float("nan")
+        data[spec["nan_micro_batch"]] = (x, y)
     if spec.get("bad_micro_batch") is not None:  # one micro-batch of another size
         bad = spec["bad_micro_batch"]
         data[bad] = (data[bad][0][:-1], data[bad][1][:-1])
@@ -226,7 +244,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "probe": probe,
         "rank": engine.global_rank, "stages": sorted(engine.stages), "parts": model.petra_parts,
         "grads": grads, "params": params, "losses": losses, "evals": evals, "memory": memory,
-        "clock": engine.clock, "stage_steps": dict(engine.stage_steps),
+        "clock": engine.clock, "stage_steps": dict(engine.stage_steps), "skipped_steps": engine.skipped_steps,
         "reconstructs": {j: st.reconstructs for j, st in engine.stages.items()},
         "reconstruction_errors": {j: list(st.reconstruction_errors) for j, st in engine.stages.items()},
     }

@@ -35,3 +35,10 @@ def test_bad_petra_values_name_the_key(section, message):
 def test_settings_that_need_a_cross_stage_collective_are_refused(extra, message):
     with pytest.raises(PetraConfigError, match=message):
         split_config({**BASE, **extra, "petra": {}})
+
+
+def test_non_finite_and_check_reversible_values_are_validated():
+    with pytest.raises(PetraConfigError, match=r'"petra.non_finite" must be one of \(\'raise\', \'skip\'\)'):
+        PetraConfig.from_dict({"non_finite": "ignore"})
+    with pytest.raises(PetraConfigError, match='"petra.check_reversible" must be true or false'):
+        PetraConfig.from_dict({"check_reversible": "yes"})

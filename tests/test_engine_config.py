@@ -114,3 +114,29 @@ def test_batch_norm_running_stats_are_updated_where_the_policy_says(policy):
             expected = entry["forwards"]
         assert set(entry["tracked"]) == {expected}, (j, entry)
     assert probe[1]["forwards"] > probe[1]["backwards"] > 0, "the check needs micro-batches in flight"
+
+
+def test_a_layer_declared_reversible_with_a_wrong_inverse_is_refused_at_the_first_forward():
+    with pytest.raises(RuntimeError) as err:
+        launch({"pipe": 1, "stages_per_rank": 4, "k": 2, "train_batches": 1, "wrong_inverse_at": 4}, timeout=120)
+    message = str(err.value)
+    assert "ReversibilityError" in message and "stage 1, its layer 1 (WrongInverse) does not invert" in message
+    assert "fix its inverse() or declare it non-reversible" in message
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_non_finite_policy(policy):
+    """A NaN in micro-batch 3 (window 1, k = 2): "raise" names stage, micro-batch and clock; "skip" skips
+    every stage's update of that window only, and no parameter is ever NaN."""
+    spec = {"pipe": 1, "stages_per_rank": 4, "k": 2, "train_batches": 4, "nan_micro_batch": 3,
+            "petra": {"non_finite": policy}, "capture_grads": False}
+    if policy == "raise":
+        with pytest.raises(RuntimeError, match=r"non-finite loss nan at stage 3, micro-batch 3, clock 6"):
+            launch(spec, timeout=120)
+        return
+    (result,) = launch(spec, timeout=120)
+    assert sorted(result["skipped_steps"]) == [(j, 2) for j in range(4)]
+    assert all(bool(v.isfinite().all()) for v in result["params"].values())
+    assert result["stage_steps"] == {j: 4 for j in range(4)}
+    finite = [loss for loss in result["losses"] if loss == loss]
+    assert len(finite) >= 3 and finite[-1] < 5

@@ -9,13 +9,9 @@ eval accuracies and their difference in points, and saves everything as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from example_runs import DEEPSPEED, run_example, save_report
 
 
 def main() -> None:
@@ -32,26 +28,20 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/accuracy")
     args = parser.parse_args()
 
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     results = {}
     for method, config in (("petra", args.petra_config), ("backprop", args.backprop_config)):
         out = os.path.join(args.run_dir, method)
-        cmd = [deepspeed, "--num_gpus", str(args.procs), "examples/revnet/train.py", "--deepspeed_config", config,
+        cmd = [DEEPSPEED, "--num_gpus", str(args.procs), "examples/revnet/train.py", "--deepspeed_config", config,
                "--dataset", args.dataset, "--arch", args.arch, "--width", str(args.width), "--epochs",
                str(args.epochs), "--seed", str(args.seed), "--workers", "1", "--output-dir", out]
-        start = time.time()
-        subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        with open(os.path.join(ROOT, out, "summary.json")) as f:
-            summary = json.load(f)
+        summary, _rows, wall = run_example(cmd, out)
         results[method] = {"final_eval_acc": summary["final_eval_acc"], "best_eval_acc": summary["best_eval_acc"],
                            "samples_per_s": summary["samples_per_s"], "stages": summary["stages"],
-                           "wall_s": time.time() - start, "command": " ".join(cmd[1:])}
+                           "wall_s": wall, "command": " ".join(cmd[1:])}
     gap = 100 * (results["backprop"]["final_eval_acc"] - results["petra"]["final_eval_acc"])
     report = {"dataset": args.dataset, "arch": args.arch, "width": args.width, "epochs": args.epochs,
               "procs": args.procs, "seed": args.seed, "results": results, "gap_points_final": gap}
-    os.makedirs(os.path.dirname(os.path.join(ROOT, args.output)), exist_ok=True)
-    with open(os.path.join(ROOT, args.output), "w") as f:
-        json.dump(report, f, indent=1)
+    save_report(args.output, report)
     print(f"{'method':10s} {'final':>8s} {'best':>8s} {'samples/s':>10s} {'wall s':>8s}")
     for method, r in results.items():
         print(f"{method:10s} {100 * r['final_eval_acc']:7.2f}% {100 * r['best_eval_acc']:7.2f}% "

@@ -13,14 +13,10 @@ from __future__ import annotations
 import argparse
 import ast
 import glob
-import json
 import os
-import subprocess
-import sys
 import sysconfig
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from example_runs import DEEPSPEED, ROOT, run_example, save_report
 
 
 def stdlib_corpus(out_dir: str, max_chars: int) -> list[str]:
@@ -71,35 +67,27 @@ def main() -> None:
     args = parser.parse_args()
 
     files = stdlib_corpus(os.path.join(ROOT, args.run_dir, "text"), args.max_chars)
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     results = {}
     for method, config in (("petra", args.petra_config), ("backprop", args.backprop_config)):
         out = os.path.join(args.run_dir, method)
-        cmd = [deepspeed, "--num_gpus", str(args.procs), "examples/reformer/train.py", "--deepspeed_config", config,
+        cmd = [DEEPSPEED, "--num_gpus", str(args.procs), "examples/reformer/train.py", "--deepspeed_config", config,
                "--model", "revgpt", "--data-files", *files, "--seq-len", str(args.seq_len),
                "--d-model", str(args.d_model), "--layers", str(args.layers), "--heads", str(args.heads),
                "--vocab-size", str(args.vocab_size), "--lr", str(args.lr), "--max-steps", str(args.steps),
                "--eval-every", str(max(1, args.steps // 10)), "--seed", str(args.seed), "--output-dir", out]
         if method == "petra":
             cmd += ["--stages", str(args.stages)]
-        start = time.time()
-        subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        with open(os.path.join(ROOT, out, "summary.json")) as f:
-            summary = json.load(f)
-        with open(os.path.join(ROOT, out, "metrics.jsonl")) as f:
-            curve = [json.loads(line) for line in f]
+        summary, curve, wall = run_example(cmd, out)
         results[method] = {"final_val_loss": summary["final_val_loss"],
                            "final_val_perplexity": summary["final_val_perplexity"],
                            "tokens_per_s": summary["tokens_per_s"], "stages": summary["stages"],
                            "val_curve": [(m["step"], m["val_loss"]) for m in curve],
-                           "wall_s": time.time() - start, "command": " ".join(cmd[1:])}
+                           "wall_s": wall, "command": " ".join(cmd[1:])}
     petra, backprop = results["petra"]["final_val_loss"], results["backprop"]["final_val_loss"]
     gap = (petra - backprop) / backprop
     report = {"model": "revgpt", "steps": args.steps, "procs": args.procs, "seed": args.seed,
               "args": vars(args), "results": results, "relative_gap_val_loss": gap}
-    os.makedirs(os.path.dirname(os.path.join(ROOT, args.output)), exist_ok=True)
-    with open(os.path.join(ROOT, args.output), "w") as f:
-        json.dump(report, f, indent=1)
+    save_report(args.output, report)
     print(f"{'method':10s} {'val loss':>9s} {'ppl':>8s} {'tokens/s':>9s} {'wall s':>8s}")
     for method, r in results.items():
         print(f"{method:10s} {r['final_val_loss']:9.4f} {r['final_val_perplexity']:8.2f} "

@@ -28,13 +28,13 @@ import deepspeed
 import torch
 from deepspeed import comm as dist
 from deepspeed.pipe import PipelineModule
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from deepspeed.utils import RepeatingLoader
 from tqdm import tqdm
 
 import petra_ds
 from petra_ds.data.text import build_tokenizer, lm_loader, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
+from petra_ds.runs import RunFiles, pipeline_topology, stages_per_rank
 
 
 def parse_args() -> argparse.Namespace:
@@ -106,11 +106,7 @@ def reformer_model(args, vocab_size: int):
 
 
 def build_model(args, config: dict, vocab_size: int):
-    world = dist.get_world_size()
-    if world % args.data_parallel:
-        raise SystemExit(f"--data-parallel {args.data_parallel} does not divide the world size {world}")
-    ranks = world // args.data_parallel
-    topology = PipeDataParallelTopology(num_pp=ranks, num_dp=args.data_parallel)
+    topology, ranks = pipeline_topology(args.data_parallel)
     hf_config = None
     if args.model == "reformer":
         hf_config, layers = reformer_model(args, vocab_size)
@@ -121,39 +117,15 @@ def build_model(args, config: dict, vocab_size: int):
     if "petra" not in config:
         return PipelineModule(layers, topology=topology, loss_fn=lm_loss, partition_method="uniform",
                               seed_layers=True, base_seed=args.seed), hf_config
-    stages = args.stages or len(layers)
-    if stages % ranks:
-        raise SystemExit(f"--stages {stages} must be a multiple of the {ranks} pipeline ranks")
-    config["petra"]["stages_per_rank"] = stages // ranks
-    module = petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=lm_loss, stages_per_rank=stages // ranks,
+    config["petra"]["stages_per_rank"] = stages_per_rank(args.stages or len(layers), ranks)
+    module = petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=lm_loss,
+                                          stages_per_rank=config["petra"]["stages_per_rank"],
                                           partition_method="uniform", base_seed=args.seed)
     return module, hf_config
 
 
 def evaluate(engine, loader, batches: int) -> float:
     return float(engine.eval_batch(iter(loader), num_micro_batches=batches))
-
-
-def plot(metrics: list[dict], losses: list[tuple[int, float]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    if losses:
-        left.plot(*zip(*losses), lw=0.8, label="train")
-    left.plot([m["step"] for m in metrics], [m["val_loss"] for m in metrics], "o-", label="validation")
-    left.set_xlabel("train_batch calls")
-    left.set_ylabel("loss (nats/token)")
-    left.legend()
-    right.plot([m["step"] for m in metrics], [m["val_perplexity"] for m in metrics], "o-")
-    right.set_xlabel("train_batch calls")
-    right.set_ylabel("validation perplexity")
-    right.set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def export_reformer(engine, hf_config, tokenizer, args) -> None:
@@ -207,13 +179,12 @@ def main() -> None:
     val_loader = lm_loader(val_blocks, micro, train=False)
     eval_batches = min(args.eval_batches, len(val_loader))
     rank0 = dist.get_rank() == 0
+    files = RunFiles(args.output_dir, enabled=rank0)
     if rank0:
         print(json.dumps({"train_blocks": len(train_blocks), "val_blocks": len(val_blocks), "vocab": vocab_size,
                           "params": sum(p.numel() for p in model.parameters()), "method": method}))
     data = RepeatingLoader(train_loader)
     metrics, losses = [], []
-    if rank0:  # this run's rows only
-        open(os.path.join(args.output_dir, "metrics.jsonl"), "w").close()
     start = time.time()
     bar = tqdm(total=args.max_steps, disable=not rank0, desc=f"{method} {args.model}", dynamic_ncols=True)
     for step in range(1, args.max_steps + 1):
@@ -232,12 +203,7 @@ def main() -> None:
                    "val_perplexity": math.exp(min(val_loss, 50.0)), "elapsed_s": elapsed,
                    "tokens_per_s": step * micro * k * args.data_parallel * args.seq_len / elapsed}
             metrics.append(row)
-            if rank0:
-                bar.write(json.dumps(row))
-                with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                if engine.monitor.enabled:
-                    engine.monitor.write_events([("Eval/loss", val_loss, step)])
+            files.log(row, engine, [("Eval/loss", val_loss, step)], bar.write)
     bar.close()
     memory = engine.memory_report() if method == "petra" else None
     if args.export_hf:
@@ -248,9 +214,9 @@ def main() -> None:
                    "steps": args.max_steps, "world_size": dist.get_world_size(),
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "memory_rank0": memory,
                    "args": vars(args), "config": config}
-        with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1, default=str)
-        plot(metrics, losses, os.path.join(args.output_dir, "curves.png"))
+        files.summary(summary)
+        files.curves(losses, metrics, eval_key="val_loss", eval_label="validation", loss_label="loss (nats/token)",
+                     right=("step", "val_perplexity", "train_batch calls", "validation perplexity"), right_log=True)
         print(json.dumps({k: summary[k] for k in ("method", "model", "final_val_loss", "final_val_perplexity")}))
 
 

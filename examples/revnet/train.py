@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 
 import deepspeed
 import torch
 from deepspeed import comm as dist
 from deepspeed.pipe import PipelineModule
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from deepspeed.runtime.utils import set_random_seed
 from deepspeed.utils import RepeatingLoader
 from torch import nn
@@ -33,6 +31,7 @@ import petra_ds
 from petra_ds.data import INFO, build_dataset, make_loader
 from petra_ds.models.revnet import resnet_layers, revnet_layers
 from petra_ds.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
+from petra_ds.runs import RunFiles, pipeline_topology, stages_per_rank
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
 
@@ -77,22 +76,17 @@ def parse_args() -> argparse.Namespace:
 def build_model(args, config: dict, info, loss_fn: nn.Module):
     kind, depth = ARCHS[args.arch]
     layers = (revnet_layers if kind == "revnet" else resnet_layers)(depth, info.num_classes, info.cifar_stem, args.width)
-    world = dist.get_world_size()
-    if world % args.data_parallel:
-        raise SystemExit(f"--data-parallel {args.data_parallel} does not divide the world size {world}")
-    ranks = world // args.data_parallel
-    topology = PipeDataParallelTopology(num_pp=ranks, num_dp=args.data_parallel)
+    topology, ranks = pipeline_topology(args.data_parallel)
     if "petra" not in config:
         # seed_fn: DeepSpeed's "parameters" partition yields numpy indices that random.seed rejects
         return PipelineModule(layers, topology=topology, loss_fn=loss_fn, partition_method="parameters",
                               seed_layers=True, seed_fn=lambda seed: set_random_seed(int(seed)),
                               base_seed=args.seed, dynamic_shape=True)
     stages = args.stages or len(layers)
-    if stages % ranks:
-        raise SystemExit(f"--stages {stages} must be a multiple of the {ranks} pipeline ranks")
-    config["petra"]["stages_per_rank"] = stages // ranks
+    config["petra"]["stages_per_rank"] = stages_per_rank(stages, ranks)
     method = "uniform" if stages == len(layers) else "parameters"
-    return petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=loss_fn, stages_per_rank=stages // ranks,
+    return petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=loss_fn,
+                                        stages_per_rank=config["petra"]["stages_per_rank"],
                                         partition_method=method, base_seed=args.seed)
 
 
@@ -108,27 +102,6 @@ def evaluate(engine, loader, loss_fn: ClassificationLoss) -> tuple[float, float]
         last = grid.stage_to_global(stage_id=grid.pipe_parallel_size - 1)
         dist.broadcast(counts, src=last, group=grid.get_pipe_parallel_group())
     return float(loss), float(counts[0] / counts[1])
-
-
-def plot(metrics: list[dict], losses: list[tuple[int, float]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    if losses:
-        left.plot(*zip(*losses), lw=0.8, label="train")
-    left.plot([m["step"] for m in metrics], [m["eval_loss"] for m in metrics], "o-", label="eval")
-    left.set_xlabel("train_batch calls")
-    left.set_ylabel("loss")
-    left.legend()
-    right.plot([m["epoch"] for m in metrics], [100 * m["eval_acc"] for m in metrics], "o-")
-    right.set_xlabel("epoch")
-    right.set_ylabel("eval accuracy (%)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def main() -> None:
@@ -162,12 +135,10 @@ def main() -> None:
     engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config, **extra)
 
     rank0 = dist.get_rank() == 0
-    os.makedirs(args.output_dir, exist_ok=True)
+    files = RunFiles(args.output_dir, enabled=rank0)
     total_steps = epochs * steps_per_epoch if args.max_steps is None else min(args.max_steps, epochs * steps_per_epoch)
     data = RepeatingLoader(train_loader)
     metrics, losses = [], []
-    if rank0:  # this run's rows only
-        open(os.path.join(args.output_dir, "metrics.jsonl"), "w").close()
     best = 0.0
     start = time.time()
     bar = tqdm(total=total_steps, disable=not rank0, desc=f"{method} {args.arch}", dynamic_ncols=True)
@@ -188,12 +159,7 @@ def main() -> None:
                    "eval_loss": eval_loss, "eval_acc": eval_acc, "elapsed_s": elapsed,
                    "samples_per_s": step * micro * k * args.data_parallel / elapsed}
             metrics.append(row)
-            if rank0:
-                bar.write(json.dumps(row))
-                with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                if engine.monitor.enabled:
-                    engine.monitor.write_events([("Eval/loss", eval_loss, step), ("Eval/accuracy", eval_acc, step)])
+            files.log(row, engine, [("Eval/loss", eval_loss, step), ("Eval/accuracy", eval_acc, step)], bar.write)
     bar.close()
     if rank0:
         summary = {"method": method, "arch": args.arch, "dataset": args.dataset, "final_eval_acc": metrics[-1]["eval_acc"],
@@ -201,9 +167,9 @@ def main() -> None:
                    "samples_per_s": metrics[-1]["samples_per_s"], "steps": total_steps, "world_size": dist.get_world_size(),
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "args": vars(args), "config": config,
                    "recipe": vars(recipe) if extra else None}
-        with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1, default=str)
-        plot(metrics, losses, os.path.join(args.output_dir, "curves.png"))
+        files.summary(summary)
+        files.curves(losses, metrics, eval_key="eval_loss", eval_label="eval", loss_label="loss",
+                     right=("epoch", "eval_acc", "epoch", "eval accuracy (%)"), right_scale=100)
         print(json.dumps({k: summary[k] for k in ("method", "final_eval_acc", "best_eval_acc", "samples_per_s")}))
 
 

@@ -1,0 +1,33 @@
+"""Shared by the benchmark scripts: run one example training under the deepspeed launcher, read back
+what it wrote, save a report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+
+
+def run_example(cmd: list[str], output_dir: str) -> tuple[dict, list[dict], float]:
+    """(summary.json, metrics.jsonl rows, wall seconds) of ``cmd`` run from the repository root with
+    one thread per process."""
+    start = time.time()
+    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    wall = time.time() - start
+    with open(os.path.join(ROOT, output_dir, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(ROOT, output_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return summary, rows, wall
+
+
+def save_report(output: str, report: dict) -> None:
+    path = os.path.join(ROOT, output)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)

@@ -132,8 +132,7 @@ class PetraEngine(PipelineEngine):
                 f"stages_per_rank={self.stages_per_rank}; build it with "
                 "petra_ds.PetraPipelineModule(..., stages_per_rank=...) matching the config")
         self.num_petra_stages = self.num_stages * self.stages_per_rank
-        self.local_stage_ids = range(self.stage_id * self.stages_per_rank,
-                                     (self.stage_id + 1) * self.stages_per_rank)
+        self.local_stage_ids = self._local_range()
         self.reversible = stage_reversible(module)
         options = StageOptions(
             gradient_accumulation_steps=self.micro_batches,
@@ -177,6 +176,7 @@ class PetraEngine(PipelineEngine):
     # --- optimizers and schedulers, one per local stage ---
 
     def _local_range(self) -> range:
+        """This rank's PETRA stages (also needed while DeepSpeed's constructor builds the optimizers)."""
         spr = stages_per_rank_of(self.module)
         rank = self.module._grid.get_stage_id()
         return range(rank * spr, (rank + 1) * spr)
@@ -484,6 +484,8 @@ class PetraEngine(PipelineEngine):
 
     def _apply_tied_weights(self) -> None:
         """Weights received this clock replace the readers' copies before the next clock."""
+        if not self.ties:  # every clock commits: no inbox scan for models without ties
+            return
         for key in [k for k in self.inbox if k[1].startswith("tied_weight:")]:
             stage, kind, _step = key
             with torch.no_grad():

@@ -235,7 +235,7 @@ class _Replay:
                     self.outbox[(j, f"tied_grad:{key}", cmd.step)] = clock
                 if j == owner:
                     for reader in readers:
-                        self.take(rank, clock, cmd, (j, f"tied_grad:{key}:{reader}", cmd.step), same_or_earlier=True)
+                        self.take(rank, clock, cmd, (j, f"tied_grad:{key}:{reader}", cmd.step), any_earlier_clock=True)
                         self.outbox[(j, f"tied_weight:{key}:{reader}", cmd.step)] = clock
         elif isinstance(cmd, SendTiedGrad):
             self.queue_tied(rank, clock, cmd, (cmd.stage, f"tied_grad:{cmd.key}", cmd.step),
@@ -266,13 +266,13 @@ class _Replay:
         if self.done_this_clock.get(cmd.stage) == clock:
             self.fail(rank, clock, cmd, "compute after the stage's optimizer step in the same clock")
 
-    def take(self, rank, clock, cmd, key, same_or_earlier=False):
-        """Consume a message that must have been received at the previous clock (``same_or_earlier``:
+    def take(self, rank, clock, cmd, key, any_earlier_clock=False):
+        """Consume a message that must have been received at the previous clock (``any_earlier_clock``:
         at any earlier clock, for a tied gradient waiting for the owner's step)."""
         received = self.inbox.pop(key, None)
         if received is None:
             self.fail(rank, clock, cmd, f"no {key[1]} message for micro-batch {key[2]} was received")
-        if same_or_earlier:
+        if any_earlier_clock:
             if received >= clock:
                 self.fail(rank, clock, cmd, f"{key[1]} of step {key[2]} received at clock {received}, needed earlier")
         elif received != clock - 1:

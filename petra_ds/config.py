@@ -28,6 +28,10 @@ class PetraConfig:
     non_finite: str = "raise"
     #: check every layer declared reversible once, on its first input (``inverse(forward(x)) == x``)
     check_reversible: bool = True
+    #: every this many optimizer steps, compare PETRA's gradient with the delayed and the end-to-end
+    #: gradient per stage (``petra_ds.analysis.gradient_quality``); 0 turns it off. A diagnostic: it does
+    #: not change training, and a checkpoint may be resumed with another value
+    gradient_quality_every: int = 0
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "PetraConfig":
@@ -59,6 +63,10 @@ class PetraConfig:
             raise PetraConfigError(f'"petra.non_finite" must be one of {NON_FINITE}, got {self.non_finite!r}')
         if not isinstance(self.check_reversible, bool):
             raise PetraConfigError(f'"petra.check_reversible" must be true or false, got {self.check_reversible!r}')
+        every = self.gradient_quality_every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise PetraConfigError(
+                f'"petra.gradient_quality_every" must be an integer >= 0 (0: off), got {every!r}')
 
 
 def split_config(config: Mapping[str, Any]) -> tuple[PetraConfig, dict[str, Any], bool]:

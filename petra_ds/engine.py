@@ -25,6 +25,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim import Optimizer
 
 from . import checkpoint, messages
+from .analysis.gradient_quality import GradientQuality
 from .config import PetraConfig, PetraConfigError
 from .module import (
     Tie,
@@ -58,6 +59,10 @@ from .schedule import (
     Window,
 )
 from .stage import Stage, StageOptions, tensor_bytes
+
+
+#: ``petra`` keys that do not change training: a checkpoint resumes under other values
+DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible")
 
 
 class StageOptimizers:
@@ -172,6 +177,10 @@ class PetraEngine(PipelineEngine):
         #: (stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``)
         self.skipped_steps: list[tuple[int, int]] = []
         self.clock_now = 0
+        #: the App. B gradient-quality study, when ``petra.gradient_quality_every`` > 0
+        self.gradient_quality: GradientQuality | None = (
+            GradientQuality(self, petra_config.gradient_quality_every)
+            if petra_config.gradient_quality_every > 0 else None)
 
     # --- optimizers and schedulers, one per local stage ---
 
@@ -279,6 +288,8 @@ class PetraEngine(PipelineEngine):
             raise ValueError("train_batch() needs a data iterator (or training_data in initialize)")
         self.module.train()
         window = self.timeline.train_window(self.micro_batches)
+        if self.gradient_quality is not None:
+            self.gradient_quality.start_window(window.start_clock, window.micro_batches > 0)
         loss = self._run_window(window)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
@@ -308,19 +319,29 @@ class PetraEngine(PipelineEngine):
         self._window_losses = []
         self._exec_schedule(self._schedule(window))
         self.timeline.advance(window)
-        return self._reduce_loss(self._window_losses)
+        loss = self._reduce_loss(self._window_losses)
+        if self.gradient_quality is not None:
+            self.gradient_quality.end_window()
+        return loss
 
     def _exec_schedule(self, pipe_schedule: PetraSchedule) -> None:
-        """DeepSpeed's instruction loop, one clock per step, with the clock observers."""
+        """DeepSpeed's instruction loop, one clock per step, with the clock observers. The
+        gradient-quality probe runs after a clock's forwards, before any parameter changes."""
         for clock, step_cmds in enumerate(pipe_schedule, start=pipe_schedule.start_clock):
             self.clock_now = clock
+            probe = self.gradient_quality
             for cmd in step_cmds:
+                if probe is not None and not isinstance(cmd, (LoadMicroBatch, ForwardPass)):
+                    probe.mid_clock(clock)
+                    probe = None
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
                 handler(self, **cmd.kwargs)
             for observe in self.clock_observers:
                 observe(self, clock)
+            if probe is not None:
+                probe.mid_clock(clock)
 
     def _reduce_loss(self, losses: list[Tensor]) -> Tensor:
         """Mean over this window's finished micro-batches, averaged over data parallelism and
@@ -370,6 +391,8 @@ class PetraEngine(PipelineEngine):
             x, labels = self._loaded.pop(micro_batch)
         else:
             x, labels = self.inbox.pop((stage, "act", micro_batch))
+        if self.gradient_quality is not None:
+            self.gradient_quality.on_forward(stage, micro_batch, x, labels)
         out = st.forward(micro_batch, x, labels)
         if st.is_last:
             if self.petra_config.non_finite == "raise" and not torch.isfinite(out):
@@ -394,7 +417,11 @@ class PetraEngine(PipelineEngine):
             delta = self._pending_delta.pop(stage)
         else:
             delta, _ = self.inbox.pop((stage, "grad", micro_batch))
+        if self.gradient_quality is not None:
+            self.gradient_quality.before_backward(stage, micro_batch, delta)
         dx, x_tilde = st.backward(micro_batch, delta)
+        if self.gradient_quality is not None:
+            self.gradient_quality.after_backward(stage, micro_batch, x_tilde)
         if stage > 0:
             self.produced[(stage, "grad", micro_batch)] = (dx, x_tilde)
 
@@ -669,7 +696,7 @@ class PetraEngine(PipelineEngine):
     def _layout_signature(self) -> dict:
         return {"pipe": self.num_stages, "data": self.grid.data_parallel_size,
                 "stages_per_rank": self.stages_per_rank, "k": self.micro_batches,
-                "petra": asdict(self.petra_config)}
+                "petra": {k: v for k, v in asdict(self.petra_config).items() if k not in DIAGNOSTIC_KEYS}}
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -35,6 +35,10 @@ class PetraConfig:
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "PetraConfig":
+        if section is not None and not isinstance(section, Mapping):
+            raise PetraConfigError(
+                f'the "petra" config section must be an object of keys such as "stages_per_rank", got '
+                f'{section!r}; use "petra": {{}} for the defaults')
         section = dict(section or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(section) - known)
@@ -78,23 +82,70 @@ def split_config(config: Mapping[str, Any]) -> tuple[PetraConfig, dict[str, Any]
     """
     config = dict(config)
     petra = PetraConfig.from_dict(config.pop("petra", None))
-    bf16 = dict(config.pop("bf16", None) or {})
-    bf16_enabled = bool(bf16.get("enabled", False))
-    fp16 = config.get("fp16") or {}
-    if fp16.get("enabled", False):
+    bf16_enabled = bool(_section(config, "bf16").get("enabled", False))
+    config.pop("bf16", None)
+    if _section(config, "fp16").get("enabled", False):
         raise PetraConfigError(
             '"fp16" is not supported with PETRA: loss scaling needs an overflow check across all stages, '
             'which stages that step at different clocks cannot run; use "bf16": {"enabled": true} instead')
-    if float(config.get("gradient_clipping", 0.0) or 0.0) > 0.0:
+    if _section(config, "torch_autocast").get("enabled", False):
+        raise PetraConfigError(
+            '"torch_autocast" is not supported with PETRA: its engine runs the stages itself, so DeepSpeed\'s '
+            'autocast would be silently ignored; use "bf16": {"enabled": true} (bf16 autocast, fp32 parameters)')
+    clipping = config.get("gradient_clipping") or 0.0
+    if not isinstance(clipping, (int, float)) or isinstance(clipping, bool):
+        raise PetraConfigError(f'"gradient_clipping" must be a number (PETRA only runs without it: 0), got {clipping!r}')
+    if clipping > 0.0:
         raise PetraConfigError(
             '"gradient_clipping" is not supported with PETRA: it clips by the global gradient norm, a '
             'collective across stages that step at different clocks; remove it (or set it to 0)')
-    zero = config.get("zero_optimization") or {}
-    if int(zero.get("stage", 0) or 0) != 0:
-        raise PetraConfigError(
-            f'"zero_optimization.stage" {zero.get("stage")} is not supported with PETRA: ZeRO partitions and '
-            'reduces gradients across the whole model at one step; set it to 0')
+    _check_zero(config.get("zero_optimization"))
     gas = config.get("gradient_accumulation_steps", 1)
-    if isinstance(gas, int) and gas < 1:
+    if gas is not None and (not isinstance(gas, int) or isinstance(gas, bool)):
+        raise PetraConfigError(f'"gradient_accumulation_steps" (PETRA\'s k) must be an integer >= 1, got {gas!r}')
+    if gas is not None and gas < 1:
         raise PetraConfigError(f'"gradient_accumulation_steps" (PETRA\'s k) must be >= 1, got {gas}')
     return petra, config, bf16_enabled
+
+
+ZERO_OFFLOAD_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param")
+
+
+def _section(config: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """``config[key]`` as a dict (empty when absent or null), so that a malformed section is refused by
+    name instead of failing on an attribute lookup."""
+    value = config.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise PetraConfigError(f'"{key}" must be an object ({{"enabled": ...}}), got {value!r}')
+    return dict(value)
+
+
+def _check_zero(zero: Any) -> None:
+    """ZeRO partitions optimizer states and reduces gradients for the whole model at one step, while
+    PETRA's stages step at different clocks: only stage 0 runs. Offload settings are read by ZeRO alone,
+    so at stage 0 DeepSpeed would ignore them without a word; they are refused instead."""
+    if zero is None or zero is False:
+        return
+    if zero is True:  # DeepSpeed's legacy spelling of stage 1
+        raise PetraConfigError('"zero_optimization": true (ZeRO stage 1) is not supported with PETRA: ZeRO '
+                               'partitions and reduces gradients across the whole model at one step; remove it')
+    if not isinstance(zero, Mapping):
+        raise PetraConfigError(f'"zero_optimization" must be an object such as {{"stage": 0}}, got {zero!r}')
+    stage = zero.get("stage", 0)
+    try:
+        stage_number = int(stage or 0)
+    except (TypeError, ValueError):
+        raise PetraConfigError(f'"zero_optimization.stage" must be 0 with PETRA, got {stage!r}') from None
+    if stage_number != 0:
+        raise PetraConfigError(
+            f'"zero_optimization.stage" {stage} is not supported with PETRA: ZeRO partitions and '
+            'reduces gradients across the whole model at one step; set it to 0')
+    for key in ZERO_OFFLOAD_KEYS:
+        value = zero.get(key)
+        if not value or (isinstance(value, Mapping) and value.get("device") in (None, "none")):
+            continue
+        raise PetraConfigError(
+            f'"zero_optimization.{key}" is not supported with PETRA: offloading is part of ZeRO (stage >= 1), '
+            'which PETRA cannot run, so it would be ignored; remove it')

@@ -13,6 +13,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from .config import PetraConfigError, split_config
+from .module import stages_per_rank_of
 
 
 def free_port() -> int:
@@ -66,6 +67,11 @@ def initialize(
         args = copy.copy(args)  # the config now travels as a dict; DeepSpeed refuses both
         args.deepspeed_config = None
     if "petra" not in raw:
+        if getattr(model, "stages_per_rank", 1) != 1:
+            raise PetraConfigError(
+                f"the model was built with stages_per_rank={model.stages_per_rank} but the config has no "
+                '"petra" section, so DeepSpeed would run its own 1F1B schedule; add "petra": '
+                f'{{"stages_per_rank": {model.stages_per_rank}}} (or build a plain PipelineModule for 1F1B)')
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                     model_parameters=model_parameters, training_data=training_data,
                                     lr_scheduler=lr_scheduler, dist_init_required=dist_init_required,
@@ -74,6 +80,11 @@ def initialize(
     if not isinstance(model, PipelineModule):
         raise TypeError("PETRA needs a deepspeed.pipe.PipelineModule (or petra_ds.PetraPipelineModule); "
                         f"got {type(model).__name__}")
+    if stages_per_rank_of(model) != petra.stages_per_rank:
+        raise PetraConfigError(
+            f'"petra.stages_per_rank" is {petra.stages_per_rank} but the model was built with '
+            f"stages_per_rank={stages_per_rank_of(model)}; build it with "
+            "petra_ds.PetraPipelineModule(..., stages_per_rank=...) matching the config")
     if optimizer is None and "optimizer" not in ds_config:
         raise PetraConfigError('PETRA needs an optimizer: add an "optimizer" section or pass optimizer=...')
     mpu = model.mpu()

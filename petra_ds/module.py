@@ -14,6 +14,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from deepspeed import comm as dist
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
@@ -29,6 +30,34 @@ def spec_is_reversible(spec: Any) -> bool:
     return isinstance(spec, nn.Module) and is_reversible(spec)
 
 
+def check_world(num_stages: Any, topology: Any) -> None:
+    """Refuse a pipeline x data-parallel layout that does not cover the processes of this run, before
+    DeepSpeed's grid fails on it with a bare "Invalid Grid"."""
+    if not dist.is_initialized():
+        raise RuntimeError("PetraPipelineModule needs torch.distributed: call petra_ds.init_distributed() (or "
+                           "deepspeed.init_distributed()) first; it also works in a plain python process")
+    world = dist.get_world_size()
+    if topology is not None:
+        size = topology.world_size()
+        if size != world:
+            axes = " x ".join(f"{axis} {topology.get_dim(axis)}" for axis in topology.get_axis_names())
+            raise ValueError(
+                f"the topology ({axes} = {size} processes) does not match the {world} processes of this run "
+                f"(torch.distributed world size); launch {size} processes or build a topology whose "
+                f"pipe x data = {world}")
+        return
+    if num_stages is None:
+        return  # DeepSpeed asks for num_stages or topology
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"num_stages (pipeline ranks) must be an integer >= 1, got {num_stages!r}")
+    if world % num_stages:
+        raise ValueError(
+            f"num_stages={num_stages} pipeline ranks do not divide the {world} processes of this run "
+            "(data-parallel replicas = processes / num_stages); num_stages counts pipeline ranks, not PETRA "
+            "stages (J = num_stages x stages_per_rank): one process hosting J stages is num_stages=1, "
+            "stages_per_rank=J")
+
+
 class PetraPipelineModule(PipelineModule):
     """``PipelineModule`` with ``stages_per_rank`` PETRA stages per pipeline rank.
 
@@ -38,8 +67,10 @@ class PetraPipelineModule(PipelineModule):
 
     def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, *,
                  stages_per_rank: int = 1, seed_layers: bool = True, **kwargs) -> None:
-        if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-            raise ValueError(f"stages_per_rank must be an integer >= 1, got {stages_per_rank!r}")
+        if not isinstance(stages_per_rank, int) or isinstance(stages_per_rank, bool) or stages_per_rank < 1:
+            raise ValueError(f"stages_per_rank must be an integer >= 1 (PETRA stages per pipeline rank), "
+                             f"got {stages_per_rank!r}")
+        check_world(num_stages, topology)
         self.stages_per_rank = stages_per_rank
         super().__init__(layers, num_stages=num_stages, topology=topology, loss_fn=loss_fn,
                          seed_layers=seed_layers, **kwargs)

@@ -362,7 +362,13 @@ class PetraEngine(PipelineEngine):
     def _exec_petra_load(self, stage: int, micro_batch: int) -> None:
         if self._petra_data_iter is None:
             raise ValueError("no data iterator: pass one to train_batch()")
-        batch = next(self._petra_data_iter)
+        try:
+            batch = next(self._petra_data_iter)
+        except StopIteration:
+            raise ValueError(
+                f"the data iterator ran out at micro-batch {micro_batch} (clock {self.clock_now}) inside a "
+                f"train_batch call of {self.micro_batches} clocks; give it k micro-batches per call "
+                "(e.g. deepspeed.utils.RepeatingLoader) or call drain() to finish") from None
         if self.batch_fn is not None:
             batch = self.batch_fn(batch)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:

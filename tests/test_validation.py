@@ -302,3 +302,11 @@ def test_a_micro_batch_of_another_shape_is_refused_naming_both_layouts(engine):
     with pytest.raises(MessageLayoutError, match=r"micro-batch 3 has layout \(float64\[3, 6\], int64\[3\]\) but the "
                                                  r"first one had \(float64\[4, 6\], int64\[4\]\).*drop_last=True"):
         engine.train_batch(iter(data[2:]))
+
+
+def test_a_data_iterator_that_runs_out_inside_a_train_batch_call_is_named(engine):
+    k = engine.micro_batches
+    assert k > 1
+    with pytest.raises(ValueError, match=r"the data iterator ran out at micro-batch 1 \(clock 1\) inside a train_batch "
+                                         rf"call of {k} clocks; give it k micro-batches per call"):
+        engine.train_batch(iter(toy_data(1, 4)))

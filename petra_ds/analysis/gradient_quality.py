@@ -42,7 +42,7 @@ def cosine(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
     """Cosine similarity of two gradients given as lists of tensors (float64)."""
     u, v = flat(a), flat(b)
     denominator = float(u.norm() * v.norm())
-    return float(u @ v) / denominator if denominator > 0 else math.nan
+    return max(-1.0, min(1.0, float(u @ v) / denominator)) if denominator > 0 else math.nan
 
 
 def norm_ratio(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:

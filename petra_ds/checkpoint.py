@@ -59,6 +59,8 @@ def commit(save_dir: str, tag: str, save_latest: bool) -> str:
     """(rank 0, after every rank wrote) Put the partial directory in place of ``tag``."""
     final = os.path.join(save_dir, tag)
     aside = os.path.join(save_dir, f".{tag}.old")
+    if os.path.exists(aside) and not os.path.exists(final):
+        os.replace(aside, final)  # an earlier crash left this tag only aside: it is the live copy
     if os.path.exists(aside):
         shutil.rmtree(aside)
     if os.path.exists(final):

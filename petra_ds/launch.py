@@ -6,9 +6,12 @@ import copy
 import json
 import os
 import socket
+from datetime import timedelta
 from typing import Any
 
 import deepspeed
+import torch
+from deepspeed.constants import default_pg_timeout
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.module import PipelineModule
 
@@ -63,6 +66,8 @@ def initialize(
     from .engine import PetraEngine
 
     raw = _load(config, args)
+    if _group_timeout is not None and isinstance(model, PipelineModule):
+        apply_group_timeout(model.mpu(), _group_timeout)
     if getattr(args, "deepspeed_config", None):
         args = copy.copy(args)  # the config now travels as a dict; DeepSpeed refuses both
         args.deepspeed_config = None
@@ -97,7 +102,33 @@ def initialize(
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
-    """``deepspeed.init_distributed`` that also works in a plain ``python`` process (one rank)."""
+#: the timeout given to :func:`init_distributed`, for the pipeline's process groups
+_group_timeout: timedelta | None = None
+
+
+def init_distributed(dist_backend: str | None = None, timeout: timedelta | None = None, **kwargs: Any) -> None:
+    """``deepspeed.init_distributed`` that also works in a plain ``python`` process (one rank).
+
+    ``timeout`` (default: DeepSpeed's, ``$DEEPSPEED_TIMEOUT`` minutes) bounds how long a rank waits on
+    a peer that stopped answering without dying (a dead process is noticed within seconds);
+    :func:`initialize` gives the pipeline's own process groups the same bound."""
+    global _group_timeout
     ensure_single_process_env()
-    deepspeed.init_distributed(dist_backend=dist_backend, **kwargs)
+    timeout = timeout or default_pg_timeout
+    deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout, **kwargs)
+    _group_timeout = timeout
+
+
+def apply_group_timeout(grid: Any, timeout: timedelta) -> None:
+    """Give a pipeline grid's pipe, data- and model-parallel groups ``timeout``: torch creates them
+    with its own default (30 minutes for gloo) whatever the world group was given."""
+    set_timeout = getattr(torch.distributed, "set_timeout", None) or getattr(
+        torch.distributed.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return
+    getters = ("get_pipe_parallel_group", "get_data_parallel_group", "get_model_parallel_group",
+               "get_slice_parallel_group")
+    groups = {id(g): g for g in (getattr(grid, name)() for name in getters) if g is not None}
+    for group in groups.values():
+        if torch.distributed.get_rank(group) >= 0:  # -1: this rank is not in the group
+            set_timeout(timeout, group)

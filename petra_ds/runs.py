@@ -1,5 +1,6 @@
-"""What the example training scripts share: the pipeline x data-parallel layout of a run and the files
-it writes (``metrics.jsonl``, ``summary.json``, ``curves.png``) in its output directory."""
+"""What the example training scripts share: the pipeline x data-parallel layout of a run, the files it
+writes (``metrics.jsonl``, ``summary.json``, ``curves.png``) in its output directory, and its checkpoints
+(``<output-dir>/checkpoints``, written every ``--save-every`` steps and loaded by ``--resume``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 from typing import Any, Callable
 
+import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
@@ -26,15 +28,55 @@ def stages_per_rank(stages: int, ranks: int) -> int:
     return stages // ranks
 
 
-class RunFiles:
-    """The output directory of one run; only the writing rank (``enabled``) touches the files."""
+def checkpoint_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
 
-    def __init__(self, output_dir: str, enabled: bool) -> None:
+
+def save(engine: Any, output_dir: str, state: dict) -> None:
+    """Checkpoint the engine (PETRA's or DeepSpeed's 1F1B) with the script's ``state``, this rank's torch
+    random state and the module's forward counter: DeepSpeed's 1F1B draws dropout masks from the global
+    stream, reseeded from that counter with ``seed_layers``, and saves neither (PETRA keys its masks by
+    micro-batch)."""
+    engine.save_checkpoint(checkpoint_dir(output_dir), client_state={"example": {
+        **state, "rng": torch.get_rng_state(), "micro_offset": getattr(engine.module, "micro_offset", None)}})
+
+
+def resume(engine: Any, output_dir: str) -> dict | None:
+    """Load ``latest`` from ``<output_dir>/checkpoints`` into the engine (step count, optimizer and LR
+    scheduler states, PETRA's micro-batches in flight) and return the state :func:`save` stored with it;
+    None, and nothing loaded, when there is no checkpoint yet."""
+    if not os.path.exists(os.path.join(checkpoint_dir(output_dir), "latest")):
+        return None
+    _, client_state = engine.load_checkpoint(checkpoint_dir(output_dir))
+    state = dict(client_state["example"])
+    torch.set_rng_state(state.pop("rng").cpu())
+    micro_offset = state.pop("micro_offset")
+    if micro_offset is not None:
+        engine.module.micro_offset = micro_offset
+    return state
+
+
+class RunFiles:
+    """The output directory of one run; only the writing rank (``enabled``) touches the files.
+
+    ``resumed_at``: the step of the checkpoint a resumed run starts from; ``metrics.jsonl`` keeps its rows up
+    to that step (``kept_rows``; rows a killed run wrote after its last checkpoint are dropped, the resumed
+    run writes them again) and is appended to. Otherwise it is started afresh."""
+
+    def __init__(self, output_dir: str, enabled: bool, resumed_at: int | None = None) -> None:
         self.output_dir = output_dir
         self.enabled = enabled
+        self.kept_rows: list[dict] = []
         os.makedirs(output_dir, exist_ok=True)
-        if enabled:  # this run's rows only
-            open(self.path("metrics.jsonl"), "w").close()
+        if not enabled:
+            return
+        if resumed_at is not None and os.path.exists(self.path("metrics.jsonl")):
+            with open(self.path("metrics.jsonl")) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            self.kept_rows = [row for row in rows if row["step"] <= resumed_at]
+        with open(self.path("metrics.jsonl") + ".tmp", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in self.kept_rows)
+        os.replace(self.path("metrics.jsonl") + ".tmp", self.path("metrics.jsonl"))
 
     def path(self, name: str) -> str:
         return os.path.join(self.output_dir, name)

@@ -3,15 +3,22 @@
 ``launch(spec, world_size)`` starts ``world_size`` CPU processes (gloo), trains the toy model with
 PetraEngine as ``spec`` says and returns what every rank recorded: the gradients each stage stepped
 with, the final parameters by global name, the losses and, on request, a memory report per clock.
+``run_processes`` does the same and reports each rank's exit, failed, killed or hung, for the tests where
+a rank dies on purpose (spec keys ``kill_rank``, ``kill_at_clock``, ``kill_in_save``, ``kill_signal``).
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib
+import io
 import itertools
+import json
 import multiprocessing as mp
 import os
+import signal
 import tempfile
+import time
 import traceback
 from typing import Any
 
@@ -159,7 +166,6 @@ DEFAULT_SPEC: dict[str, Any] = {
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """Train in this process (already launched as one rank) and return what it recorded."""
-    import deepspeed
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     import petra_ds
@@ -167,7 +173,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     spec = {**DEFAULT_SPEC, **spec}
     dtype = getattr(torch, spec["dtype"])
     torch.set_default_dtype(dtype)
-    deepspeed.init_distributed(dist_backend="gloo")
+    timeout = datetime.timedelta(seconds=spec["dist_timeout"]) if spec.get("dist_timeout") else None
+    petra_ds.init_distributed(dist_backend="gloo", timeout=timeout)
     topology = PipeDataParallelTopology(num_pp=spec["pipe"], num_dp=spec["dp"])
     layer_specs, loss_fn, data_fn = model_for(spec)
     model = petra_ds.PetraPipelineModule(
@@ -224,12 +231,16 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("bad_micro_batch") is not None:  # one micro-batch of another size
         bad = spec["bad_micro_batch"]
         data[bad] = (data[bad][0][:-1], data[bad][1][:-1])
+    if spec.get("kill_rank") == engine.global_rank:
+        _arm_kill(engine, spec)
     it = (data[m % distinct] for m in itertools.count(engine.timeline.feed.total))
     losses = []
     while engine.global_steps < spec["train_batches"]:
         losses.append(engine.train_batch(it).item())
         if spec.get("save_dir") and engine.global_steps == spec.get("save_after"):
             engine.save_checkpoint(spec["save_dir"], tag=spec.get("save_tag"))
+        if spec.get("save_every") and engine.global_steps % spec["save_every"] == 0:
+            engine.save_checkpoint(spec["save_dir"])
         if spec.get("eval_every"):
             engine.eval_batch(iter(data))
     if spec["drain"]:
@@ -250,6 +261,69 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _die(spec: dict[str, Any], what: str) -> None:
+    """SIGKILL this process (no cleanup, no exception: what a crashed node looks like to its peers),
+    after noting the wall-clock time for the test that measures how fast the others notice."""
+    if spec.get("kill_record"):
+        with open(spec["kill_record"], "w") as f:
+            json.dump({"time": time.time(), "what": what, "pid": os.getpid()}, f)
+    os.kill(os.getpid(), getattr(signal, spec.get("kill_signal", "SIGKILL")))
+
+
+def _arm_kill(engine: Any, spec: dict[str, Any]) -> None:
+    """Make this rank kill itself where ``spec`` says: at the end of clock ``kill_at_clock``, or inside
+    its ``save``-th ``save_checkpoint`` (``kill_in_save = {"save": n, "at": ...}``) with ``at``
+    "state" (half of its PETRA state file written) or "commit:i" (rank 0, just before the i-th
+    ``os.replace`` of ``checkpoint.commit``)."""
+    from . import checkpoint
+
+    if spec.get("kill_at_clock") is not None:
+        def observe(eng: Any, clock: int) -> None:
+            if clock == spec["kill_at_clock"]:
+                _die(spec, f"clock {clock}")
+
+        engine.clock_observers.append(observe)
+    where = spec.get("kill_in_save")
+    if not where:
+        return
+    saves = itertools.count(1)
+    if where["at"] == "state":
+        atomic_save = checkpoint.atomic_save
+
+        def torn_save(obj: Any, path: str) -> None:
+            if next(saves) != where["save"]:
+                return atomic_save(obj, path)
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            with open(f"{path}.tmp-{os.getpid()}", "wb") as f:
+                f.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+            _die(spec, f"writing {os.path.basename(path)}")
+
+        checkpoint.atomic_save = torn_save
+        return
+    replace_at = int(where["at"].split(":")[1])
+    commit = checkpoint.commit
+
+    def dying_commit(*args: Any, **kwargs: Any) -> str:
+        if next(saves) != where["save"]:
+            return commit(*args, **kwargs)
+        replaces = itertools.count(1)
+        replace = os.replace
+
+        def counted(src: str, dst: str) -> None:
+            if next(replaces) == replace_at:
+                _die(spec, f"commit before os.replace({src}, {dst})")
+            replace(src, dst)
+
+        os.replace = counted
+        try:
+            return commit(*args, **kwargs)
+        finally:
+            os.replace = replace
+
+    checkpoint.commit = dying_commit
+
+
 def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -262,8 +336,12 @@ def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None:
         raise
 
 
-def launch(spec: dict[str, Any], world_size: int | None = None, timeout: float = 300) -> list[dict]:
-    """Run ``run_rank(spec)`` in ``world_size`` fresh processes; return their results by rank."""
+def run_processes(spec: dict[str, Any], world_size: int | None = None, timeout: float = 300,
+                  grace: float | None = None) -> list[dict]:
+    """Run ``run_rank(spec)`` in ``world_size`` fresh processes and report on each, failed or not:
+    ``exitcode`` (negative: killed by that signal; None: still running at the deadline, then killed),
+    ``ended`` (wall-clock time its exit was seen) and ``result`` or ``error`` (its traceback). The
+    deadline is ``timeout``, or ``grace`` seconds after the first process that fails, if sooner."""
     spec = {**DEFAULT_SPEC, **spec}
     world = world_size or spec["pipe"] * spec["dp"]
     ctx = mp.get_context("spawn")
@@ -272,19 +350,37 @@ def launch(spec: dict[str, Any], world_size: int | None = None, timeout: float =
         procs = [ctx.Process(target=_entry, args=(r, world, port, spec, out_dir)) for r in range(world)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout)
+        ended: dict[int, float] = {}
+        deadline = time.monotonic() + timeout
+        while len(ended) < world and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if r not in ended and not p.is_alive():
+                    ended[r] = time.time()
+                    if p.exitcode and grace is not None:
+                        deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(0.05)
+        exitcodes = [p.exitcode for p in procs]
         for p in procs:
             if p.is_alive():
                 p.kill()
-        results = []
+                p.join()
+        outcomes = []
         for r in range(world):
             path = os.path.join(out_dir, f"rank{r}.pt")
-            results.append(torch.load(path, weights_only=False) if os.path.exists(path) else {"error": "no result"})
-        failed = [f"rank {r} failed:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
-        if failed:  # every rank's error: the first one to fail is not always rank 0
-            raise RuntimeError("\n".join(failed))
-    return results
+            saved = torch.load(path, weights_only=False) if os.path.exists(path) else {"error": "no result"}
+            outcome = {"rank": r, "exitcode": exitcodes[r], "ended": ended.get(r)}
+            outcome.update({"error": saved["error"]} if "error" in saved else {"result": saved})
+            outcomes.append(outcome)
+    return outcomes
+
+
+def launch(spec: dict[str, Any], world_size: int | None = None, timeout: float = 300) -> list[dict]:
+    """Run ``run_rank(spec)`` in ``world_size`` fresh processes; return their results by rank."""
+    outcomes = run_processes(spec, world_size, timeout)
+    failed = [f"rank {o['rank']} failed:\n{o['error']}" for o in outcomes if "error" in o]
+    if failed:  # every rank's error: the first one to fail is not always rank 0
+        raise RuntimeError("\n".join(failed))
+    return [o["result"] for o in outcomes]
 
 
 def merged_params(results: list[dict]) -> dict[str, torch.Tensor]:

@@ -13,6 +13,9 @@ Without an "optimizer" section AdamW with warm-up and cosine decay is used. Text
 Hugging Face ``datasets``; the tokenizer is a byte-level BPE trained on the training text (offline
 default), plain bytes, or any ``AutoTokenizer`` name/path. ``--export-hf DIR`` writes a trained Reformer
 back as a ``ReformerModelWithLMHead`` (``save_pretrained``) with its tokenizer.
+
+``--save-every N`` checkpoints to <output-dir>/checkpoints every N train_batch calls; ``--resume`` continues
+from the latest one: step count, optimizer and LR schedule, the data stream's position, metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -28,13 +31,12 @@ import deepspeed
 import torch
 from deepspeed import comm as dist
 from deepspeed.pipe import PipelineModule
-from deepspeed.utils import RepeatingLoader
 from tqdm import tqdm
 
 import petra_ds
-from petra_ds.data.text import build_tokenizer, lm_loader, load_text, pack
+from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
-from petra_ds.runs import RunFiles, pipeline_topology, stages_per_rank
+from petra_ds.runs import RunFiles, pipeline_topology, resume, save, stages_per_rank
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,6 +53,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=50, help="validation micro-batches per evaluation")
     p.add_argument("--output-dir", default="runs/lm")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="checkpoint to <output-dir>/checkpoints every N train_batch calls (0: never)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in <output-dir>/checkpoints, if there is one")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="end this run after N train_batch calls in all, as a preempted job would (no final drain, "
+                        "eval or summary); continue with --resume")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup-steps", type=int, default=100)
@@ -174,20 +183,22 @@ def main() -> None:
             "total_num_steps": args.max_steps, "warmup_num_steps": min(args.warmup_steps, args.max_steps // 2)}})
     engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config)
 
+    state = resume(engine, args.output_dir) if args.resume else None
+    done = engine.global_steps  # train_batch calls behind us: k micro-batches each, in both engines
     shard = (engine.grid.data_parallel_id, args.data_parallel)
-    train_loader = lm_loader(train_blocks, micro, train=True, seed=args.seed, shard=shard)
+    data = iter(lm_stream(train_blocks, micro, seed=args.seed, start=done * k, shard=shard))
     val_loader = lm_loader(val_blocks, micro, train=False)
     eval_batches = min(args.eval_batches, len(val_loader))
     rank0 = dist.get_rank() == 0
-    files = RunFiles(args.output_dir, enabled=rank0)
+    files = RunFiles(args.output_dir, enabled=rank0, resumed_at=done if state else None)
     if rank0:
         print(json.dumps({"train_blocks": len(train_blocks), "val_blocks": len(val_blocks), "vocab": vocab_size,
                           "params": sum(p.numel() for p in model.parameters()), "method": method}))
-    data = RepeatingLoader(train_loader)
-    metrics, losses = [], []
-    start = time.time()
-    bar = tqdm(total=args.max_steps, disable=not rank0, desc=f"{method} {args.model}", dynamic_ncols=True)
-    for step in range(1, args.max_steps + 1):
+    metrics, losses = list(files.kept_rows), (state or {}).get("losses", [])
+    trained_s = (state or {}).get("elapsed_s", 0.0)
+    start, stopped = time.time(), False
+    bar = tqdm(total=args.max_steps, initial=done, disable=not rank0, desc=f"{method} {args.model}", dynamic_ncols=True)
+    for step in range(done + 1, args.max_steps + 1):
         loss = float(engine.train_batch(data))
         if not math.isnan(loss):
             losses.append((step, loss))
@@ -198,13 +209,22 @@ def main() -> None:
             if last and method == "petra":
                 engine.drain()
             val_loss = evaluate(engine, val_loader, eval_batches)
-            elapsed = time.time() - start
+            elapsed = trained_s + time.time() - start
             row = {"step": step, "train_loss": losses[-1][1] if losses else None, "val_loss": val_loss,
                    "val_perplexity": math.exp(min(val_loss, 50.0)), "elapsed_s": elapsed,
                    "tokens_per_s": step * micro * k * args.data_parallel * args.seq_len / elapsed}
             metrics.append(row)
             files.log(row, engine, [("Eval/loss", val_loss, step)], bar.write)
+        if args.save_every and step % args.save_every == 0:
+            save(engine, args.output_dir, {"losses": losses, "elapsed_s": trained_s + time.time() - start})
+        if step == args.stop_after and not last:
+            stopped = True
+            break
     bar.close()
+    if stopped:
+        if rank0:
+            print(f"stopped after step {args.stop_after} of {args.max_steps}; continue with --resume")
+        return
     memory = engine.memory_report() if method == "petra" else None
     if args.export_hf:
         export_reformer(engine, hf_config, tokenizer, args)

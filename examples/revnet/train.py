@@ -9,6 +9,9 @@ A config with a "petra" section trains with PETRA (petra_ds.initialize); one wit
 DeepSpeed's synchronous 1F1B schedule. Without an "optimizer" section the paper's recipe is used
 (petra_ds.recipe). PETRA's default partition is one stage per residual block (10 for RevNet18, 18 for
 RevNet34/50) spread evenly over the pipeline ranks; --stages picks a coarser J.
+
+--save-every N checkpoints to <output-dir>/checkpoints every N train_batch calls; --resume continues from
+the latest one: step count, optimizer and LR schedule, the data stream's position, metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -23,15 +26,15 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.utils import set_random_seed
-from deepspeed.utils import RepeatingLoader
 from torch import nn
 from tqdm import tqdm
 
 import petra_ds
 from petra_ds.data import INFO, build_dataset, make_loader
+from petra_ds.data.stream import resumable_loader
 from petra_ds.models.revnet import resnet_layers, revnet_layers
 from petra_ds.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
-from petra_ds.runs import RunFiles, pipeline_topology, stages_per_rank
+from petra_ds.runs import RunFiles, pipeline_topology, resume, save, stages_per_rank
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
 
@@ -62,6 +65,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=None, help="default: 300 on CIFAR-10/digits, 90 on ImageNet")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many train_batch calls")
     parser.add_argument("--output-dir", default="runs/revnet")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="checkpoint to <output-dir>/checkpoints every N train_batch calls (0: never)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in <output-dir>/checkpoints, if there is one")
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="end this run after N train_batch calls in all, as a preempted job would (no final "
+                             "drain, eval or summary); continue with --resume")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--width", type=int, default=64, help="base width (64 is the paper's network)")
     parser.add_argument("--stages", type=int, default=None, help="PETRA stages J (default: one per block)")
@@ -122,9 +132,8 @@ def main() -> None:
     if args.data_parallel > 1:
         shard = dist.get_rank() % args.data_parallel  # PipeDataParallelTopology puts data innermost
         train_set = torch.utils.data.Subset(train_set, range(shard, len(train_set), args.data_parallel))
-    train_loader = make_loader(train_set, micro, train=True, workers=args.workers, seed=args.seed)
     eval_loader = make_loader(eval_set, micro, train=False, workers=args.workers)
-    steps_per_epoch = max(1, len(train_loader) // k)
+    steps_per_epoch = max(1, len(train_set) // micro // k)
 
     recipe = paper_recipe(args.dataset, epochs, micro * k * args.data_parallel, args.warmup_epochs)
     extra = {}
@@ -135,14 +144,16 @@ def main() -> None:
     engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config, **extra)
 
     rank0 = dist.get_rank() == 0
-    files = RunFiles(args.output_dir, enabled=rank0)
+    state = resume(engine, args.output_dir) if args.resume else None
+    done = engine.global_steps  # train_batch calls behind us: k micro-batches each, in both engines
+    files = RunFiles(args.output_dir, enabled=rank0, resumed_at=done if state else None)
     total_steps = epochs * steps_per_epoch if args.max_steps is None else min(args.max_steps, epochs * steps_per_epoch)
-    data = RepeatingLoader(train_loader)
-    metrics, losses = [], []
-    best = 0.0
-    start = time.time()
-    bar = tqdm(total=total_steps, disable=not rank0, desc=f"{method} {args.arch}", dynamic_ncols=True)
-    for step in range(1, total_steps + 1):
+    data = iter(resumable_loader(train_set, micro, args.seed, start=done * k, workers=args.workers))
+    metrics, losses = list(files.kept_rows), (state or {}).get("losses", [])
+    best, trained_s = (state or {}).get("best", 0.0), (state or {}).get("elapsed_s", 0.0)
+    start, stopped = time.time(), False
+    bar = tqdm(total=total_steps, initial=done, disable=not rank0, desc=f"{method} {args.arch}", dynamic_ncols=True)
+    for step in range(done + 1, total_steps + 1):
         loss = float(engine.train_batch(data))
         if not math.isnan(loss):
             losses.append((step, loss))
@@ -154,13 +165,22 @@ def main() -> None:
                 engine.drain()
             eval_loss, eval_acc = evaluate(engine, eval_loader, loss_fn)
             best = max(best, eval_acc)
-            elapsed = time.time() - start
+            elapsed = trained_s + time.time() - start
             row = {"epoch": step / steps_per_epoch, "step": step, "train_loss": losses[-1][1] if losses else None,
                    "eval_loss": eval_loss, "eval_acc": eval_acc, "elapsed_s": elapsed,
                    "samples_per_s": step * micro * k * args.data_parallel / elapsed}
             metrics.append(row)
             files.log(row, engine, [("Eval/loss", eval_loss, step), ("Eval/accuracy", eval_acc, step)], bar.write)
+        if args.save_every and step % args.save_every == 0:
+            save(engine, args.output_dir, {"losses": losses, "best": best, "elapsed_s": trained_s + time.time() - start})
+        if step == args.stop_after and not last:
+            stopped = True
+            break
     bar.close()
+    if stopped:
+        if rank0:
+            print(f"stopped after step {args.stop_after} of {total_steps}; continue with --resume")
+        return
     if rank0:
         summary = {"method": method, "arch": args.arch, "dataset": args.dataset, "final_eval_acc": metrics[-1]["eval_acc"],
                    "best_eval_acc": best, "final_eval_loss": metrics[-1]["eval_loss"],

@@ -118,9 +118,7 @@ class Blocks(Dataset):
         return ids[:-1], ids[1:]
 
 
-def lm_loader(blocks, micro_batch: int, train: bool, seed: int = 0, shard: tuple[int, int] = (0, 1)) -> DataLoader:
-    """Fixed-size micro-batches (PETRA exchanges shapes once), shuffled each epoch when training;
-    ``shard = (index, count)`` gives one data-parallel replica its part."""
+def _replica_blocks(blocks, micro_batch: int, shard: tuple[int, int]):
     data: Iterable = Blocks(blocks)
     index, count = shard
     if count > 1:
@@ -128,5 +126,20 @@ def lm_loader(blocks, micro_batch: int, train: bool, seed: int = 0, shard: tuple
     if len(data) < micro_batch:
         raise ValueError(f"{len(data)} blocks cannot fill a micro-batch of {micro_batch}; use more text, a shorter "
                          "--seq-len or a smaller micro-batch")
+    return data
+
+
+def lm_stream(blocks, micro_batch: int, seed: int = 0, start: int = 0, shard: tuple[int, int] = (0, 1)) -> DataLoader:
+    """Endless shuffled training micro-batches of one replica's ``shard`` that can begin at micro-batch
+    ``start`` (``petra_ds.data.stream``): what a resumed run needs to see the data an uninterrupted one sees."""
+    from .stream import resumable_loader
+
+    return resumable_loader(_replica_blocks(blocks, micro_batch, shard), micro_batch, seed, start)
+
+
+def lm_loader(blocks, micro_batch: int, train: bool, seed: int = 0, shard: tuple[int, int] = (0, 1)) -> DataLoader:
+    """Fixed-size micro-batches (PETRA exchanges shapes once), shuffled each epoch when training;
+    ``shard = (index, count)`` gives one data-parallel replica its part."""
+    data = _replica_blocks(blocks, micro_batch, shard)
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(data, batch_size=micro_batch, shuffle=train, drop_last=True, generator=generator)

@@ -1,0 +1,71 @@
+"""An endless, shuffled stream of training micro-batches that can start at any position.
+
+A run resumed from a checkpoint must see the micro-batches the uninterrupted run would have seen, with
+the same augmentation. A ``DataLoader`` with ``shuffle=True`` draws each epoch's order, and its workers'
+seeds, from one generator that advances as it goes, so its position cannot be restored without replaying
+it. Here epoch ``e``'s order is drawn from ``(seed, e)`` alone and each sample's augmentation from
+``(seed, its position in the stream)`` alone: starting at micro-batch ``n`` is arithmetic, and the result
+does not depend on the number of loader workers.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+def _seed(*key: int) -> int:
+    seed = 0
+    for part in key:
+        seed = (seed * 1_000_003 + part) % (2**63 - 1)
+    return seed
+
+
+class EpochBatches(Sampler):
+    """Batches of ``(index, position)`` pairs forever, from micro-batch ``start`` on: epoch ``e`` is a
+    permutation of ``size`` drawn from ``(seed, e)`` cut into ``size // batch_size`` full batches (the
+    tail is dropped, as PETRA needs a fixed micro-batch shape); ``position`` counts samples from the start
+    of the stream and keys the sample's augmentation."""
+
+    def __init__(self, size: int, batch_size: int, seed: int, start: int = 0) -> None:
+        if size < batch_size:
+            raise ValueError(f"{size} samples cannot fill a micro-batch of {batch_size}")
+        self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start
+        self.per_epoch = size // batch_size
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        batch = self.start
+        while True:
+            epoch, offset = divmod(batch, self.per_epoch)
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(_seed(self.seed, epoch))).tolist()
+            for b in range(offset, self.per_epoch):
+                first = (epoch * self.per_epoch + b) * self.batch_size
+                indices = order[b * self.batch_size:(b + 1) * self.batch_size]
+                yield [(index, first + i) for i, index in enumerate(indices)]
+            batch = (epoch + 1) * self.per_epoch
+
+
+class KeyedSamples(Dataset):
+    """``dataset[index]`` with torch's random generator seeded from ``(seed, position)`` for the call
+    (restored afterwards), so a random augmentation draws the same numbers whenever that position is read."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, position = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed(self.seed, 1, position))
+            return self.dataset[index]
+
+
+def resumable_loader(dataset: Dataset, batch_size: int, seed: int, start: int = 0, workers: int = 0) -> DataLoader:
+    """An endless training ``DataLoader`` whose first micro-batch is micro-batch ``start`` of the stream
+    that ``start=0`` gives; iterate it with ``iter()`` (it has no length)."""
+    return DataLoader(KeyedSamples(dataset, seed), batch_sampler=EpochBatches(len(dataset), batch_size, seed, start),
+                      num_workers=workers, persistent_workers=workers > 0, pin_memory=torch.cuda.is_available())

@@ -1,0 +1,127 @@
+"""``--save-every`` / ``--resume`` of the example scripts: a run stopped after its last checkpoint and resumed
+ends where the uninterrupted run ends, for PETRA and for DeepSpeed's 1F1B; and the pieces that make it so
+(the data stream's position, keyed augmentation, metrics.jsonl kept up to the checkpoint)."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from petra_ds.data.stream import EpochBatches, KeyedSamples
+from petra_ds.launch import free_port
+from petra_ds.runs import RunFiles
+from subprocess_env import ROOT, launcher_env
+
+from test_lm_example import SMALL, _files
+
+
+def test_the_stream_starting_at_micro_batch_n_is_the_tail_of_the_whole_stream():
+    """10 samples, micro-batch 3: 3 batches per epoch (one sample dropped), a fresh order every epoch."""
+    whole = iter(EpochBatches(10, 3, seed=5))
+    head = [next(whole) for _ in range(8)]
+    for start in (0, 2, 3, 7):
+        tail = iter(EpochBatches(10, 3, seed=5, start=start))
+        assert [next(tail) for _ in range(8 - start)] == head[start:]
+    positions = [p for batch in head for _, p in batch]
+    assert positions == list(range(24))
+    epochs = [sorted(i for batch in head[e * 3:e * 3 + 3] for i, _ in batch) for e in range(2)]
+    assert all(len(set(e)) == 9 for e in epochs) and head[0] != head[3]
+
+
+class Noise(torch.utils.data.Dataset):
+    """A sample's 'augmentation' is a draw from torch's global stream, as torchvision's transforms do."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return index + torch.rand(())
+
+
+def test_augmentation_depends_on_the_stream_position_only():
+    data = KeyedSamples(Noise(), seed=1)
+    torch.manual_seed(0)
+    first = data[(2, 17)]
+    state = torch.get_rng_state()
+    torch.manual_seed(123)  # whatever the global stream holds
+    assert data[(2, 17)] == first and data[(2, 18)] != first
+    torch.manual_seed(0)
+    data[(2, 17)]
+    assert torch.equal(torch.get_rng_state(), state), "the caller's stream is left as it was"
+
+
+def test_metrics_are_kept_up_to_the_checkpoint_and_appended_on_resume(tmp_path):
+    rows = [{"step": 2, "loss": 1.0}, {"step": 4, "loss": 0.5}, {"step": 6, "loss": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    files = RunFiles(str(tmp_path), enabled=True, resumed_at=5)  # step 6 came after the checkpoint: dropped
+    assert files.kept_rows == rows[:2]
+    no_monitor = SimpleNamespace(monitor=SimpleNamespace(enabled=False))
+    files.log({"step": 6, "loss": 0.3}, no_monitor, events=[], echo=lambda line: None)
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6]
+    RunFiles(str(tmp_path), enabled=True)  # a fresh run starts the file afresh
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+TIMING = ("elapsed_s", "samples_per_s", "tokens_per_s")
+
+
+def _launch(script: str, config: str, args: list[str], out) -> subprocess.CompletedProcess:
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
+           str(free_port()), os.path.join(ROOT, "examples", script, "train.py"), "--deepspeed_config",
+           os.path.join(ROOT, "ds_configs", config), *args, "--save-every", "2", "--output-dir", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _rows(out) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+def _layer_files(out, tag: str) -> dict:
+    folder = out / "checkpoints" / tag
+    return {p.name: torch.load(p, weights_only=False) for p in sorted(folder.glob("layer_*-model_states.pt"))}
+
+
+def assert_resume_is_exact(tmp_path, script: str, config: str, args: list[str], final_key: str) -> None:
+    """6 train_batch calls, checkpoints every 2. The stopped run ends after step 5 (checkpoint at 4, then a
+    step and an evaluation row that are lost); the resumed one loads step 4 and trains to 6. Final layer
+    weights (float32) and every metrics row but the timings equal the uninterrupted run's."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    _launch(script, config, args, whole)
+    stopped = _launch(script, config, [*args, "--stop-after", "5"], parts)
+    assert "stopped after step 5 of 6" in stopped.stdout and not (parts / "summary.json").exists()
+    assert (parts / "checkpoints" / "latest").read_text() == "global_step4"
+    assert [r["step"] for r in _rows(parts)] == [5]
+    _launch(script, config, [*args, "--resume"], parts)
+    assert _rows(parts) == _rows(whole) and [r["step"] for r in _rows(parts)] == [5, 6]
+    ours, theirs = _layer_files(parts, "global_step6"), _layer_files(whole, "global_step6")
+    assert ours.keys() == theirs.keys() and ours
+    for name, state in ours.items():
+        for key, tensor in state.items():
+            assert torch.equal(tensor, theirs[name][key]), (name, key)
+    summaries = [json.loads((out / "summary.json").read_text()) for out in (whole, parts)]
+    assert summaries[0][final_key] == summaries[1][final_key]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["petra.json", "backprop.json"])
+def test_revnet_example_resumes_exactly(tmp_path, config):
+    args = ["--dataset", "digits", "--width", "8", "--epochs", "2", "--max-steps", "6", "--workers", "1"]
+    assert_resume_is_exact(tmp_path, "revnet", config, args, "final_eval_acc")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["petra_lm.json", "backprop_lm.json"])
+def test_revgpt_example_with_dropout_resumes_exactly(tmp_path, config):
+    """Dropout 0.1 and seed 3: 1F1B's masks come from the global stream that DeepSpeed reseeds from the
+    module's forward counter, which the example saves with its checkpoints."""
+    small = dict(zip(SMALL[::2], SMALL[1::2]), **{"--max-steps": "6", "--eval-every": "5"})
+    args = ["--model", "revgpt", "--tie-embeddings", "--seed", "3", "--stages", "4", "--data-files",
+            *_files(tmp_path), *[x for kv in small.items() for x in kv]]
+    assert_resume_is_exact(tmp_path, "reformer", config, args, "final_val_loss")

@@ -67,15 +67,20 @@ class RunFiles:
         self.output_dir = output_dir
         self.enabled = enabled
         self.kept_rows: list[dict] = []
+        #: ``"kind": "gradient_quality"`` rows (``--gradient-quality``), kept apart from the evaluation rows
+        self.gradient_quality_rows: list[dict] = []
+        self._gradient_quality_seen = 0
         os.makedirs(output_dir, exist_ok=True)
         if not enabled:
             return
+        rows: list[dict] = []
         if resumed_at is not None and os.path.exists(self.path("metrics.jsonl")):
             with open(self.path("metrics.jsonl")) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            self.kept_rows = [row for row in rows if row["step"] <= resumed_at]
+                rows = [row for line in f if line.strip() and (row := json.loads(line))["step"] <= resumed_at]
+            self.kept_rows = [row for row in rows if "kind" not in row]
+            self.gradient_quality_rows = [row for row in rows if row.get("kind") == "gradient_quality"]
         with open(self.path("metrics.jsonl") + ".tmp", "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in self.kept_rows)
+            f.writelines(json.dumps(row) + "\n" for row in rows)
         os.replace(self.path("metrics.jsonl") + ".tmp", self.path("metrics.jsonl"))
 
     def path(self, name: str) -> str:
@@ -90,6 +95,26 @@ class RunFiles:
             f.write(json.dumps(row) + "\n")
         if engine.monitor.enabled:
             engine.monitor.write_events(events)
+
+    def gradient_quality(self, engine: Any) -> None:
+        """Append the gradient-quality rows the engine gathered since the last call (PETRA's
+        ``petra.gradient_quality_every``; the engine already sent them to DeepSpeed's monitor)."""
+        probe = getattr(engine, "gradient_quality", None)
+        if probe is None or len(probe.records) == self._gradient_quality_seen:
+            return
+        new = [{"kind": "gradient_quality", **row} for row in probe.records[self._gradient_quality_seen:]]
+        self._gradient_quality_seen = len(probe.records)
+        self.gradient_quality_rows += new
+        if self.enabled:
+            with open(self.path("metrics.jsonl"), "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in new)
+
+    def gradient_quality_plot(self, title: str) -> None:
+        """gradient_quality.png (the paper's Fig. 5 / Fig. 6) when the run measured any."""
+        if self.enabled and self.gradient_quality_rows:
+            from .analysis.gradient_quality import plot
+
+            plot(self.gradient_quality_rows, self.path("gradient_quality.png"), title=title)
 
     def summary(self, summary: dict) -> None:
         with open(self.path("summary.json"), "w") as f:

@@ -61,6 +61,9 @@ def parse_args() -> argparse.Namespace:
                    help="end this run after N train_batch calls in all, as a preempted job would (no final drain, "
                         "eval or summary); continue with --resume")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gradient-quality", type=int, default=0, metavar="N",
+                    help="PETRA: every N optimizer steps compare each stage's gradient with the delayed "
+                         "and the end-to-end one (metrics.jsonl, gradient_quality.png); 0: off")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--d-model", type=int, default=256)
@@ -158,6 +161,10 @@ def main() -> None:
     with open(args.deepspeed_config) as f:
         config = json.load(f)
     method = "petra" if "petra" in config else "backprop"
+    if args.gradient_quality:
+        if method != "petra":
+            raise SystemExit("--gradient-quality compares PETRA's gradients: use it with a config that has a \"petra\" section")
+        config["petra"]["gradient_quality_every"] = args.gradient_quality
     if args.export_hf and args.model != "reformer":
         raise SystemExit("--export-hf writes a Hugging Face Reformer: use it with --model reformer")
     os.makedirs(args.output_dir, exist_ok=True)
@@ -200,6 +207,7 @@ def main() -> None:
     bar = tqdm(total=args.max_steps, initial=done, disable=not rank0, desc=f"{method} {args.model}", dynamic_ncols=True)
     for step in range(done + 1, args.max_steps + 1):
         loss = float(engine.train_batch(data))
+        files.gradient_quality(engine)
         if not math.isnan(loss):
             losses.append((step, loss))
             bar.set_postfix(loss=f"{loss:.3f}")
@@ -208,6 +216,7 @@ def main() -> None:
         if step % args.eval_every == 0 or last:
             if last and method == "petra":
                 engine.drain()
+                files.gradient_quality(engine)
             val_loss = evaluate(engine, val_loader, eval_batches)
             elapsed = trained_s + time.time() - start
             row = {"step": step, "train_loss": losses[-1][1] if losses else None, "val_loss": val_loss,
@@ -235,6 +244,7 @@ def main() -> None:
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "memory_rank0": memory,
                    "args": vars(args), "config": config}
         files.summary(summary)
+        files.gradient_quality_plot(f"{method} {args.model}: gradient quality per stage")
         files.curves(losses, metrics, eval_key="val_loss", eval_label="validation", loss_label="loss (nats/token)",
                      right=("step", "val_perplexity", "train_batch calls", "validation perplexity"), right_log=True)
         print(json.dumps({k: summary[k] for k in ("method", "model", "final_val_loss", "final_val_perplexity")}))

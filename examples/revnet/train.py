@@ -73,6 +73,9 @@ def parse_args() -> argparse.Namespace:
                         help="end this run after N train_batch calls in all, as a preempted job would (no final "
                              "drain, eval or summary); continue with --resume")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gradient-quality", type=int, default=0, metavar="N",
+                         help="PETRA: every N optimizer steps compare each stage's gradient with the delayed "
+                              "and the end-to-end one (metrics.jsonl, gradient_quality.png); 0: off")
     parser.add_argument("--width", type=int, default=64, help="base width (64 is the paper's network)")
     parser.add_argument("--stages", type=int, default=None, help="PETRA stages J (default: one per block)")
     parser.add_argument("--data-parallel", type=int, default=1, help="pipeline replicas")
@@ -121,6 +124,10 @@ def main() -> None:
     with open(args.deepspeed_config) as f:
         config = json.load(f)
     method = "petra" if "petra" in config else "backprop"
+    if args.gradient_quality:
+        if method != "petra":
+            raise SystemExit("--gradient-quality compares PETRA's gradients: use it with a config that has a \"petra\" section")
+        config["petra"]["gradient_quality_every"] = args.gradient_quality
     info = INFO[args.dataset]
     epochs = args.epochs or (90 if args.dataset.startswith("imagenet") else 300)
     loss_fn = ClassificationLoss()
@@ -155,6 +162,7 @@ def main() -> None:
     bar = tqdm(total=total_steps, initial=done, disable=not rank0, desc=f"{method} {args.arch}", dynamic_ncols=True)
     for step in range(done + 1, total_steps + 1):
         loss = float(engine.train_batch(data))
+        files.gradient_quality(engine)
         if not math.isnan(loss):
             losses.append((step, loss))
             bar.set_postfix(loss=f"{loss:.3f}")
@@ -163,6 +171,7 @@ def main() -> None:
         if step % steps_per_epoch == 0 or last:
             if last and method == "petra":
                 engine.drain()
+                files.gradient_quality(engine)
             eval_loss, eval_acc = evaluate(engine, eval_loader, loss_fn)
             best = max(best, eval_acc)
             elapsed = trained_s + time.time() - start
@@ -188,6 +197,7 @@ def main() -> None:
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "args": vars(args), "config": config,
                    "recipe": vars(recipe) if extra else None}
         files.summary(summary)
+        files.gradient_quality_plot(f"{method} {args.arch}: gradient quality per stage")
         files.curves(losses, metrics, eval_key="eval_loss", eval_label="eval", loss_label="loss",
                      right=("epoch", "eval_acc", "epoch", "eval accuracy (%)"), right_scale=100)
         print(json.dumps({k: summary[k] for k in ("method", "final_eval_acc", "best_eval_acc", "samples_per_s")}))

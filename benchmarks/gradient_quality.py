@@ -1,0 +1,79 @@
+"""How close is PETRA's gradient to the delayed and to the end-to-end gradient, per stage, early and
+late in training (the paper's App. B, Fig. 5 / Fig. 6), on a small RevNet (digits) and a RevGPT.
+
+    OMP_NUM_THREADS=1 python benchmarks/gradient_quality.py --model revnet   # RevNet18 w16, digits, J=10
+    OMP_NUM_THREADS=1 python benchmarks/gradient_quality.py --model revgpt   # RevGPT, stdlib text, J=4
+
+Runs the example with ``--gradient-quality N`` under the deepspeed launcher (PETRA config), reads the
+per-stage rows it logged to metrics.jsonl, prints per-stage means over the first and the last tenth of
+the run and saves them as JSON, with the plot, under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from example_runs import DEEPSPEED, ROOT, run_example, save_report
+from lm_accuracy import stdlib_corpus
+
+sys.path.insert(0, ROOT)
+from petra_ds.analysis.gradient_quality import by_stage, plot  # noqa: E402
+
+COLUMNS = ("cos_petra_delayed", "cos_petra_e2e", "cos_delayed_e2e", "norm_petra_e2e", "reconstruction_error")
+
+
+def command(args: argparse.Namespace, out: str) -> list[str]:
+    if args.model == "revnet":
+        return [DEEPSPEED, "--num_gpus", str(args.procs), "examples/revnet/train.py",
+                "--deepspeed_config", "ds_configs/petra_digits.json", "--dataset", "digits", "--arch", "revnet18",
+                "--width", "16", "--epochs", str(args.epochs), "--seed", str(args.seed), "--workers", "1",
+                "--gradient-quality", str(args.every), "--output-dir", out]
+    files = stdlib_corpus(os.path.join(ROOT, args.run_dir, "text"), 3_000_000)
+    return [DEEPSPEED, "--num_gpus", str(args.procs), "examples/reformer/train.py",
+            "--deepspeed_config", "ds_configs/petra_lm.json", "--model", "revgpt", "--data-files", *files,
+            "--seq-len", "128", "--d-model", "128", "--layers", "6", "--heads", "4", "--vocab-size", "2048",
+            "--lr", "2e-4", "--max-steps", str(args.steps), "--eval-every", str(max(1, args.steps // 4)),
+            "--stages", "4", "--seed", str(args.seed), "--gradient-quality", str(args.every), "--output-dir", out]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["revnet", "revgpt"], default="revnet")
+    parser.add_argument("--every", type=int, default=10, help="optimizer steps between two followed micro-batches")
+    parser.add_argument("--epochs", type=int, default=40, help="revnet")
+    parser.add_argument("--steps", type=int, default=480, help="revgpt: train_batch calls")
+    parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-dir", default="runs/gradient_quality")
+    args = parser.parse_args()
+
+    out = os.path.join(args.run_dir, args.model)
+    cmd = command(args, out)
+    summary, rows, wall = run_example(cmd, out)
+    rows = [r for r in rows if r.get("kind") == "gradient_quality"]
+    steps = sorted({r["step"] for r in rows})
+    tenth = max(1, len(steps) // 10)
+    early = by_stage(rows, steps[0], steps[tenth - 1])
+    late = by_stage(rows, steps[-tenth], steps[-1])
+    results = os.path.join(ROOT, "benchmarks", "results")
+    os.makedirs(results, exist_ok=True)
+    figure = os.path.join(results, f"gradient_quality_{args.model}.png")
+    shutil.copy(plot(rows, os.path.join(ROOT, out, "gq_plot.png"), title=f"{args.model}: PETRA gradient quality"),
+                figure)
+    report = {"model": args.model, "args": vars(args), "command": " ".join(cmd[1:]), "wall_s": wall,
+              "summary": summary, "early_steps": [steps[0], steps[tenth - 1]],
+              "late_steps": [steps[-tenth], steps[-1]], "early": early, "late": late, "rows": rows}
+    save_report(os.path.join("benchmarks", "results", f"gradient_quality_{args.model}.json"), report)
+    for name, table, span in (("early", early, report["early_steps"]), ("late", late, report["late_steps"])):
+        print(f"\n{name} (optimizer steps {span[0]}-{span[1]}):")
+        print(f"{'stage':>5s} " + " ".join(f"{c:>20s}" for c in COLUMNS))
+        for r in table:
+            print(f"{r['stage']:5d} " + " ".join(f"{r[c]:20.4g}" for c in COLUMNS))
+    print(f"\nplot: {os.path.relpath(figure, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

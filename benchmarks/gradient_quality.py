@@ -5,13 +5,14 @@ late in training (the paper's App. B, Fig. 5 / Fig. 6), on a small RevNet (digit
     OMP_NUM_THREADS=1 python benchmarks/gradient_quality.py --model revgpt   # RevGPT, stdlib text, J=4
 
 Runs the example with ``--gradient-quality N`` under the deepspeed launcher (PETRA config), reads the
-per-stage rows it logged to metrics.jsonl, prints per-stage means over the first and the last tenth of
-the run and saves them as JSON, with the plot, under benchmarks/results/.
+per-stage rows it logged to metrics.jsonl, prints per-stage means over the first, the middle and the
+last tenth of the followed micro-batches and saves them as JSON, with the plot, under benchmarks/results/.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -48,31 +49,40 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default="runs/gradient_quality")
+    parser.add_argument("--rows-from", default=None, help="recompute the tables from this saved report (no run)")
     args = parser.parse_args()
 
-    out = os.path.join(args.run_dir, args.model)
-    cmd = command(args, out)
-    summary, rows, wall = run_example(cmd, out)
-    rows = [r for r in rows if r.get("kind") == "gradient_quality"]
+    output = os.path.join("benchmarks", "results", f"gradient_quality_{args.model}.json")
+    if args.rows_from:  # the tables again from a saved report, without training
+        with open(os.path.join(ROOT, args.rows_from)) as f:
+            report = json.load(f)
+        rows = report["rows"]
+    else:
+        out = os.path.join(args.run_dir, args.model)
+        cmd = command(args, out)
+        summary, rows, wall = run_example(cmd, out)
+        rows = [r for r in rows if r.get("kind") == "gradient_quality"]
+        report = {"model": args.model, "args": vars(args), "command": " ".join(cmd[1:]), "wall_s": wall,
+                  "summary": summary, "rows": rows}
+        figure = os.path.join(ROOT, "benchmarks", "results", f"gradient_quality_{args.model}.png")
+        os.makedirs(os.path.dirname(figure), exist_ok=True)
+        shutil.copy(plot(rows, os.path.join(ROOT, out, "gq_plot.png"), title=f"{args.model}: PETRA gradient quality"),
+                    figure)
     steps = sorted({r["step"] for r in rows})
     tenth = max(1, len(steps) // 10)
-    early = by_stage(rows, steps[0], steps[tenth - 1])
-    late = by_stage(rows, steps[-tenth], steps[-1])
-    results = os.path.join(ROOT, "benchmarks", "results")
-    os.makedirs(results, exist_ok=True)
-    figure = os.path.join(results, f"gradient_quality_{args.model}.png")
-    shutil.copy(plot(rows, os.path.join(ROOT, out, "gq_plot.png"), title=f"{args.model}: PETRA gradient quality"),
-                figure)
-    report = {"model": args.model, "args": vars(args), "command": " ".join(cmd[1:]), "wall_s": wall,
-              "summary": summary, "early_steps": [steps[0], steps[tenth - 1]],
-              "late_steps": [steps[-tenth], steps[-1]], "early": early, "late": late, "rows": rows}
-    save_report(os.path.join("benchmarks", "results", f"gradient_quality_{args.model}.json"), report)
-    for name, table, span in (("early", early, report["early_steps"]), ("late", late, report["late_steps"])):
+    middle = len(steps) // 2
+    spans = {"early": steps[:tenth], "middle": steps[middle:middle + tenth], "late": steps[-tenth:]}
+    for name, span in spans.items():
+        report[f"{name}_steps"] = [span[0], span[-1]]
+        report[name] = by_stage(rows, span[0], span[-1])
+    save_report(output, report)
+    for name in spans:
+        table, span = report[name], report[f"{name}_steps"]
         print(f"\n{name} (optimizer steps {span[0]}-{span[1]}):")
         print(f"{'stage':>5s} " + " ".join(f"{c:>20s}" for c in COLUMNS))
         for r in table:
             print(f"{r['stage']:5d} " + " ".join(f"{r[c]:20.4g}" for c in COLUMNS))
-    print(f"\nplot: {os.path.relpath(figure, ROOT)}")
+    print(f"\nplot: benchmarks/results/gradient_quality_{args.model}.png")
 
 
 if __name__ == "__main__":

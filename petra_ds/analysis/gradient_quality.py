@@ -150,7 +150,7 @@ class GradientQuality:
         x, labels, theta = probe.forward.pop(stage)
         probe.grads[stage]["delayed"] = [k * g if delta is not None else g
                                          for g in self._delayed(st, m, x, labels, theta, delta)]
-        probe.reconstruction[stage] = relative_error(x_tilde, x) if x_tilde is not None else 0.0
+        probe.reconstruction[stage] = relative_error(x_tilde, x) if st.reconstructs else 0.0  # else: exact
         if stage == 0:
             probe.data = None
 

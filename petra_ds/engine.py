@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any, Callable, Iterator
 
@@ -63,6 +64,10 @@ from .stage import Stage, StageOptions, tensor_bytes
 
 #: ``petra`` keys that do not change training: a checkpoint resumes under other values
 DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible")
+
+
+class PeerLostError(RuntimeError):
+    """A collective or message exchange failed: another rank died or stopped answering."""
 
 
 class StageOptimizers:
@@ -343,6 +348,20 @@ class PetraEngine(PipelineEngine):
             if probe is not None:
                 probe.mid_clock(clock)
 
+    @contextmanager
+    def _peers(self, what: str) -> Iterator[None]:
+        """Communication failures name this rank, its stages, the clock and what to do, with the
+        backend's own error chained (gloo names only an address)."""
+        try:
+            yield
+        except PeerLostError:
+            raise
+        except RuntimeError as error:
+            raise PeerLostError(
+                f"rank {self.global_rank} (PETRA stages {list(self.local_stage_ids)}) lost a peer during {what} "
+                f"at clock {self.clock_now}: another rank died or stopped answering ({error}). Restart every "
+                "rank from the last checkpoint (engine.load_checkpoint(dir), or --resume in the examples)") from error
+
     def _reduce_loss(self, losses: list[Tensor]) -> Tensor:
         """Mean over this window's finished micro-batches, averaged over data parallelism and
         broadcast from the last stage: a collective at the window's end, where every rank is."""
@@ -350,11 +369,12 @@ class PetraEngine(PipelineEngine):
         nan = torch.tensor(float("nan"), dtype=torch.float32)
         value = torch.stack([loss.float() for loss in losses]).mean() if losses else nan
         value = value.reshape(1).to(self.device)
-        if self.is_last_stage() and self.grid.data_parallel_size > 1:
-            dist.all_reduce(value, group=self.grid.get_data_parallel_group())
-            value /= self.grid.data_parallel_size
-        if self.num_stages > 1:
-            dist.broadcast(value, src=last_rank, group=self.grid.get_pipe_parallel_group())
+        with self._peers("the loss reduction at the end of train_batch"):
+            if self.is_last_stage() and self.grid.data_parallel_size > 1:
+                dist.all_reduce(value, group=self.grid.get_data_parallel_group())
+                value /= self.grid.data_parallel_size
+            if self.num_stages > 1:
+                dist.broadcast(value, src=last_rank, group=self.grid.get_pipe_parallel_group())
         return value[0]
 
     # --- instructions ---
@@ -442,7 +462,8 @@ class PetraEngine(PipelineEngine):
         if self.grid.data_parallel_size > 1 and params:
             grads = [p.grad for p in params]
             flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
+            with self._peers(f"the data-parallel gradient reduction of stage {stage}"):
+                dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
             flat /= self.grid.data_parallel_size
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
@@ -582,9 +603,11 @@ class PetraEngine(PipelineEngine):
                 header = torch.zeros(messages.HEADER_LEN, dtype=torch.int64, device=self.device)
                 header_ops.append(dist.P2POp(dist.irecv, header, self._stage_rank(channel[1])))
                 header_recvs.append((channel, header))
+        peers = sorted({self._stage_rank(c[2]) for c, _ in sends} | {self._stage_rank(c[1]) for c, _ in recvs})
         if header_ops:
-            for req in dist.batch_isend_irecv(header_ops):
-                req.wait()
+            with self._peers(f"the message exchange with ranks {peers}"):
+                for req in dist.batch_isend_irecv(header_ops):
+                    req.wait()
             for channel, header in header_recvs:
                 known[channel] = messages.decode(header.cpu())
         ops, buffers = [], []
@@ -597,8 +620,9 @@ class PetraEngine(PipelineEngine):
             ops.extend(dist.P2POp(dist.irecv, t, peer) for t in tensors)
             buffers.append((key, channel, tensors))
         if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+            with self._peers(f"the message exchange with ranks {peers}"):
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
         return {key: messages.unflatten(tensors, known[channel]) for key, channel, tensors in buffers}
 
     # --- evaluation ---
@@ -668,17 +692,20 @@ class PetraEngine(PipelineEngine):
             raise RuntimeError("save_checkpoint() must be called between train_batch() calls")
         if self.global_rank == 0:
             checkpoint.prepare(save_dir, tag)
-        dist.barrier()
+        with self._peers("save_checkpoint"):
+            dist.barrier()
         path = checkpoint.partial_dir(save_dir, tag)
         self.module.save_state_dict(path, checkpoint_engine=self.checkpoint_engine,
                                     exclude_frozen_params=exclude_frozen_parameters)
         checkpoint.atomic_save(self._petra_state(client_state),
                                checkpoint.state_file(path, self.stage_id, self.grid.data_parallel_id))
-        dist.barrier()
+        with self._peers("save_checkpoint"):
+            dist.barrier()
         final = os.path.join(save_dir, tag)
         if self.global_rank == 0:
             final = checkpoint.commit(save_dir, tag, save_latest)
-        dist.barrier()
+        with self._peers("save_checkpoint"):
+            dist.barrier()
         return final
 
     def _petra_state(self, client_state: dict | None) -> dict:

@@ -20,6 +20,9 @@ from test_engine import SGD, run as engine_run
 COMMON = dict(k=2, train_batches=5, optimizer=SGD, dropout=0.1, petra={"input_buffer": "non_reversible"})
 SAVE_EVERY = 2
 PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Timed out waiting")
+#: the engine's own message around the backend's error: who, where, what to do
+OUR_MESSAGE = re.compile(r"PeerLostError: rank \d+ \(PETRA stages \[[\d, ]+\]\) lost a peer during .+ at clock \d+: "
+                         r"another rank died or stopped answering .*Restart every rank from the last checkpoint", re.S)
 
 
 def uninterrupted(pipe: int = 2, stages_per_rank: int = 2) -> dict:
@@ -49,6 +52,7 @@ def assert_peers_failed_fast(outcomes: list[dict], stopped: int, kill: dict, wit
         assert o["exitcode"] is not None, f"rank {o['rank']} still running {within} s after rank {stopped} stopped"
         assert o["exitcode"] != 0 and "error" in o, f"rank {o['rank']} exited {o['exitcode']}"
         assert PEER_LOST.search(o["error"]), o["error"][-2000:]
+        assert OUR_MESSAGE.search(o["error"]), o["error"][-2000:]
         delays.append(round(o["ended"] - kill["time"], 2))
     assert max(delays) < within, delays
     print(f"the other ranks exited {delays} s after rank {stopped} stopped ({kill['what']})")

@@ -117,6 +117,10 @@ def reformer_model(args, vocab_size: int):
     return config, reformer_layers(config, hf)
 
 
+#: 1F1B only: DeepSpeed's per-forward dropout reseeding base (see build_model)
+ONE_F_ONE_B_DROPOUT_BASE = 1_000_003
+
+
 def build_model(args, config: dict, vocab_size: int):
     topology, ranks = pipeline_topology(args.data_parallel)
     hf_config = None
@@ -127,8 +131,12 @@ def build_model(args, config: dict, vocab_size: int):
                                             n_layers=args.layers, n_heads=args.heads, dropout=args.dropout,
                                             tie_embeddings=args.tie_embeddings))
     if "petra" not in config:
-        return PipelineModule(layers, topology=topology, loss_fn=lm_loss, partition_method="uniform",
-                              seed_layers=True, base_seed=args.seed), hf_config
+        module = PipelineModule(layers, topology=topology, loss_fn=lm_loss, partition_method="uniform",
+                                seed_layers=True, base_seed=args.seed)  # the same initial weights as PETRA's
+        # DeepSpeed reseeds each layer's forward with base_seed * forward counter + layer index: with base 0
+        # every micro-batch would draw the same dropout masks; a base above the layer count keeps them apart
+        module.base_seed = ONE_F_ONE_B_DROPOUT_BASE + args.seed
+        return module, hf_config
     config["petra"]["stages_per_rank"] = stages_per_rank(args.stages or len(layers), ranks)
     module = petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=lm_loss,
                                           stages_per_rank=config["petra"]["stages_per_rank"],
@@ -185,7 +193,9 @@ def main() -> None:
     model, hf_config = build_model(args, config, vocab_size)
     micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
     if "optimizer" not in config:
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01}}
+        # on CPU, torch's AdamW: DeepSpeed's FusedAdam would first be JIT-compiled (about a minute)
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01,
+                                                           "torch_adam": not torch.cuda.is_available()}}
         config.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
             "total_num_steps": args.max_steps, "warmup_num_steps": min(args.warmup_steps, args.max_steps // 2)}})
     engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config)

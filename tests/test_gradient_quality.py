@@ -18,7 +18,7 @@ SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 SGD0 = {"type": "SGD", "params": {"lr": 0.0}}
 
 
-def _engine(J=4, k=2, optimizer=SGD, petra=None, dropout=0.1):
+def _engine(J=4, k=2, optimizer=SGD, petra=None, dropout=0.1, extra=None):
     """PETRA on the toy model, every stage in this process (a one-rank world), float64."""
     torch.set_default_dtype(torch.float64)
     petra_ds.init_distributed(dist_backend="gloo")
@@ -28,7 +28,7 @@ def _engine(J=4, k=2, optimizer=SGD, petra=None, dropout=0.1):
         stages_per_rank=J, partition_method="uniform", base_seed=1234)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": k, "optimizer": optimizer,
               "steps_per_print": 10**9,
-              "petra": {"stages_per_rank": J, "gradient_quality_every": 2, **(petra or {})}}
+              "petra": {"stages_per_rank": J, "gradient_quality_every": 2, **(petra or {})}, **(extra or {})}
     engine, *_ = petra_ds.initialize(model=model, config=config)
     engine.gradient_quality.keep_vectors = True
     names = {}
@@ -91,9 +91,11 @@ def test_end_to_end_gradient_equals_autograd_with_the_weights_of_that_clock():
     assert all(r["reconstruction_error"] == 0 for r in probe.records if r["stage"] != 1)
 
 
-def test_with_both_buffers_petra_is_the_delayed_gradient():
-    """input_buffer "all" + param_buffer (PipeDream): PETRA's gradient is exactly the delayed one."""
-    engine, _, _ = _engine(petra={"input_buffer": "all", "param_buffer": True})
+def test_with_both_buffers_petra_is_the_delayed_gradient(tmp_path):
+    """input_buffer "all" + param_buffer (PipeDream): PETRA's gradient is exactly the delayed one. The
+    numbers also reach DeepSpeed's monitor (here its CSV writer)."""
+    monitor = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "gq"}}
+    engine, _, _ = _engine(petra={"input_buffer": "all", "param_buffer": True}, extra=monitor)
     _train(engine, 5, toy_data(10, 4))
     rows = engine.gradient_quality.records
     assert rows
@@ -101,6 +103,8 @@ def test_with_both_buffers_petra_is_the_delayed_gradient():
         assert r["cos_petra_delayed"] == pytest.approx(1, abs=1e-12)
         assert r["norm_petra_delayed"] == pytest.approx(1, abs=1e-12)
         assert r["reconstruction_error"] == 0
+    logged = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.csv"))
+    assert any("GradientQuality" in p and "stage_1" in p and "cos_petra_e2e" in p for p in logged), logged
     engine2, _, _ = _engine()  # the same run without buffers: the approximation shows at stage 1
     _train(engine2, 5, toy_data(10, 4))
     stage1 = [r for r in engine2.gradient_quality.records if r["stage"] == 1 and r["micro_batch"] > 0]

@@ -28,6 +28,20 @@ def stages_per_rank(stages: int, ranks: int) -> int:
     return stages // ranks
 
 
+def add_run_arguments(parser: Any) -> None:
+    """The options both example scripts share: checkpoints, resuming, the gradient-quality study."""
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="checkpoint to <output-dir>/checkpoints every N train_batch calls (0: never)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in <output-dir>/checkpoints, if there is one")
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="end this run after N train_batch calls in all, as a preempted job would (no final "
+                             "drain, eval or summary); continue with --resume")
+    parser.add_argument("--gradient-quality", type=int, default=0, metavar="N",
+                        help="PETRA: every N optimizer steps compare each stage's gradient with the delayed "
+                             "and the end-to-end one (metrics.jsonl, gradient_quality.png); 0: off")
+
+
 def checkpoint_dir(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 

@@ -164,6 +164,17 @@ DEFAULT_SPEC: dict[str, Any] = {
 }
 
 
+def parameter_names(model: Any) -> dict[int, str]:
+    """id(parameter) -> "<global layer index>.<name>", the names the tests' oracles use."""
+    names = {}
+    for i, layer in enumerate(model.forward_funcs):
+        module = layer_module(layer)
+        if module is not None:
+            for name, p in module.named_parameters():
+                names.setdefault(id(p), f"{model._local_start + i}.{name}")
+    return names
+
+
 def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """Train in this process (already launched as one rank) and return what it recorded."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
@@ -208,12 +219,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     data = [(x[replica * b:(replica + 1) * b], y[replica * b:(replica + 1) * b])
             for x, y in data_fn(distinct, b * dp, spec["data_seed"], dtype)]
 
-    names = {}
-    for i, layer in enumerate(model.forward_funcs):
-        module = layer_module(layer)
-        if module is not None:
-            for name, p in module.named_parameters():
-                names.setdefault(id(p), f"{model._local_start + i}.{name}")
+    names = parameter_names(model)
     grads: dict[int, list[dict[str, torch.Tensor]]] = {j: [] for j in engine.stages}
     if spec["capture_grads"]:
         engine.step_observers.append(

@@ -1,5 +1,7 @@
 """Test-session hygiene shared by every test module."""
 
+import os
+
 import pytest
 import torch
 
@@ -10,3 +12,24 @@ def _default_dtype():
     dtype = torch.get_default_dtype()
     yield
     torch.set_default_dtype(dtype)
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """torch.distributed with this process as its only rank; the environment and the process group are
+    put back afterwards so that the tests which launch processes see what they saw before (an inherited
+    MASTER_PORT would point them at this process's store)."""
+    import petra_ds
+    from deepspeed import comm as ds_comm
+
+    saved = dict(os.environ)
+    started = not ds_comm.is_initialized()
+    if started:
+        for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(var, None)
+        petra_ds.init_distributed(dist_backend="gloo")
+    yield
+    if started:
+        ds_comm.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)

@@ -8,9 +8,8 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 import petra_ds
 from petra_ds.analysis import gradient_quality as gq
-from petra_ds.module import layer_module
 from petra_ds.schedule import delay
-from petra_ds.testing import launch, model_for, toy_data
+from petra_ds.testing import launch, model_for, parameter_names, toy_data
 
 import oracle
 
@@ -21,7 +20,6 @@ SGD0 = {"type": "SGD", "params": {"lr": 0.0}}
 def _engine(J=4, k=2, optimizer=SGD, petra=None, dropout=0.1, extra=None):
     """PETRA on the toy model, every stage in this process (a one-rank world), float64."""
     torch.set_default_dtype(torch.float64)
-    petra_ds.init_distributed(dist_backend="gloo")
     layer_specs, loss_fn, _ = model_for({"model": "toy", "dropout": dropout})
     model = petra_ds.PetraPipelineModule(
         layer_specs, topology=PipeDataParallelTopology(num_pp=1, num_dp=1), loss_fn=loss_fn,
@@ -31,13 +29,7 @@ def _engine(J=4, k=2, optimizer=SGD, petra=None, dropout=0.1, extra=None):
               "petra": {"stages_per_rank": J, "gradient_quality_every": 2, **(petra or {})}, **(extra or {})}
     engine, *_ = petra_ds.initialize(model=model, config=config)
     engine.gradient_quality.keep_vectors = True
-    names = {}
-    for i, layer in enumerate(model.forward_funcs):
-        module = layer_module(layer)
-        if module is not None:
-            for name, p in module.named_parameters():
-                names.setdefault(id(p), f"{model._local_start + i}.{name}")
-    return engine, model, names
+    return engine, model, parameter_names(model)
 
 
 def _train(engine, batches, data):
@@ -47,7 +39,7 @@ def _train(engine, batches, data):
     engine.drain()
 
 
-def test_end_to_end_gradient_equals_autograd_with_the_weights_of_that_clock():
+def test_end_to_end_gradient_equals_autograd_with_the_weights_of_that_clock(world_of_one):
     """lr > 0: the e2e gradient of stage j = plain autograd of the whole model with every stage's
     parameters as they were at stage j's backward clock; the reported numbers are those of the vectors."""
     J, k, batches = 4, 2, 5
@@ -91,7 +83,7 @@ def test_end_to_end_gradient_equals_autograd_with_the_weights_of_that_clock():
     assert all(r["reconstruction_error"] == 0 for r in probe.records if r["stage"] != 1)
 
 
-def test_with_both_buffers_petra_is_the_delayed_gradient(tmp_path):
+def test_with_both_buffers_petra_is_the_delayed_gradient(tmp_path, world_of_one):
     """input_buffer "all" + param_buffer (PipeDream): PETRA's gradient is exactly the delayed one. The
     numbers also reach DeepSpeed's monitor (here its CSV writer)."""
     monitor = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "gq"}}

@@ -6,7 +6,6 @@ one-process torch.distributed world (no launcher), so each takes milliseconds.
 
 from __future__ import annotations
 
-import os
 from dataclasses import fields
 
 import pytest
@@ -144,23 +143,6 @@ def test_k_is_accepted_exactly_when_it_is_an_integer_of_at_least_one(k):
 
 
 # --- the model and petra_ds.initialize, in a one-process torch.distributed world ----------------------
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    """torch.distributed with this process as its only rank; the environment and the process group are
-    put back afterwards so that the tests which launch processes see what they saw before."""
-    saved = dict(os.environ)
-    started = not ds_comm.is_initialized()
-    if started:
-        for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(var, None)
-        petra_ds.init_distributed(dist_backend="gloo")
-    yield
-    if started:
-        ds_comm.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def toy(stages_per_rank: int = 4, layers: list | None = None, **kwargs) -> petra_ds.PetraPipelineModule:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 import petra_ds
 from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
-from petra_ds.runs import RunFiles, pipeline_topology, resume, save, stages_per_rank
+from petra_ds.runs import RunFiles, add_run_arguments, pipeline_topology, resume, save, stages_per_rank
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,17 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=50, help="validation micro-batches per evaluation")
     p.add_argument("--output-dir", default="runs/lm")
-    p.add_argument("--save-every", type=int, default=0,
-                   help="checkpoint to <output-dir>/checkpoints every N train_batch calls (0: never)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in <output-dir>/checkpoints, if there is one")
-    p.add_argument("--stop-after", type=int, default=None,
-                   help="end this run after N train_batch calls in all, as a preempted job would (no final drain, "
-                        "eval or summary); continue with --resume")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gradient-quality", type=int, default=0, metavar="N",
-                    help="PETRA: every N optimizer steps compare each stage's gradient with the delayed "
-                         "and the end-to-end one (metrics.jsonl, gradient_quality.png); 0: off")
+    add_run_arguments(p)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--d-model", type=int, default=256)

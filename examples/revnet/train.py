@@ -34,7 +34,7 @@ from petra_ds.data import INFO, build_dataset, make_loader
 from petra_ds.data.stream import resumable_loader
 from petra_ds.models.revnet import resnet_layers, revnet_layers
 from petra_ds.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
-from petra_ds.runs import RunFiles, pipeline_topology, resume, save, stages_per_rank
+from petra_ds.runs import RunFiles, add_run_arguments, pipeline_topology, resume, save, stages_per_rank
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
 
@@ -65,17 +65,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=None, help="default: 300 on CIFAR-10/digits, 90 on ImageNet")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many train_batch calls")
     parser.add_argument("--output-dir", default="runs/revnet")
-    parser.add_argument("--save-every", type=int, default=0,
-                        help="checkpoint to <output-dir>/checkpoints every N train_batch calls (0: never)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in <output-dir>/checkpoints, if there is one")
-    parser.add_argument("--stop-after", type=int, default=None,
-                        help="end this run after N train_batch calls in all, as a preempted job would (no final "
-                             "drain, eval or summary); continue with --resume")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gradient-quality", type=int, default=0, metavar="N",
-                         help="PETRA: every N optimizer steps compare each stage's gradient with the delayed "
-                              "and the end-to-end one (metrics.jsonl, gradient_quality.png); 0: off")
+    add_run_arguments(parser)
     parser.add_argument("--width", type=int, default=64, help="base width (64 is the paper's network)")
     parser.add_argument("--stages", type=int, default=None, help="PETRA stages J (default: one per block)")
     parser.add_argument("--data-parallel", type=int, default=1, help="pipeline replicas")

@@ -15,13 +15,11 @@ import argparse
 import json
 import os
 import shutil
-import sys
 
 from example_runs import DEEPSPEED, ROOT, run_example, save_report
 from lm_accuracy import stdlib_corpus
 
-sys.path.insert(0, ROOT)
-from petra_ds.analysis.gradient_quality import by_stage, plot  # noqa: E402
+from petra_ds.analysis.gradient_quality import by_stage, plot
 
 COLUMNS = ("cos_petra_delayed", "cos_petra_e2e", "cos_delayed_e2e", "norm_petra_e2e", "reconstruction_error")
 

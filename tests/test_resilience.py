@@ -79,28 +79,28 @@ def latest_tag_after_kill_at(clock: int) -> str:
     return f"global_step{steps_done // SAVE_EVERY * SAVE_EVERY}"
 
 
-def test_a_killed_rank_stops_its_peers_and_training_resumes_exactly(tmp_path):
-    """A rank SIGKILLs itself at a random clock: the other rank raises a lost-peer error within 60 s (no
-    hang); fresh processes restart from ``latest`` and end with the uninterrupted run's parameters, bitwise."""
-    kill_rank, kill_clock = random_kill(20251121, world=2)
-    outcomes, kill = killed_run({"pipe": 2, "stages_per_rank": 2, "kill_rank": kill_rank, "kill_at_clock": kill_clock},
-                                str(tmp_path / "kill.json"))
+def kill_then_resume_exactly(tmp_path, seed: int, pipe: int, stages_per_rank: int) -> None:
+    """SIGKILL one of ``pipe`` ranks at a clock drawn from ``seed``; its peers fail fast, ``latest`` is the
+    last checkpoint before the kill, and resuming from it ends bitwise equal to the uninterrupted run."""
+    kill_rank, kill_clock = random_kill(seed, world=pipe)
+    outcomes, kill = killed_run({"pipe": pipe, "stages_per_rank": stages_per_rank, "kill_rank": kill_rank,
+                                 "kill_at_clock": kill_clock}, str(tmp_path / "kill.json"))
     assert outcomes[kill_rank]["exitcode"] == -signal.SIGKILL
     assert_peers_failed_fast(outcomes, kill_rank, kill, within=60)
     assert checkpoint.resolve(str(tmp_path / "ckpt"), None)[0] == latest_tag_after_kill_at(kill_clock)
-    assert same_bits(resume_to_the_end(tmp_path / "ckpt"), uninterrupted())
+    assert same_bits(resume_to_the_end(tmp_path / "ckpt", pipe, stages_per_rank), uninterrupted(pipe, stages_per_rank))
+
+
+def test_a_killed_rank_stops_its_peers_and_training_resumes_exactly(tmp_path):
+    """A rank SIGKILLs itself at a random clock: the other rank raises a lost-peer error within 60 s (no
+    hang); fresh processes restart from ``latest`` and end with the uninterrupted run's parameters, bitwise."""
+    kill_then_resume_exactly(tmp_path, seed=20251121, pipe=2, stages_per_rank=2)
 
 
 @pytest.mark.slow
 def test_a_killed_rank_among_four_stops_them_all_and_training_resumes_exactly(tmp_path):
     """Four ranks, one stage each: the failure reaches the ranks that never talk to the dead one too."""
-    kill_rank, kill_clock = random_kill(7, world=4)
-    outcomes, kill = killed_run({"pipe": 4, "stages_per_rank": 1, "kill_rank": kill_rank, "kill_at_clock": kill_clock},
-                                str(tmp_path / "kill.json"))
-    assert outcomes[kill_rank]["exitcode"] == -signal.SIGKILL
-    assert_peers_failed_fast(outcomes, kill_rank, kill, within=60)
-    assert checkpoint.resolve(str(tmp_path / "ckpt"), None)[0] == latest_tag_after_kill_at(kill_clock)
-    assert same_bits(resume_to_the_end(tmp_path / "ckpt", 4, 1), uninterrupted(4, 1))
+    kill_then_resume_exactly(tmp_path, seed=7, pipe=4, stages_per_rank=1)
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from deepspeed import comm as dist
 from torch import Tensor
 
 from ..nn.reversible import Activation, as_tuple, detach_leaf, like
-from ..schedule import delay
+from ..schedule import backward_micro_batch, delay
 
 if TYPE_CHECKING:
     from ..engine import PetraEngine
@@ -81,7 +81,6 @@ class _Probe:
     m: int
     step: int
     samples: int
-    data: tuple[Any, Any] | None = None  # stage 0: (x, labels)
     forward: dict[int, tuple[Activation, Any, list[Tensor]]] = field(default_factory=dict)  # j: x, labels, theta
     before: dict[int, tuple[Activation | None, list[Tensor | None]]] = field(default_factory=dict)
     grads: dict[int, dict[str, list[Tensor]]] = field(default_factory=dict)  # j: kind -> gradient
@@ -119,13 +118,11 @@ class GradientQuality:
         st = self.engine.stages[stage]
         theta = [p.detach().clone() for p in self._params(st)]
         probe.forward[stage] = (x, labels, theta)
-        if stage == 0:
-            probe.data = (x, labels)
 
     def mid_clock(self, clock: int) -> None:
         """After the clock's forwards, before any backward or step: the end-to-end passes due now."""
         for probe in list(self.open.values()):
-            due = [j for j in range(self.J) if probe.m + j + delay(j, self.J) == clock]
+            due = [j for j in range(self.J) if backward_micro_batch(clock, j, self.J) == probe.m]
             if due:
                 self._end_to_end(probe, due)
 
@@ -151,12 +148,10 @@ class GradientQuality:
         probe.grads[stage]["delayed"] = [k * g if delta is not None else g
                                          for g in self._delayed(st, m, x, labels, theta, delta)]
         probe.reconstruction[stage] = relative_error(x_tilde, x) if st.reconstructs else 0.0  # else: exact
-        if stage == 0:
-            probe.data = None
 
     def end_window(self) -> list[dict[str, Any]]:
         """After a window, when every rank is here: gather the followed micro-batches that finished."""
-        done = [m for m in self.open if m + 2 * (self.J - 1) < self.engine.timeline.clock]
+        done = [m for m in self.open if m + delay(0, self.J) < self.engine.timeline.clock]  # stage 0's backward ran
         if not done:
             return []
         local = [self._local_records(self.open.pop(m)) for m in done]
@@ -224,7 +219,8 @@ class GradientQuality:
         engine, m = self.engine, probe.m
         local = list(engine.local_stage_ids)
         inputs: dict[int, tuple[Activation, Any]] = {}
-        carry: Any = probe.data
+        # stage 0's input: its forward stash, still there (its backward is this clock at the latest)
+        carry: Any = probe.forward[0][:2] if 0 in probe.forward else None
         for j in local:  # forward through this rank's stages, in pipeline order
             if j > 0 and j == local[0]:
                 key = (j, "gq_act", m)

@@ -113,6 +113,19 @@ def test_reversible_backprop_recomputes_only_at_reversible_stages():
         {"1f1b_rev": (3 + J - 1) * (F + FG + B) / 3, "1f1b_ckpt": (3 + J - 1) * (F + FG + B) / 3})
 
 
+def test_deepspeed_backward_per_output_tensor():
+    """DeepSpeed runs a non-last stage's BackwardPass once per output tensor: backward_split instead of
+    backward there (recomputation scaled alike), never at the last stage, never in PETRA."""
+    J, split = 3, 2.5 * B
+    costs = Costs((StageCosts(F, FG, B, backward_split=split),) * J)
+    assert predict(costs, 2, ["naive_mp"])["naive_mp"] == pytest.approx(J * FG + (J - 1) * split + B)
+    assert predict(costs, 2, ["naive_mp_ckpt"])["naive_mp_ckpt"] == pytest.approx(
+        J * F + (J - 1) * (FG + B) * split / B + FG + B)
+    assert predict(costs, 2, ["petra"])["petra"] == pytest.approx(F + FG + B)
+    assert Costs.from_dict(costs.to_dict()) == costs
+    assert "backward_split" not in Costs.uniform(2, F, FG, B).to_dict()["stages"][0]
+
+
 def test_single_process_counts_the_steps_once_per_k():
     costs = Costs.uniform(3, F, FG, B, step=0.6)
     assert predict(costs, 4, ["single"])["single"] == pytest.approx(3 * (FG + B + 0.6 / 4))
@@ -209,6 +222,13 @@ def test_validate_reports_relative_errors():
     assert result["max_abs_relative_error"] == pytest.approx(0.2)
     assert not result["within_tolerance"]
     report = _synthetic_report(errors)
+    report["costs"]["stages"][0]["backward_split"] = 0.035  # stage 0 outputs a pair of streams
+    report["ds_streams"] = "stacked"  # DeepSpeed got one tensor: one backward call, as before
+    assert validate(report)["variants"]["1f1b"]["relative_error"] == pytest.approx(0.2)
+    report["ds_streams"] = "pair"
+    paired = validate(report)["variants"]
+    assert paired["1f1b"]["predicted_samples_per_s"] < result["variants"]["1f1b"]["predicted_samples_per_s"]
+    assert paired["petra"]["relative_error"] == pytest.approx(0.12)
     report["stages"] = 3
     with pytest.raises(ValueError, match="3 stages"):
         validate(report)
@@ -245,6 +265,11 @@ def test_measure_stage_costs_leaves_the_stage_untouched(one_thread):
             for layer in self.layers:
                 inp = layer(inp)
             return inp
+
+    pair = nn.Linear(32, 32)
+    both = measure_stage_costs(lambda t: (pair(t), pair(t).relu()), x, list(pair.parameters()), repeats=1)
+    assert both["backward_split"] > 0 and "backward_split" not in costs
+    assert measure_stage_costs(nn.ReLU(), x, repeats=1)["step"] == 0.0
 
     holder = Holder()
     stats = holder.layers[1].running_mean.clone()

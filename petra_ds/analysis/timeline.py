@@ -20,8 +20,11 @@ PETRA, stage j < J-1        ForwardPass = forward; ReverseReconstruct, or the re
                             DelayedBackward of a non-reversible stage (stage 0 included) = forward_grad;
                             DelayedBackward = backward; AccumulateAndStep = step
 PETRA, last stage           ForwardPass = forward_grad (with the loss); DelayedBackward = backward
-1F1B, GPipe, naive MP       ForwardPass = forward_grad; BackwardPass = backward; OptimizerStep = step
-``*_ckpt`` (checkpointing)  ForwardPass = forward; BackwardPass = forward_grad + backward
+1F1B, GPipe, naive MP       ForwardPass = forward_grad; BackwardPass = backward (``backward_split`` at
+                            a non-last stage when measured: DeepSpeed's engine runs one backward call
+                            per output tensor); OptimizerStep = step
+``*_ckpt`` (checkpointing)  ForwardPass = forward; BackwardPass = forward_grad + backward (both scaled
+                            by backward_split / backward where measured)
 ``*_rev`` (reversible       as ``*_ckpt`` at the reversible stages (they reconstruct their input), as
 backprop)                   the plain variant at the others (they store their activations)
 single process              forward_grad + backward of every stage per micro-batch, their steps / k
@@ -44,7 +47,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import torch
@@ -97,12 +100,23 @@ RESULTS = os.path.join("benchmarks", "results")
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Measured seconds of one stage's primitives, for one micro-batch."""
+    """Measured seconds of one stage's primitives, for one micro-batch.
+
+    ``backward_split``: the backward as DeepSpeed's ``PipelineEngine`` runs it at a stage whose output is
+    several tensors (a reversible stage's pair): one ``backward(retain_graph=True)`` call per tensor,
+    which walks the shared part of the graph again. ``None``: the same as ``backward``.
+    """
 
     forward: float
     forward_grad: float
     backward: float
     step: float = 0.0
+    backward_split: float | None = None
+
+    @property
+    def deepspeed_factor(self) -> float:
+        """How much longer DeepSpeed's backward takes than one backward call (1 without a measurement)."""
+        return 1.0 if self.backward_split is None else self.backward_split / self.backward
 
 
 @dataclass(frozen=True)
@@ -124,17 +138,16 @@ class Costs:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Costs":
         """The ``"costs"`` entry of a benchmark report: ``{"stages": [{forward, forward_grad, backward,
-        step}, ...], "message_s": s}``."""
+        step[, backward_split]}, ...], "message_s": s}``."""
         stages = tuple(StageCosts(float(s["forward"]), float(s["forward_grad"]), float(s["backward"]),
-                                  float(s.get("step", 0.0))) for s in data["stages"])
+                                  float(s.get("step", 0.0)),
+                                  None if s.get("backward_split") is None else float(s["backward_split"]))
+                       for s in data["stages"])
         return cls(stages, float(data.get("message_s", 0.0)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stages": [asdict(s) for s in self.stages], "message_s": self.message_s}
-
-    def scaled(self, factor: float) -> "Costs":
-        return Costs(tuple(StageCosts(*(factor * v for v in asdict(s).values())) for s in self.stages),
-                     factor * self.message_s)
+        stages = [{k: v for k, v in asdict(s).items() if v is not None} for s in self.stages]
+        return {"stages": stages, "message_s": self.message_s}
 
 
 # --- GPipe ----------------------------------------------------------------------------------------
@@ -422,9 +435,10 @@ def _ds_programs(schedule_cls: type, costs: Costs, micro_batches: int, batches: 
                     elif isinstance(cmd, ds.BackwardPass):
                         m = b * micro_batches + backwards
                         backwards += 1
+                        split = c.deepspeed_factor if s < J - 1 else 1.0  # the last stage: loss.backward()
                         if recompute[s]:
-                            program.append(Compute(s, "recompute", m, c.forward_grad))
-                        program.append(Compute(s, "backward", m, c.backward))
+                            program.append(Compute(s, "recompute", m, split * c.forward_grad))
+                        program.append(Compute(s, "backward", m, split * c.backward))
                     elif isinstance(cmd, ds.OptimizerStep):
                         program.append(Compute(s, "step", None, c.step))
                     elif isinstance(cmd, (ds.SendActivation, ds.SendGrad, ds.RecvActivation, ds.RecvGrad)):
@@ -511,13 +525,17 @@ def predict(costs: Costs, micro_batches: int, variants: Sequence[str] = VARIANTS
     return {v: seconds_per_micro_batch(v, costs, micro_batches, reversible=reversible) for v in variants}
 
 
-def validate(report: Mapping[str, Any], tolerance: float = 0.15) -> dict[str, Any]:
+def validate(report: Mapping[str, Any], tolerance: float = 0.15, costs: Costs | None = None) -> dict[str, Any]:
     """Predicted vs measured samples/s of every variant of a throughput report.
 
-    The report holds ``"costs"`` (see :meth:`Costs.from_dict`), ``"variants": {name: {"samples_per_s"}}``,
-    ``"micro_batch_size"``, ``"micro_batches"`` (k) and ``"stages"`` (J). Variants this module does not
-    model are listed under ``"skipped"``."""
-    costs = Costs.from_dict(report["costs"])
+    The report holds ``"costs"`` (see :meth:`Costs.from_dict`; or pass ``costs``, e.g. those of another
+    run of the same model and partition), ``"variants": {name: {"samples_per_s"}}``, ``"micro_batch_size"``,
+    ``"micro_batches"`` (k) and ``"stages"`` (J). ``"ds_streams": "stacked"`` says DeepSpeed's pipeline
+    got each stage's pair of streams as one tensor, so its backward is one call: ``backward_split`` is
+    then not used. Variants this module does not model are listed under ``"skipped"``."""
+    costs = Costs.from_dict(report["costs"]) if costs is None else costs
+    if report.get("ds_streams") == "stacked":
+        costs = Costs(tuple(replace(s, backward_split=None) for s in costs.stages), costs.message_s)
     J, k, size = int(report["stages"]), int(report["micro_batches"]), int(report["micro_batch_size"])
     if costs.num_stages != J:
         raise ValueError(f"the report has {J} stages but costs for {costs.num_stages}")
@@ -535,8 +553,8 @@ def validate(report: Mapping[str, Any], tolerance: float = 0.15) -> dict[str, An
                       "relative_error": (predicted - got) / got}
     worst = max((abs(r["relative_error"]) for r in rows.values()), default=0.0)
     return {"stages": J, "micro_batches": k, "micro_batch_size": size, "tolerance": tolerance,
-            "variants": rows, "skipped": skipped, "max_abs_relative_error": worst,
-            "within_tolerance": worst <= tolerance}
+            "ds_streams": report.get("ds_streams"), "costs": costs.to_dict(), "variants": rows, "skipped": skipped,
+            "max_abs_relative_error": worst, "within_tolerance": worst <= tolerance}
 
 
 # --- measuring the primitives -------------------------------------------------------------------
@@ -583,7 +601,8 @@ def _modules(stage: Any, depth: int = 0) -> list[nn.Module]:
 def measure_stage_costs(stage: Callable | Sequence[Callable], x: Any, params: Iterable[torch.Tensor] | None = None, *,
                         loss_fn: Callable | None = None, labels: Any = None,
                         optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
-                        input_grad: bool = True, repeats: int = 5, warmup: int = 1) -> dict[str, float]:
+                        input_grad: bool = True, split_backward: bool = True, repeats: int = 5,
+                        warmup: int = 1) -> dict[str, float]:
     """Median seconds of one stage's ``forward``, ``forward_grad``, ``backward`` and ``step``.
 
     ``stage`` is a callable or a list of layers applied in order; ``x`` one micro-batch of its input. With
@@ -591,8 +610,10 @@ def measure_stage_costs(stage: Callable | Sequence[Callable], x: Any, params: It
     backward starts from the loss; otherwise it starts from a random output gradient. ``input_grad``:
     whether the backward also produces the gradient of ``x`` (False for stage 0, whose input is data).
     ``step`` times ``optimizer`` (a factory of a parameter list; default AdamW) on copies of ``params``
-    (default: the stage's parameters). The caller's state is left as it was: parameter gradients,
-    buffers (batch-norm statistics) and the RNG are restored, and the optimizer never touches the model.
+    (default: the stage's parameters). With ``split_backward`` and an output of several tensors, also
+    ``backward_split``: DeepSpeed's pipeline backward, one call per output tensor (see :class:`StageCosts`).
+    The caller's state is left as it was: parameter gradients, buffers (batch-norm statistics) and the
+    RNG are restored, and the optimizer never touches the model.
     """
     layers = list(stage) if isinstance(stage, (list, tuple)) else [stage]
 
@@ -621,6 +642,10 @@ def measure_stage_costs(stage: Callable | Sequence[Callable], x: Any, params: It
             timings[name].append(time.perf_counter() - t0)
         return out
 
+    def one_by_one(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        for i, (out, grad) in enumerate(zip(outs, grads)):
+            out.backward(grad, retain_graph=i < len(outs) - 1)
+
     def graph() -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         with torch.enable_grad():
             out = run(_leaves(x, input_grad))
@@ -637,10 +662,15 @@ def measure_stage_costs(stage: Callable | Sequence[Callable], x: Any, params: It
                     timed("forward", run, record, x)
                 outs, grads = timed("forward_grad", graph, record)
                 timed("backward", torch.autograd.backward, record, outs, grads)
+                if split_backward and loss_fn is None and len(outs) > 1:
+                    outs, grads = graph()
+                    timed("backward_split", one_by_one, record, outs, grads)
                 del outs, grads
         copies = [p.detach().clone().requires_grad_(True) for p in params]
-        opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(copies)
-        for i in range(warmup + repeats):
+        if not copies:
+            timings["step"].append(0.0)
+        opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(copies) if copies else None
+        for i in range(warmup + repeats if copies else 0):
             for c in copies:
                 c.grad = torch.full_like(c, 1e-3)
             timed("step", opt.step, i >= warmup)
@@ -678,7 +708,8 @@ def revnet_costs(depth: int, micro_batch: int = 32, *, image: int = 32, num_clas
                  base_width: int = 64, repeats: int = 5, seed: int = 0) -> tuple[Costs, list[bool], list[str]]:
     """Per-stage costs of RevNet-``depth`` cut one layer per stage (stem, residual blocks, head: the
     paper's 10 stages for RevNet18, 18 for RevNet34), measured in this process, train mode, with the
-    SGD-with-momentum step of the recipe. Returns the costs, which stages are reversible and the layer names."""
+    SGD-with-momentum step of the recipe. Without ``backward_split``: the pipelines are the schedules
+    themselves, not DeepSpeed's engine. Returns the costs, which stages are reversible and the layer names."""
     from ..models.revnet import revnet_layers
     from ..nn.reversible import is_reversible
 
@@ -692,6 +723,7 @@ def revnet_costs(depth: int, micro_batch: int = 32, *, image: int = 32, num_clas
         last = j == len(layers) - 1
         c = measure_stage_costs(layer, x, loss_fn=nn.functional.cross_entropy if last else None,
                                 labels=labels if last else None, input_grad=j > 0, repeats=repeats,
+                                split_backward=False,
                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True))
         stages.append(StageCosts(**c))
         with torch.no_grad():
@@ -876,7 +908,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--k", type=int, nargs="+", default=[1, 4, 16], help="micro-batches per step to predict")
     parser.add_argument("--gantt-k", type=int, default=4)
     parser.add_argument("--message-s", type=float, default=0.0, help="seconds per message between stages")
-    parser.add_argument("--costs-from", help="reuse the costs of a previous timeline_revnet.json (no measurement)")
+    parser.add_argument("--costs-from", help="RevNet: reuse the costs of a previous timeline_revnet.json (no "
+                        "measurement); --validate: take the costs from this throughput report")
     parser.add_argument("--no-gantt", dest="gantt", action="store_false", help="skip the Gantt charts")
     parser.add_argument("--out-dir", default=RESULTS)
     parser.add_argument("--name", default=None, help="output file stem (default depends on the mode)")
@@ -885,9 +918,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.validate:
         with open(args.validate) as f:
             report = json.load(f)
-        result = validate(report)
+        costs = None
+        if args.costs_from:
+            with open(args.costs_from) as f:
+                costs = Costs.from_dict(json.load(f)["costs"])
+        result = validate(report, costs=costs)
         print(f"{args.validate}: J = {result['stages']}, k = {result['micro_batches']}, "
-              f"micro-batch {result['micro_batch_size']}")
+              f"micro-batch {result['micro_batch_size']}, DeepSpeed streams {result['ds_streams']}, "
+              f"costs from {args.costs_from or args.validate}")
         print(f"{'variant':14s} {'measured/s':>11s} {'predicted/s':>12s} {'error':>7s}")
         for v, r in result["variants"].items():
             print(f"{v:14s} {r['measured_samples_per_s']:11.1f} {r['predicted_samples_per_s']:12.1f} "
@@ -897,9 +935,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               + (f"; not modelled: {result['skipped']}" if result["skipped"] else ""))
         stem = args.name or "timeline_validation_" + os.path.splitext(os.path.basename(args.validate))[0]
         result["source"] = args.validate
+        result["costs_source"] = args.costs_from or args.validate
         if args.gantt:
             png = os.path.join(args.out_dir, stem + "_gantt.png")
-            plot_gantt(gantt_panels(Costs.from_dict(report["costs"]), result["micro_batches"]), png,
+            plot_gantt(gantt_panels(Costs.from_dict(result["costs"]), result["micro_batches"]), png,
                        f"{os.path.basename(args.validate)}: J={result['stages']}, k={result['micro_batches']}, "
                        "measured costs")
             result["gantt"] = png

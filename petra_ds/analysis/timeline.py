@@ -6,9 +6,11 @@ DeepSpeed's ``TrainSchedule``, naive model parallelism the same with one micro-b
 instruction gets a duration from a few measured primitives of each stage (:class:`StageCosts`), and an
 event simulator plays all ranks against each other with the engines' communication semantics:
 
-- PETRA: a clock's sends and receives go out in one batch (``CommitP2P``) that completes only when the
-  neighbours reached the same commit; then the transfer takes ``message_s`` per message on each link
-  (a gradient that carries the reconstructed input x~ is two messages);
+- PETRA: a send or receive is posted (non-blocking) where the stream has it, and the clock's
+  ``CommitP2P`` waits for all of them; a transfer takes ``message_s`` once both sides are posted (a
+  gradient that carries the reconstructed input x~ is two messages). Streams that post everything at
+  the commit (a batched exchange) and streams that post receives first and each send right after its
+  compute (transfers overlapping the clock) are both just data here;
 - DeepSpeed: every ``Send*``/``Recv*`` is a blocking p2p call, matched in order on its channel;
 - both: ``train_batch`` ends with the loss broadcast from the last stage, which the others wait for.
 
@@ -45,6 +47,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
@@ -206,21 +209,27 @@ class Compute:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One side of a message. ``key`` = (channel, n): the n-th message on a channel, so sends and
-    receives pair up in order. An ``eager`` send does not wait for its receiver (a scalar broadcast)."""
+    """One side of a message, posted without blocking. ``key`` = (channel, n): the n-th message on a
+    channel, so sends and receives pair up in order. The transfer takes ``seconds`` once both sides are
+    posted; an ``eager`` send is complete when posted (a scalar broadcast)."""
 
     key: tuple
     send: bool
+    stage: int
+    seconds: float = 0.0
     eager: bool = False
 
 
 @dataclass(frozen=True)
-class Exchange:
-    """Post every endpoint, wait for each one's partner to be posted, then transfer for ``seconds``."""
+class Post:
+    endpoint: Endpoint
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Block until every listed endpoint's message is complete (a commit, or a blocking send/recv)."""
 
     endpoints: tuple[Endpoint, ...]
-    seconds: float
-    stage: int
 
 
 @dataclass(frozen=True)
@@ -230,7 +239,7 @@ class Mark:
     index: int
 
 
-Op = Union[Compute, Exchange, Mark]
+Op = Union[Compute, Post, Wait, Mark]
 
 
 @dataclass(frozen=True)
@@ -245,14 +254,19 @@ class Event:
 
 @dataclass
 class Simulation:
-    """What ran where and when; ``batch_ends[w]`` is when the last rank returned from batch ``w``."""
+    """What ran where and when; ``rank_ends[r][w]``: when rank r returned from batch ``w``."""
 
     events: list[Event]
-    batch_ends: list[float]
+    rank_ends: dict[int, list[float]]
     num_stages: int
     micro_batches: int
     name: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_ends(self) -> list[float]:
+        """When the last rank returned from each batch."""
+        return [max(ends) for ends in zip(*self.rank_ends.values())]
 
     @property
     def makespan(self) -> float:
@@ -263,19 +277,19 @@ class DeadlockError(RuntimeError):
     """Every unfinished rank waits for a message that no rank will post."""
 
 
-def simulate(programs: Mapping[int, Sequence[Op]]) -> tuple[list[Event], list[float]]:
-    """Run every rank's program from time 0; each rank is busy with one op at a time.
+def simulate(programs: Mapping[int, Sequence[Op]]) -> tuple[list[Event], dict[int, list[float]]]:
+    """Run every rank's program from time 0; a rank computes one op at a time while its posted messages
+    travel. A message's transfer starts once both sides are posted.
 
-    Returns the events (compute and transfers) and, per batch mark, the latest time a rank reached it.
-    The result does not depend on the order ranks are visited: a rank's times only depend on its own
-    ops and on when its partners posted their side of each message.
+    Returns the events (compute, and transfers on the receiver's row) and, per rank, when it reached
+    each batch mark. The result does not depend on the order ranks are visited: a rank's times
+    only depend on its own ops and on when its partners posted their side of each message.
     """
     now = {r: 0.0 for r in programs}
     pos = {r: 0 for r in programs}
-    posted: dict[tuple, float] = {}
-    posted_at: dict[int, float] = {}  # rank -> when it posted the exchange it now waits in
+    posted: dict[tuple, float] = {}  # (key, send) -> when that side was posted
     events: list[Event] = []
-    marks: dict[int, float] = defaultdict(float)
+    marks: dict[int, list[float]] = {r: [] for r in programs}
     while True:
         progressed = False
         for r, program in programs.items():
@@ -285,22 +299,33 @@ def simulate(programs: Mapping[int, Sequence[Op]]) -> tuple[list[Event], list[fl
                     if op.seconds > 0:
                         events.append(Event(r, op.stage, op.op, op.micro_batch, now[r], now[r] + op.seconds))
                     now[r] += op.seconds
-                elif isinstance(op, Mark):
-                    marks[op.index] = max(marks[op.index], now[r])
+                elif isinstance(op, Post):
+                    ep = op.endpoint
+                    posted[(ep.key, ep.send)] = now[r]
+                    other = posted.get((ep.key, not ep.send))
+                    if other is not None and ep.seconds > 0:
+                        start = max(other, now[r])
+                        stage = ep.stage if not ep.send else ep.key[0][2]
+                        events.append(Event(r, stage, "message", None, start, start + ep.seconds))
+                elif isinstance(op, Wait):
+                    done = now[r]
+                    for ep in op.endpoints:
+                        own = posted[(ep.key, ep.send)]
+                        if ep.eager:
+                            done = max(done, own)
+                            continue
+                        other = posted.get((ep.key, not ep.send))
+                        if other is None:
+                            break
+                        done = max(done, max(own, other) + ep.seconds)
+                    else:
+                        now[r] = done
+                        pos[r] += 1
+                        progressed = True
+                        continue
+                    break
                 else:
-                    if r not in posted_at:
-                        posted_at[r] = now[r]
-                        for ep in op.endpoints:
-                            posted[(ep.key, ep.send)] = now[r]
-                    ready = posted_at[r]
-                    partners = [posted.get((ep.key, not ep.send)) for ep in op.endpoints if not ep.eager]
-                    if any(p is None for p in partners):
-                        break
-                    ready = max([ready, *partners])
-                    if op.seconds > 0:
-                        events.append(Event(r, op.stage, "message", None, ready, ready + op.seconds))
-                    now[r] = ready + op.seconds
-                    del posted_at[r]
+                    marks[r].append(now[r])
                 pos[r] += 1
                 progressed = True
         if all(pos[r] >= len(p) for r, p in programs.items()):
@@ -308,27 +333,18 @@ def simulate(programs: Mapping[int, Sequence[Op]]) -> tuple[list[Event], list[fl
         if not progressed:
             stuck = {r: programs[r][pos[r]] for r in programs if pos[r] < len(programs[r])}
             raise DeadlockError(f"deadlock: {stuck}")
-    return events, [marks[i] for i in sorted(marks)]
+    return events, marks
 
 
-def _transfer_seconds(endpoints: Iterable[tuple[Endpoint, int, float]], message_s: float) -> float:
-    """Links are full duplex and independent: the busiest (peer, direction) sets the transfer time."""
-    load: dict[tuple[int, bool], float] = defaultdict(float)
-    for ep, peer, size in endpoints:
-        load[(peer, ep.send)] += size
-    return message_s * max(load.values(), default=0.0)
-
-
-def _loss_broadcast(batch: int, rank: int, ranks: int) -> Exchange | None:
+def _loss_broadcast(batch: int, rank: int, ranks: int) -> list[Op]:
     """The loss reduction that ends ``train_batch``: the last rank sends, the others wait for it."""
     last = ranks - 1
     if ranks == 1:
-        return None
+        return []
     if rank == last:
-        eps = tuple(Endpoint((("loss", r), batch), send=True, eager=True) for r in range(last))
-    else:
-        eps = (Endpoint((("loss", rank), batch), send=False),)
-    return Exchange(eps, 0.0, -1)
+        return [Post(Endpoint((("loss", last, r), batch), True, last, eager=True)) for r in range(last)]
+    ep = Endpoint((("loss", last, rank), batch), False, rank)
+    return [Post(ep), Wait((ep,))]
 
 
 # --- lowering the instruction streams ------------------------------------------------------------
@@ -336,8 +352,9 @@ def _loss_broadcast(batch: int, rank: int, ranks: int) -> Exchange | None:
 
 def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_per_rank: int = 1,
                     reversible: Sequence[bool] | None = None, drain: bool = False) -> dict[int, list[Op]]:
-    """The engine's own streams, one op per instruction; messages between two stages of one rank are
-    free (the engine hands them over in memory), the others wait in that clock's commit."""
+    """The engine's own streams, one op per instruction: a send or receive between ranks is posted where
+    it stands in the stream and waited for at the clock's ``CommitP2P``; messages between two stages of
+    one rank are free (the engine hands them over in memory). A gradient that carries x~ is two messages."""
     J, S = costs.num_stages, stages_per_rank
     if J % S:
         raise ValueError(f"{J} stages do not split into ranks of {S}")
@@ -363,7 +380,7 @@ def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_pe
         program: list[Op] = []
         sent: dict[tuple, int] = defaultdict(int)
         received: dict[tuple, int] = defaultdict(int)
-        queued: list[tuple[Endpoint, int, float]] = []
+        posted: list[Endpoint] = []
         clock_iter = iter(clocks)
         for w, window in enumerate(windows):
             for _ in range(window.clocks):
@@ -393,18 +410,16 @@ def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_pe
                         channel = ("grad" if grad else "act", src, dst)
                         counter = sent if send else received
                         size = 2.0 if grad and cmd.with_input else 1.0
-                        queued.append((Endpoint((channel, counter[channel]), send), other // S, size))
+                        posted.append(Endpoint((channel, counter[channel]), send, j, size * costs.message_s))
+                        program.append(Post(posted[-1]))
                         counter[channel] += 1
                     elif isinstance(cmd, CommitP2P):
-                        if queued:
-                            program.append(Exchange(tuple(ep for ep, _, _ in queued),
-                                                    _transfer_seconds(queued, costs.message_s), rank * S))
-                        queued = []
+                        if posted:
+                            program.append(Wait(tuple(posted)))
+                        posted = []
                     else:
                         raise TypeError(f"no cost model for {cmd!r}")
-            bcast = _loss_broadcast(w, rank, ranks)
-            if bcast is not None:
-                program.append(bcast)
+            program += _loss_broadcast(w, rank, ranks)
             program.append(Mark(w))
         programs[rank] = program
     return programs
@@ -448,16 +463,14 @@ def _ds_programs(schedule_cls: type, costs: Costs, micro_batches: int, batches: 
                         src, dst = (s, other) if send else (other, s)
                         channel = ("grad" if grad else "act", src, dst)
                         counter = sent if send else received
-                        program.append(Exchange((Endpoint((channel, counter[channel]), send),),
-                                                costs.message_s, s))
+                        ep = Endpoint((channel, counter[channel]), send, s, costs.message_s)
+                        program += [Post(ep), Wait((ep,))]  # blocking p2p
                         counter[channel] += 1
                     elif isinstance(cmd, (ds.LoadMicroBatch, ds.ReduceGrads, ds.ReduceTiedGrads)):
                         continue
                     else:
                         raise TypeError(f"no cost model for {cmd!r}")
-            bcast = _loss_broadcast(b, s, J)
-            if bcast is not None:
-                program.append(bcast)
+            program += _loss_broadcast(b, s, J)
             program.append(Mark(b))
         programs[s] = program
     return programs
@@ -489,8 +502,8 @@ def simulate_schedule(schedule: str, costs: Costs, micro_batches: int, batches: 
         recompute = {"": [False] * J, "ckpt": [True] * J,
                      "rev": [True] * J if reversible is None else list(reversible)}[mode]
         programs = _ds_programs(_PIPELINES[base], costs, micro_batches, batches, recompute)
-    events, batch_ends = simulate(programs)
-    return Simulation(events, batch_ends, costs.num_stages, micro_batches, schedule)
+    events, rank_ends = simulate(programs)
+    return Simulation(events, rank_ends, costs.num_stages, micro_batches, schedule)
 
 
 # --- predictions --------------------------------------------------------------------------------
@@ -501,7 +514,10 @@ def seconds_per_micro_batch(variant: str, costs: Costs, micro_batches: int, *, s
     """Steady-state seconds per micro-batch of ``variant`` (see ``VARIANTS``) with k = ``micro_batches``.
 
     Pipelines flush every ``train_batch``: the time between the ends of consecutive batches / k. PETRA
-    never flushes: its slope over whole windows once the first micro-batch has gone all the way back.
+    never flushes: its pace once the first micro-batch has gone all the way back, taken from the slowest
+    rank over whole windows. (After the fill the later stages run ahead of the earlier ones by up to a
+    clock per stage, which they only use up slowly when stages are nearly balanced; the slowest rank is
+    already at the steady pace while the others still run faster.)
     """
     k = micro_batches
     if variant == "single":
@@ -509,11 +525,10 @@ def seconds_per_micro_batch(variant: str, costs: Costs, micro_batches: int, *, s
     J = costs.num_stages
     if variant == "petra":
         warm = math.ceil((2 * J - 1) / k) + 1
-        measured = max(3, math.ceil(2 * J / k))
+        measured = max(4, math.ceil(4 * J / k))
         sim = simulate_schedule("petra", costs, k, warm + measured, stages_per_rank=stages_per_rank,
                                 reversible=reversible)
-        ends = sim.batch_ends
-        return (ends[-1] - ends[warm - 1]) / (measured * k)
+        return max(ends[-1] - ends[warm - 1] for ends in sim.rank_ends.values()) / (measured * k)
     per_batch = 1 if variant.startswith("naive_mp") else k
     sim = simulate_schedule(variant, costs, per_batch, 3, reversible=reversible)
     return (sim.batch_ends[2] - sim.batch_ends[0]) / (2 * per_batch)
@@ -734,7 +749,7 @@ def revnet_costs(depth: int, micro_batch: int = 32, *, image: int = 32, num_clas
 # --- Gantt charts -------------------------------------------------------------------------------
 
 COLORS = {"forward": "#4c78a8", "forward_grad": "#1f3f73", "reconstruct": "#f58518", "recompute": "#f2b25c",
-          "backward": "#54a24b", "step": "#7f7f7f", "message": "#d0d0d0"}
+          "backward": "#54a24b", "step": "#7f7f7f", "message": "#e45756"}
 LABELS = {"forward": "forward", "forward_grad": "forward with graph", "reconstruct": "reconstruct (inverse)",
           "recompute": "recompute", "backward": "backward", "step": "optimizer step", "message": "transfer"}
 
@@ -759,10 +774,10 @@ def plot_gantt(simulations: Sequence[Simulation], path: str, title: str = "", ti
     for ax, sim in zip(axes[:, 0], simulations):
         for e in sim.events:
             start, dur = e.start * scale, (min(e.end * scale, span) - e.start * scale)
-            row = e.stage
-            height = 0.3 if e.op == "message" else 0.8
-            ax.barh(row, dur, left=start, height=height, color=COLORS.get(e.op, "black"), edgecolor="white",
-                    linewidth=0.3)
+            message = e.op == "message"  # a thin bar under the row: transfers may overlap compute
+            row, height = (e.stage + 0.36, 0.1) if message else (e.stage, 0.7)
+            ax.barh(row, dur, left=start, height=height, color=COLORS.get(e.op, "black"),
+                    edgecolor="none" if message else "white", linewidth=0.3)
             used.add(e.op)
             if e.micro_batch is not None and dur >= char * (len(str(e.micro_batch)) + 1):
                 ax.text(start + dur / 2, row, str(e.micro_batch), ha="center", va="center", fontsize=6,
@@ -833,12 +848,14 @@ def _table(predictions: Mapping[int, Mapping[str, float]], mbs: int) -> str:
 
 
 def _revnet_report(args: argparse.Namespace) -> dict[str, Any]:
-    saved = {}
+    saved: dict[str, Any] = {"models": {}}
     if args.costs_from:
         with open(args.costs_from) as f:
-            saved = json.load(f)["models"]
-    report: dict[str, Any] = {"micro_batch_size": args.micro_batch, "threads": torch.get_num_threads(),
+            saved = json.load(f)
+    report: dict[str, Any] = {"command": args.command, "measured_by": saved.get("measured_by", args.command),
+                              "micro_batch_size": args.micro_batch, "threads": torch.get_num_threads(),
                               "message_s": args.message_s, "models": {}}
+    saved = saved["models"]
     for depth in args.depths:
         name = f"revnet{depth}"
         if name in saved:
@@ -914,6 +931,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out-dir", default=RESULTS)
     parser.add_argument("--name", default=None, help="output file stem (default depends on the mode)")
     args = parser.parse_args(argv)
+    args.command = "python -m petra_ds.analysis.timeline " + " ".join(sys.argv[1:] if argv is None else argv)
 
     if args.validate:
         with open(args.validate) as f:
@@ -935,6 +953,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               + (f"; not modelled: {result['skipped']}" if result["skipped"] else ""))
         stem = args.name or "timeline_validation_" + os.path.splitext(os.path.basename(args.validate))[0]
         result["source"] = args.validate
+        result["command"] = args.command
         result["costs_source"] = args.costs_from or args.validate
         if args.gantt:
             png = os.path.join(args.out_dir, stem + "_gantt.png")
@@ -952,7 +971,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"ms, backward {args.backward} ms, step {args.step} ms, message {1e3 * args.message_s:g} ms")
         print(_table({k: preds}, 1))
         stem = args.name or f"timeline_uniform_J{J}_k{k}"
-        result = {"stages": J, "micro_batches": k, "costs": costs.to_dict(),
+        result = {"command": args.command, "stages": J, "micro_batches": k, "costs": costs.to_dict(),
                   "ms_per_micro_batch": {v: 1e3 * s for v, s in preds.items()}}
         if args.gantt:
             png = os.path.join(args.out_dir, stem + "_gantt.png")

@@ -4,10 +4,13 @@ The engine owns the clock and the transport; the math of a stage lives in ``stag
 DeepSpeed the way DeepSpeed's DualPipeV engine does: a ``PipeSchedule`` subclass produces the
 instructions and this subclass merges its handlers into ``_INSTRUCTION_MAP``.
 
-Per clock every rank runs its local stages' instructions, then exchanges messages with its pipeline
-neighbours in one ``batch_isend_irecv``; a message between two stages of the same rank is handed over
-in memory. Each stage steps its own optimizer and LR scheduler after its k-th backward, reducing its
-gradients inside its data-parallel group only: no collective on the training path spans stages.
+Per clock every rank posts the receives of what its pipeline neighbours send in that clock, runs its
+local stages' instructions, sending each message as soon as it is computed, and waits for all of them
+at the clock's ``CommitP2P``: transfers overlap compute, and a neighbour never waits for the rest of this
+rank's clock. A channel's first message (its layout header) goes in one blocking ``batch_isend_irecv``
+at the commit; a message between two stages of the same rank is handed over in memory. Each stage
+steps its own optimizer and LR scheduler after its k-th backward, reducing its gradients inside its
+data-parallel group only: no collective on the training path spans stages.
 """
 
 from __future__ import annotations
@@ -60,6 +63,15 @@ from .schedule import (
     Window,
 )
 from .stage import Stage, StageOptions, tensor_bytes
+
+
+#: p2p tags per channel kind, so that messages of different channels between the same two ranks never
+#: match each other whatever order they are posted in (layout headers and analysis traffic use 0)
+CHANNEL_TAGS = {"act": 1, "grad": 2, "tied_grad": 3, "tied_weight": 4}
+
+
+def channel_tag(channel: tuple[str, int, int]) -> int:
+    return CHANNEL_TAGS.get(channel[0].split(":", 1)[0], 0)
 
 
 #: ``petra`` keys that do not change training: a checkpoint resumes under other values
@@ -126,6 +138,10 @@ def _param_groups(model_parameters: Any) -> list[dict]:
     return [{"params": params}]
 
 
+#: what a clock runs before its first backward (the gradient-quality probe goes after these)
+_BEFORE_BACKWARD = (LoadMicroBatch, ForwardPass, SendActivation, RecvActivation, RecvGrad)
+
+
 class PetraEngine(PipelineEngine):
     """Runs PETRA on a ``PipelineModule``; created by :func:`petra_ds.initialize`."""
 
@@ -171,8 +187,13 @@ class PetraEngine(PipelineEngine):
         self._sends: list[tuple[tuple[str, int, int], tuple]] = []
         self._recvs: list[tuple[tuple[str, int, int], tuple[int, str, int]]] = []
         self._arrivals: dict[tuple[int, str, int], tuple] = {}
+        #: p2p operations posted before the commit: (work, tensor kept alive) and (key, channel, buffers, work)
+        self._posted_sends: list[tuple[Any, Tensor]] = []
+        self._posted_recvs: list[tuple[tuple[int, str, int], tuple, list[Tensor], list[Any]]] = []
         self.channel_layouts: dict[tuple[str, int, int], messages.Layout] = {}
         self._window_losses: list[Tensor] = []
+        #: (stage, micro-batch, loss) not yet checked for ``non_finite: "raise"``
+        self._unchecked_losses: list[tuple[int, int, Tensor]] = []
         self._first_inputs_layout: messages.Layout | None = None
         self._petra_data_iter: Iterator | None = None
         #: called as f(stage_index, stage) after the data-parallel reduction, before each optimizer step
@@ -186,6 +207,9 @@ class PetraEngine(PipelineEngine):
         self.gradient_quality: GradientQuality | None = (
             GradientQuality(self, petra_config.gradient_quality_every)
             if petra_config.gradient_quality_every > 0 else None)
+        #: post messages as soon as possible; not while the probe runs its own untagged p2p mid-clock
+        #: (backends that ignore tags, NCCL, would pair its messages with the early ones)
+        self.post_early = self.gradient_quality is None
 
     # --- optimizers and schedulers, one per local stage ---
 
@@ -323,6 +347,7 @@ class PetraEngine(PipelineEngine):
     def _run_window(self, window: Window) -> Tensor:
         self._window_losses = []
         self._exec_schedule(self._schedule(window))
+        self._check_losses()
         self.timeline.advance(window)
         loss = self._reduce_loss(self._window_losses)
         if self.gradient_quality is not None:
@@ -336,7 +361,7 @@ class PetraEngine(PipelineEngine):
             self.clock_now = clock
             probe = self.gradient_quality
             for cmd in step_cmds:
-                if probe is not None and not isinstance(cmd, (LoadMicroBatch, ForwardPass)):
+                if probe is not None and not isinstance(cmd, _BEFORE_BACKWARD):
                     probe.mid_clock(clock)
                     probe = None
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
@@ -421,11 +446,8 @@ class PetraEngine(PipelineEngine):
             self.gradient_quality.on_forward(stage, micro_batch, x, labels)
         out = st.forward(micro_batch, x, labels)
         if st.is_last:
-            if self.petra_config.non_finite == "raise" and not torch.isfinite(out):
-                raise FloatingPointError(
-                    f"non-finite loss {out.item()} at stage {stage}, micro-batch {micro_batch}, "
-                    f"clock {micro_batch + stage}; fix the data or the learning rate, or set "
-                    '"petra": {"non_finite": "skip"} to skip the updates it poisons')
+            if self.petra_config.non_finite == "raise":
+                self._unchecked_losses.append((stage, micro_batch, out))
             self._window_losses.append(out)
         else:
             self.produced[(stage, "act", micro_batch)] = (out, labels)
@@ -468,6 +490,8 @@ class PetraEngine(PipelineEngine):
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
         self._tied_gradients(stage, step)
+        if st.is_last:
+            self._check_losses()
         finite = self._gradients_finite(stage, step, params)
         for observe in self.step_observers:
             observe(stage, st)
@@ -482,6 +506,21 @@ class PetraEngine(PipelineEngine):
         self.stage_steps[stage] += 1
         if self.stage_steps[stage] != step:
             raise RuntimeError(f"stage {stage} took step {self.stage_steps[stage]}, the schedule says {step}")
+
+    def _check_losses(self) -> None:
+        """``non_finite: "raise"``: one host sync for the losses since the last check, at the last
+        stage's optimizer step (before the gradients they poisoned are looked at) or the window's end,
+        instead of one per micro-batch."""
+        pending, self._unchecked_losses = self._unchecked_losses, []
+        if not pending:
+            return
+        finite = torch.stack([torch.isfinite(loss) for _, _, loss in pending]).tolist()
+        for (stage, m, loss), ok in zip(pending, finite):
+            if not ok:
+                raise FloatingPointError(
+                    f"non-finite loss {loss.item()} at stage {stage}, micro-batch {m}, clock {m + stage}; fix "
+                    'the data or the learning rate, or set "petra": {"non_finite": "skip"} to skip the updates '
+                    "it poisons")
 
     def _gradients_finite(self, stage: int, step: int, params: list[Tensor]) -> bool:
         """One check per step (not per micro-batch): are the k accumulated gradients finite? With
@@ -525,16 +564,14 @@ class PetraEngine(PipelineEngine):
                    self.produced.pop((stage, f"tied_grad:{key}", step)))
 
     def _exec_recv_tied_grad(self, stage: int, reader: int, key: str, step: int) -> None:
-        if reader not in self.stages:
-            self._recvs.append(((f"tied_grad:{key}", reader, stage), (stage, f"tied_grad:{key}:{reader}", step)))
+        self._recv((f"tied_grad:{key}", reader, stage), (stage, f"tied_grad:{key}:{reader}", step))
 
     def _exec_send_tied_weight(self, stage: int, reader: int, key: str, step: int) -> None:
         self._send((f"tied_weight:{key}", stage, reader), (reader, f"tied_weight:{key}", step),
                    self.produced.pop((stage, f"tied_weight:{key}:{reader}", step)))
 
     def _exec_recv_tied_weight(self, stage: int, owner: int, key: str, step: int) -> None:
-        if owner not in self.stages:
-            self._recvs.append(((f"tied_weight:{key}", owner, stage), (stage, f"tied_weight:{key}", step)))
+        self._recv((f"tied_weight:{key}", owner, stage), (stage, f"tied_weight:{key}", step))
 
     def _apply_tied_weights(self) -> None:
         """Weights received this clock replace the readers' copies before the next clock."""
@@ -559,25 +596,65 @@ class PetraEngine(PipelineEngine):
                    (dx, x_tilde if with_input else None))
 
     def _send(self, channel, key, fields) -> None:
+        """In memory to a local stage; else posted now when the channel's layout is negotiated, or
+        queued for the commit (a channel's first message carries its layout header)."""
         if channel[2] in self.stages:
             self._arrivals[key] = fields
+        elif self.post_early and channel in self.channel_layouts:
+            self._check_layout(channel, fields, self.channel_layouts)
+            peer = self._stage_rank(channel[2])
+            with self._peers(f"posting a message to rank {peer}"):
+                for t in messages.flatten(fields):
+                    self._posted_sends.append((dist.isend(t, peer, tag=channel_tag(channel)), t))
         else:
             self._sends.append((channel, fields))
 
+    def _recv(self, channel, key) -> None:
+        """Posted before the compute when the layout is known (the buffers are allocated now), else
+        left to the commit."""
+        if channel[1] in self.stages:
+            return
+        layout = self.channel_layouts.get(channel)
+        if not self.post_early or layout is None:
+            self._recvs.append((channel, key))
+            return
+        peer = self._stage_rank(channel[1])
+        tensors = messages.allocate(layout, self.device)
+        with self._peers(f"posting a receive from rank {peer}"):
+            works = [dist.irecv(t, peer, tag=channel_tag(channel)) for t in tensors]
+        self._posted_recvs.append((key, channel, tensors, works))
+
     def _exec_petra_recv_act(self, stage: int, micro_batch: int) -> None:
-        if stage - 1 not in self.stages:
-            self._recvs.append((("act", stage - 1, stage), (stage, "act", micro_batch)))
+        self._recv(("act", stage - 1, stage), (stage, "act", micro_batch))
 
     def _exec_petra_recv_grad(self, stage: int, micro_batch: int, with_input: bool) -> None:
-        if stage + 1 not in self.stages:
-            self._recvs.append((("grad", stage + 1, stage), (stage, "grad", micro_batch)))
+        self._recv(("grad", stage + 1, stage), (stage, "grad", micro_batch))
 
     def _exec_petra_commit(self) -> None:
         received = self._exchange(self._sends, self._recvs, self.channel_layouts)
+        if self._posted_sends or self._posted_recvs:
+            peers = sorted({self._stage_rank(c[1]) for _, c, _, _ in self._posted_recvs})
+            with self._peers(f"the message exchange with ranks {peers}"):
+                for work, _ in self._posted_sends:
+                    work.wait()
+                for key, channel, tensors, works in self._posted_recvs:
+                    for work in works:
+                        work.wait()
+                    received[key] = messages.unflatten(tensors, self.channel_layouts[channel])
         self.inbox.update(self._arrivals)
         self.inbox.update(received)
         self._sends, self._recvs, self._arrivals = [], [], {}
+        self._posted_sends, self._posted_recvs = [], []
         self._apply_tied_weights()
+
+    @staticmethod
+    def _check_layout(channel, fields, layouts: dict) -> None:
+        layout, known = messages.layout_of(fields), layouts[channel]
+        if layout != known:
+            raise messages.MessageLayoutError(
+                f"stage {channel[1]} sends {messages.describe(layout)} to stage {channel[2]}, but the "
+                f"layout negotiated on the first message was {messages.describe(known)}; "
+                "PETRA exchanges shapes once: keep micro-batch shapes fixed")
 
     def _exchange(self, sends, recvs, layouts: dict | None) -> dict:
         """Batched p2p with the neighbouring ranks. ``layouts`` holds the negotiated layout of each
@@ -587,15 +664,10 @@ class PetraEngine(PipelineEngine):
         known = {} if layouts is None else layouts
         header_ops, header_recvs = [], []
         for channel, fields in sends:
-            layout = messages.layout_of(fields)
             if channel in known:
-                if layout != known[channel]:
-                    raise messages.MessageLayoutError(
-                        f"stage {channel[1]} sends {messages.describe(layout)} to stage {channel[2]}, but the "
-                        f"layout negotiated on the first message was {messages.describe(known[channel])}; "
-                        "PETRA exchanges shapes once: keep micro-batch shapes fixed")
+                self._check_layout(channel, fields, known)
             else:
-                known[channel] = layout
+                known[channel] = layout = messages.layout_of(fields)
                 header_ops.append(dist.P2POp(dist.isend, messages.encode(layout).to(self.device),
                                              self._stage_rank(channel[2])))
         for channel, _key in recvs:
@@ -613,11 +685,11 @@ class PetraEngine(PipelineEngine):
         ops, buffers = [], []
         for channel, fields in sends:
             peer = self._stage_rank(channel[2])
-            ops.extend(dist.P2POp(dist.isend, t, peer) for t in messages.flatten(fields))
+            ops.extend(dist.P2POp(dist.isend, t, peer, tag=channel_tag(channel)) for t in messages.flatten(fields))
         for channel, key in recvs:
             peer = self._stage_rank(channel[1])
             tensors = messages.allocate(known[channel], self.device)
-            ops.extend(dist.P2POp(dist.irecv, t, peer) for t in tensors)
+            ops.extend(dist.P2POp(dist.irecv, t, peer, tag=channel_tag(channel)) for t in tensors)
             buffers.append((key, channel, tensors))
         if ops:
             with self._peers(f"the message exchange with ranks {peers}"):

@@ -1,8 +1,8 @@
 """Replay every rank's PETRA instruction stream without torch.distributed, and check it.
 
 Each rank walks its own list of clocks at its own pace; sends and receives are queued and a
-``CommitP2P`` posts the queued sends and then waits for the queued receives, as the engine's batched
-p2p does. A rank that waits for a message nobody will send is a deadlock. Along the way the replay
+``CommitP2P`` delivers the queued sends and then waits for the queued receives (the engine posts them
+earlier, where they appear in the stream, and waits at the commit: the same pairing). A rank that waits for a message nobody will send is a deadlock. Along the way the replay
 checks the PETRA semantics: one forward and one backward per micro-batch and stage, the delay
 ``2(J-1-j)``, messages that travel exactly one clock, input FIFOs only where a stage cannot
 reconstruct, and an optimizer step after every k-th backward of a stage, after its compute of that

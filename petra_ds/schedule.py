@@ -7,10 +7,11 @@ one clock. :class:`PetraSchedule` turns them into DeepSpeed ``PipeInstruction`` 
 clock, for a pipeline rank that hosts ``stages_per_rank`` consecutive stages; ``petra_ds.replay``
 replays the lists of every rank and checks them without torch.distributed.
 
-Within a clock a rank loads data, runs its forwards and backwards (all with the parameters as they
-were when the clock began), steps the optimizers that are due, then exchanges messages: the outputs
-of this clock are sent and the inputs of the next clock received in one batch (``CommitP2P``), so a
-message travels exactly one clock and a window of clocks leaves nothing half-sent behind it.
+Within a clock a rank posts the receives of the next clock's inputs, loads data, runs its forwards
+and backwards (all with the parameters as they were when the clock began), sending each output right
+after the instruction that computed it, steps the optimizers that are due, and waits for all of this
+clock's messages at its ``CommitP2P``: a message travels exactly one clock, its transfer overlaps the
+rest of the clock, and a window of clocks leaves nothing half-sent behind it.
 """
 
 from __future__ import annotations
@@ -302,18 +303,32 @@ class PetraSchedule(PipeSchedule):
             yield self.clock_instructions(clock)
 
     def clock_instructions(self, clock: int) -> list[PipeInstruction]:
+        """One clock of this rank, in the order the engine runs it: the receives of what the
+        neighbours send this clock come first (posted before computing, so data flows while this rank
+        computes), each send right after the instruction that produced it, the tied-weight messages
+        after the optimizer steps, and a ``CommitP2P`` that waits for all of them."""
         last = self.num_petra_stages - 1
         local = self.local_stages
         cmds: list[PipeInstruction] = []
+        for stage in local:
+            m = self.forward_at(clock + 1, stage)
+            if m is not None and stage > 0:
+                cmds.append(RecvActivation(stage=stage, micro_batch=m))
+            m = self.backward_at(clock + 1, stage)
+            if m is not None and stage < last:
+                cmds.append(RecvGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage)))
+        exchanges = bool(cmds)
 
         m = self.forward_at(clock, 0)
         if 0 in local and m is not None:
             cmds.append(LoadMicroBatch(stage=0, micro_batch=m))
-
         for stage in local:
             m = self.forward_at(clock, stage)
             if m is not None:
                 cmds.append(ForwardPass(stage=stage, micro_batch=m))
+                if stage < last:
+                    cmds.append(SendActivation(stage=stage, micro_batch=m))
+                    exchanges = True
         for stage in reversed(local):
             m = self.backward_at(clock, stage)
             if m is None:
@@ -321,29 +336,16 @@ class PetraSchedule(PipeSchedule):
             if self.reconstructs(stage):
                 cmds.append(ReverseReconstruct(stage=stage, micro_batch=m))
             cmds.append(DelayedBackward(stage=stage, micro_batch=m))
+            if stage > 0:
+                cmds.append(SendGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage - 1)))
+                exchanges = True
         for stage in local:
             step = self.step_at(clock, stage)
             if step is not None:
                 cmds.append(AccumulateAndStep(stage=stage, step=step))
-
-        exchange: list[PipeInstruction] = []
-        for stage in local:
-            m = self.forward_at(clock, stage)
-            if m is not None and stage < last:
-                exchange.append(SendActivation(stage=stage, micro_batch=m))
-            m = self.backward_at(clock, stage)
-            if m is not None and stage > 0:
-                exchange.append(SendGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage - 1)))
-        for stage in local:
-            m = self.forward_at(clock + 1, stage)
-            if m is not None and stage > 0:
-                exchange.append(RecvActivation(stage=stage, micro_batch=m))
-            m = self.backward_at(clock + 1, stage)
-            if m is not None and stage < last:
-                exchange.append(RecvGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage)))
-        exchange.extend(self.tied_messages(clock))
-        if exchange:
-            cmds.extend(exchange)
+        tied = self.tied_messages(clock)
+        cmds.extend(tied)
+        if exchanges or tied:
             cmds.append(CommitP2P())
         return cmds
 

@@ -1,0 +1,413 @@
+"""Training throughput of PETRA beside plain backprop and DeepSpeed's own pipeline, in one run.
+
+    OMP_NUM_THREADS=1 python benchmarks/throughput.py --model revgpt --stages 2     # CPU, 2 processes
+    OMP_NUM_THREADS=1 python benchmarks/throughput.py --model revnet --stages 2
+    python benchmarks/throughput.py --model revgpt --stages 8 --d-model 1024        # 8 GPUs
+
+Variants, each in fresh processes under the deepspeed launcher, same layers, micro-batch and optimizer
+(torch Adam), timed after a warm-up that fills PETRA's pipeline:
+
+    single      one process, plain backprop of the whole model, k micro-batches per optimizer step
+    naive_mp    DeepSpeed's pipeline with gradient_accumulation_steps 1: stages never overlap
+    1f1b        DeepSpeed's TrainSchedule over k micro-batches (every activation stored)
+    1f1b_ckpt   the same with DeepSpeed's activation checkpointing of every block (PETRA's arithmetic)
+    petra       petra_ds, no activation or weight buffer for reversible stages, no flush
+
+Every pipelined variant uses the same partition (``--partition``; by default as many transformer blocks
+per stage for the RevGPT, DeepSpeed's ``uniform`` for the RevNet) and --stages processes. DeepSpeed's
+pipeline gets the two streams stacked into one tensor (``Packed``), which halves its backward on
+reversible models; ``--ds-pairs`` measures it on the plain pair.
+Each rank also times its own stage's primitives (``petra_ds.analysis.timeline.measure_stage_costs``)
+and the message time between neighbours, for the timeline model. Writes
+``benchmarks/results/throughput_<model>_<device>.json`` and prints samples/s and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch.nn import functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ("single", "naive_mp", "1f1b", "1f1b_ckpt", "petra")
+#: the ratios the issue asks for: (numerator, denominator)
+RATIOS = (("petra", "single"), ("petra", "1f1b_ckpt"), ("petra", "1f1b"), ("petra", "naive_mp"),
+          ("1f1b", "single"), ("1f1b_ckpt", "single"), ("naive_mp", "single"))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["revgpt", "revnet"], default="revgpt")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline processes (J); one stage each")
+    parser.add_argument("--micro-batches", type=int, default=4, help="k: micro-batches per optimizer step")
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--partition", default=None,
+                        help="DeepSpeed partition_method for every pipelined variant (default: revgpt "
+                             "type:RevGPTBlock, the same number of blocks per stage; revnet uniform)")
+    parser.add_argument("--ds-pairs", action="store_true",
+                        help="give DeepSpeed's pipeline the two streams as a pair of tensors, as they are (it then "
+                             "runs one backward per tensor); default: stacked into one tensor (see Packed)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=3, help="train_batch calls before timing (at least the fill)")
+    parser.add_argument("--calls", type=int, default=6, help="timed train_batch calls (k micro-batches each)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the variants this many rounds, interleaved; the best round of each is kept")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
+    # RevGPT
+    parser.add_argument("--layers", type=int, default=8, help="revgpt: reversible blocks")
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    # RevNet
+    parser.add_argument("--depth", type=int, default=18, choices=[18, 34, 50])
+    parser.add_argument("--width", type=int, default=16, help="revnet: base width (64 is the paper's)")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--no-costs", dest="costs", action="store_false",
+                        help="skip timing each stage's primitives for the timeline model")
+    parser.add_argument("--output", default=None, help="JSON report (default benchmarks/results/...)")
+    parser.add_argument("--seed", type=int, default=0)
+    # one variant inside the launcher
+    parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# --- the model and its data ---
+
+class Packed(torch.nn.Module):
+    """A layer whose pair of streams travels as one stacked tensor (the DeepSpeed baselines only).
+
+    DeepSpeed's pipeline runs one ``backward`` per floating output tensor of a stage, each through the
+    stage's whole graph: with a reversible model's pair of streams every backward would cost twice. One
+    stacked tensor gives it a single backward, for a few microseconds of ``stack`` / ``unbind``."""
+
+    def __init__(self, spec, unpack_input: bool, pack_output: bool) -> None:
+        super().__init__()
+        self.layer = spec.build(log=False)
+        self.unpack_input, self.pack_output = unpack_input, pack_output
+
+    def forward(self, x):
+        if self.unpack_input:
+            x = tuple(x.unbind(0))
+        y = self.layer(x)
+        return torch.stack(y) if self.pack_output else y
+
+
+class PackedBlock(Packed):
+    """A reversible block (pair in, pair out): the layers DeepSpeed checkpoints and partitions by."""
+
+
+def layers_and_loss(args: argparse.Namespace, packed: bool = False) -> tuple[list, object, str]:
+    """(layer specs, loss_fn, the class-name pattern of the blocks): the pattern partitions the stages
+    (``type:<pattern>``, same number of blocks each) and picks the layers DeepSpeed checkpoints."""
+    from deepspeed.runtime.pipe.module import LayerSpec
+
+    if args.model == "revgpt":
+        from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
+
+        config = RevGPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, d_model=args.d_model,
+                              n_layers=args.layers, n_heads=args.heads, dropout=0.0)
+        specs, loss_fn, blocks = revgpt_layers(config), lm_loss, "RevGPTBlock"
+    else:
+        from petra_ds.models.revnet import revnet_layers
+
+        specs = revnet_layers(args.depth, num_classes=10, cifar=True, base_width=args.width)
+        loss_fn, blocks = F.cross_entropy, "RevBlock|DownsampleBlock"
+    if not packed:
+        return specs, loss_fn, blocks
+    last = len(specs) - 1  # stem: data in, pair out; blocks: pair in and out; revgpt's norm / revnet's head: pair in
+    wrapped = []
+    for i, spec in enumerate(specs):
+        if args.model == "revgpt":
+            pair_in, pair_out = 0 < i < last, i < last - 1
+        else:
+            pair_in, pair_out = i > 0, i < last
+        cls = PackedBlock if pair_in and pair_out else Packed
+        wrapped.append(LayerSpec(cls, spec, pair_in, pair_out))
+    return wrapped, loss_fn, "PackedBlock"
+
+
+def partition(args: argparse.Namespace, blocks: str) -> str:
+    return args.partition or (f"type:{blocks}" if args.model == "revgpt" else "uniform")
+
+
+def micro_batches(args: argparse.Namespace, device: torch.device, count: int = 8) -> list[tuple]:
+    """A few fixed synthetic micro-batches (throughput does not depend on their values)."""
+    g = torch.Generator().manual_seed(args.seed)
+    b = args.micro_batch_size
+    out = []
+    for _ in range(count):
+        if args.model == "revgpt":
+            ids = torch.randint(args.vocab_size, (b, args.seq_len + 1), generator=g)
+            out.append((ids[:, :-1].to(device), ids[:, 1:].to(device)))
+        else:
+            x = torch.randn(b, 3, args.image_size, args.image_size, generator=g)
+            out.append((x.to(device), torch.randint(10, (b,), generator=g).to(device)))
+    return out
+
+
+def ds_config(args: argparse.Namespace, variant: str) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_accumulation_steps": 1 if variant == "naive_mp" else args.micro_batches,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    if variant == "petra":
+        config["petra"] = {"stages_per_rank": 1}
+    return config
+
+
+# --- one variant, inside the launched processes ---
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_single(args: argparse.Namespace, device: torch.device) -> dict:
+    """Plain backprop of the whole model in this process: the reference every pipeline divides."""
+    specs, loss_fn, _ = layers_and_loss(args)
+    torch.manual_seed(args.seed)
+    layers = torch.nn.ModuleList([spec.build() for spec in specs]).to(device)
+    optimizer = torch.optim.Adam(layers.parameters(), lr=1e-4)
+    data = itertools.cycle(micro_batches(args, device))
+    k = args.micro_batches
+
+    def train_batch() -> None:
+        for _ in range(k):
+            x, labels = next(data)
+            for layer in layers:
+                x = layer(x)
+            (loss_fn(x, labels) / k).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _time_calls(args, device, train_batch, samples_per_call=k * args.micro_batch_size)
+
+
+def run_pipeline(args: argparse.Namespace, variant: str, device: torch.device) -> dict:
+    """DeepSpeed's PipelineEngine (naive_mp, 1f1b, 1f1b_ckpt) or PetraEngine (petra), same layers."""
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    import petra_ds
+
+    specs, loss_fn, blocks = layers_and_loss(args, packed=variant != "petra" and not args.ds_pairs)
+    if variant == "petra":
+        module = petra_ds.PetraPipelineModule(specs, num_stages=args.stages, loss_fn=loss_fn, stages_per_rank=1,
+                                              partition_method=partition(args, blocks), base_seed=args.seed)
+        engine, *_ = petra_ds.initialize(model=module, config=ds_config(args, variant),
+                                         model_parameters=module.parameters())
+    else:
+        # non-reentrant: DeepSpeed's pipeline calls backward once per output tensor (a reversible stage has
+        # two) and its reentrant checkpoint frees what it saved after the first
+        ckpt = {"activation_checkpoint_interval": 1, "checkpointable_layers": blocks.split("|"),
+                "activation_checkpoint_func": checkpointing.non_reentrant_checkpoint} if variant == "1f1b_ckpt" else {}
+        module = PipelineModule(specs, num_stages=args.stages, loss_fn=loss_fn, partition_method=partition(args, blocks),
+                                seed_layers=False, **ckpt)
+        engine, *_ = deepspeed.initialize(model=module, config=ds_config(args, variant),
+                                          model_parameters=module.parameters())
+    data = itertools.cycle(micro_batches(args, engine.device))
+    k = engine.gradient_accumulation_steps()
+    result = _time_calls(args, engine.device, lambda: engine.train_batch(data), samples_per_call=k * args.micro_batch_size,
+                         barrier=dist.barrier)
+    result["parts"] = [int(p) for p in getattr(module, "petra_parts", module.parts)]
+    if variant == "petra" and args.costs:
+        result["costs"] = stage_costs(args, engine, data)
+    return result
+
+
+def _time_calls(args: argparse.Namespace, device: torch.device, train_batch, samples_per_call: int,
+                barrier=None) -> dict:
+    """Warm up, then time ``args.calls`` calls (naive_mp: k times as many, the same micro-batches)."""
+    scale = args.micro_batches if samples_per_call == args.micro_batch_size else 1
+    for _ in range(args.warmup * scale):
+        train_batch()
+    _sync(device)
+    if barrier is not None:
+        barrier()
+    times = []
+    start = time.perf_counter()
+    for _ in range(args.calls * scale):
+        t0 = time.perf_counter()
+        train_batch()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    if barrier is not None:
+        barrier()
+    elapsed = time.perf_counter() - start
+    samples = args.calls * scale * samples_per_call
+    return {"samples_per_s": samples / elapsed, "seconds": elapsed, "samples": samples,
+            "seconds_per_call": times}
+
+
+def stage_costs(args: argparse.Namespace, engine, data) -> dict:
+    """This rank's stage primitives (on an input it really received) and the neighbour message time,
+    gathered on every rank."""
+    from deepspeed import comm as dist
+
+    from petra_ds.analysis.timeline import measure_stage_costs
+
+    (stage_id,) = engine.local_stage_ids
+    stage = engine.stages[stage_id]
+    seen = []
+    forward = stage.forward
+
+    def capture(m, x, labels=None):
+        seen.append((x, labels))
+        return forward(m, x, labels)
+
+    stage.forward = capture
+    engine.train_batch(data)
+    del stage.forward  # back to the class's method
+    x, labels = seen[0]
+    costs = measure_stage_costs(stage.run, x, [p for p in stage.params if p.requires_grad],
+                                loss_fn=stage.loss_fn if stage.is_last else None, labels=labels,
+                                optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4), input_grad=stage_id > 0)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, costs)
+    return {"stages": gathered, "message_s": message_seconds(engine)}
+
+
+def message_seconds(engine, repeats: int = 20) -> float:
+    """Half the round trip of one stage-0 activation between pipeline ranks 0 and 1 (the p2p the
+    pipelines use), median over ``repeats``."""
+    from deepspeed import comm as dist
+
+    from petra_ds import messages
+
+    if engine.num_stages < 2:
+        return 0.0
+    holder = [engine.channel_layouts.get(("act", 0, 1))]  # negotiated by stage 0 on its first send
+    dist.broadcast_object_list(holder, src=engine._stage_rank(0))
+    tensors = messages.allocate(holder[0], engine.device)
+    rank0, rank1 = engine._stage_rank(0), engine._stage_rank(1)
+    samples = []
+    for _ in range(repeats):
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        if engine.global_rank == rank0:
+            for t in tensors:
+                dist.send(t, rank1)
+            for t in tensors:
+                dist.recv(t, rank1)
+        elif engine.global_rank == rank1:
+            for t in tensors:
+                dist.recv(t, rank0)
+            for t in tensors:
+                dist.send(t, rank0)
+        _sync(engine.device)
+        samples.append((time.perf_counter() - t0) / 2)
+    samples.sort()
+    median = [samples[len(samples) // 2]]
+    dist.broadcast_object_list(median, src=rank0)
+    return float(median[0])
+
+
+def worker(args: argparse.Namespace) -> None:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    torch.set_num_threads(args.threads)
+    deepspeed.init_distributed()
+    device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cpu":
+        device = torch.device("cpu")
+    if args.worker == "single":
+        result = run_single(args, device)
+    else:
+        result = run_pipeline(args, args.worker, device)
+    if int(os.environ.get("RANK", 0)) == 0:
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+
+
+# --- the driver ---
+
+def launch(args: argparse.Namespace, variant: str, argv: list[str]) -> dict:
+    from petra_ds.launch import free_port
+
+    procs = 1 if variant == "single" else args.stages
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        cmd = [deepspeed, "--num_gpus", str(procs), "--master_port", str(free_port()), os.path.abspath(__file__),
+               *argv, "--worker", variant, "--result", result]
+        env = dict(os.environ)
+        if not torch.cuda.is_available():
+            env["OMP_NUM_THREADS"] = str(args.threads)
+        subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
+        with open(result) as f:
+            return json.load(f)
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    model = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    return f"CPU {model}, {os.cpu_count()} cores"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker(args)
+        return
+    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    for round_ in range(args.repeats):
+        for variant in args.variants:
+            result = launch(args, variant, argv)
+            runs[variant].append(result)
+            print(f"[round {round_ + 1}/{args.repeats}] {variant:10s} {result['samples_per_s']:8.2f} samples/s",
+                  flush=True)
+    variants = {v: max(rs, key=lambda r: r["samples_per_s"]) for v, rs in runs.items()}
+    for v, rs in runs.items():
+        variants[v]["rounds_samples_per_s"] = [r["samples_per_s"] for r in rs]
+    ratios = {f"{a}/{b}": variants[a]["samples_per_s"] / variants[b]["samples_per_s"]
+              for a, b in RATIOS if a in variants and b in variants}
+    report = {
+        "command": "python benchmarks/throughput.py " + " ".join(argv),
+        "device": device_name(), "torch": torch.__version__, "threads_per_process": args.threads,
+        "model": args.model, "stages": args.stages, "micro_batches": args.micro_batches,
+        "micro_batch_size": args.micro_batch_size, "ds_streams": "pair" if args.ds_pairs else "stacked",
+        "model_args": {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq_len", "vocab_size")}
+        if args.model == "revgpt" else {k: getattr(args, k) for k in ("depth", "width", "image_size")},
+        "variants": variants, "ratios": ratios,
+    }
+    if "petra" in variants and "costs" in variants["petra"]:
+        report["costs"] = variants["petra"]["costs"]
+    print(f"\n{args.model}, J={args.stages}, k={args.micro_batches}, micro-batch {args.micro_batch_size}, "
+          f"{report['device']}")
+    for v in variants:
+        print(f"  {v:10s} {variants[v]['samples_per_s']:8.2f} samples/s")
+    for name, value in ratios.items():
+        print(f"  {name:20s} {value:6.3f}x")
+    tag = "gpu" if torch.cuda.is_available() else "cpu"
+    output = args.output or os.path.join("benchmarks", "results", f"throughput_{args.model}_{tag}{'_dspairs' if args.ds_pairs else ''}.json")
+    path = os.path.join(ROOT, output)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"saved {output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -858,7 +858,8 @@ def _revnet_report(args: argparse.Namespace) -> dict[str, Any]:
         with open(args.costs_from) as f:
             saved = json.load(f)
     report: dict[str, Any] = {"command": args.command, "measured_by": saved.get("measured_by", args.command),
-                              "micro_batch_size": args.micro_batch, "threads": torch.get_num_threads(),
+                              "micro_batch_size": args.micro_batch,
+                              "threads": saved.get("threads", torch.get_num_threads()),  # of the measurement
                               "message_s": args.message_s, "models": {}}
     saved = saved["models"]
     for depth in args.depths:
@@ -877,7 +878,7 @@ def _revnet_report(args: argparse.Namespace) -> dict[str, Any]:
         preds = {k: predict(costs, k, reversible=reversible) for k in args.k}
         per_stage = [s.forward + s.forward_grad + s.backward for s in costs.stages]
         print(f"\nRevNet{depth}, J = {J}, micro-batch {mbs}, message {1e3 * args.message_s:g} ms, "
-              f"{torch.get_num_threads()} thread(s)")
+              f"costs measured with {report['threads']} thread(s)")
         print("stage costs (ms): " + ", ".join(f"{j}:{name_}{'' if rev else '*'} "
                                              f"f={1e3 * s.forward:.1f}/fg={1e3 * s.forward_grad:.1f}/"
                                              f"b={1e3 * s.backward:.1f}"

@@ -350,9 +350,20 @@ def launch(args: argparse.Namespace, variant: str, argv: list[str]) -> dict:
         env = dict(os.environ)
         if not torch.cuda.is_available():
             env["OMP_NUM_THREADS"] = str(args.threads)
-        subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
+        before = shm_buffers()
+        try:
+            subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
+        finally:
+            for name in shm_buffers() - before:  # DeepSpeed's CPU comm op never unlinks them (~66 MB each)
+                os.unlink(os.path.join("/dev/shm", name))
         with open(result) as f:
             return json.load(f)
+
+
+def shm_buffers() -> set[str]:
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {name for name in os.listdir("/dev/shm") if name.startswith("deepspeed_allreduce_buffer")}
 
 
 def device_name() -> str:

@@ -20,7 +20,7 @@ import signal
 import tempfile
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -330,30 +330,37 @@ def _arm_kill(engine: Any, spec: dict[str, Any]) -> None:
     checkpoint.commit = dying_commit
 
 
-def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None:
+def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str, target: Callable | None = None) -> None:
+    os.environ.update(spec.get("env", {}))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        torch.save(run_rank(spec), path)
+        torch.save((target or run_rank)(spec), path)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, path)
         raise
 
 
 def run_processes(spec: dict[str, Any], world_size: int | None = None, timeout: float = 300,
-                  grace: float | None = None) -> list[dict]:
-    """Run ``run_rank(spec)`` in ``world_size`` fresh processes and report on each, failed or not:
-    ``exitcode`` (negative: killed by that signal; None: still running at the deadline, then killed),
-    ``ended`` (wall-clock time its exit was seen) and ``result`` or ``error`` (its traceback). The
-    deadline is ``timeout``, or ``grace`` seconds after the first process that fails, if sooner."""
-    spec = {**DEFAULT_SPEC, **spec}
-    world = world_size or spec["pipe"] * spec["dp"]
+                  grace: float | None = None, target: Callable[[dict], Any] | None = None) -> list[dict]:
+    """Run ``run_rank(spec)`` (or ``target(spec)``, a module-level function, with ``world_size`` given)
+    in ``world_size`` fresh processes and report on each, failed or not: ``exitcode`` (negative: killed
+    by that signal; None: still running at the deadline, then killed), ``ended`` (wall-clock time its
+    exit was seen) and ``result`` or ``error`` (its traceback). The deadline is ``timeout``, or ``grace``
+    seconds after the first process that fails, if sooner. ``spec["env"]`` is set in every process."""
+    if target is None:
+        spec = {**DEFAULT_SPEC, **spec}
+        world = world_size or spec["pipe"] * spec["dp"]
+    elif world_size is None:
+        raise ValueError("run_processes with a target needs world_size")
+    else:
+        world = world_size
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_entry, args=(r, world, port, spec, out_dir)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(r, world, port, spec, out_dir, target)) for r in range(world)]
         for p in procs:
             p.start()
         ended: dict[int, float] = {}
@@ -380,9 +387,11 @@ def run_processes(spec: dict[str, Any], world_size: int | None = None, timeout: 
     return outcomes
 
 
-def launch(spec: dict[str, Any], world_size: int | None = None, timeout: float = 300) -> list[dict]:
-    """Run ``run_rank(spec)`` in ``world_size`` fresh processes; return their results by rank."""
-    outcomes = run_processes(spec, world_size, timeout)
+def launch(spec: dict[str, Any], world_size: int | None = None, timeout: float = 300, grace: float | None = None,
+           target: Callable[[dict], Any] | None = None) -> list[dict]:
+    """Run ``run_rank(spec)`` (or ``target(spec)``) in ``world_size`` fresh processes; return their
+    results by rank, or raise with every failed rank's traceback."""
+    outcomes = run_processes(spec, world_size, timeout, grace, target)
     failed = [f"rank {o['rank']} failed:\n{o['error']}" for o in outcomes if "error" in o]
     if failed:  # every rank's error: the first one to fail is not always rank 0
         raise RuntimeError("\n".join(failed))

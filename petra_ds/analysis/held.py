@@ -22,12 +22,7 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
-import multiprocessing as mp
-import os
-import tempfile
 import threading
-import time
-import traceback
 import weakref
 from collections import deque
 from contextlib import contextmanager
@@ -360,46 +355,10 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _entry(rank: int, world: int, port: int, spec: dict[str, Any], out_dir: str) -> None:
-    os.environ.update(spec.get("env", {}))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        torch.save(run_rank(spec), path)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, path)
-        raise
-
-
 def launch(spec: dict[str, Any], timeout: float = 600, grace: float = 10) -> list[dict[str, Any]]:
     """Run :func:`run_rank` in ``spec["J"]`` fresh processes (gloo unless ``spec["backend"]``); their
     results by rank (= stage). A rank that fails stops the others ``grace`` seconds later (they would
     otherwise wait for it until ``timeout``)."""
-    from ..launch import free_port
+    from ..testing import launch as launch_processes
 
-    world = {**DEFAULT_SPEC, **spec}["J"]
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out_dir:
-        port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world, port, spec, out_dir)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode for p in procs):
-                deadline = min(deadline, time.monotonic() + grace)
-            time.sleep(0.05)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results = []
-        for r in range(world):
-            path = os.path.join(out_dir, f"rank{r}.pt")
-            saved = torch.load(path, weights_only=False) if os.path.exists(path) else {"error": "no result"}
-            if "error" in saved:
-                raise RuntimeError(f"rank {r} failed:\n{saved['error']}")
-            results.append(saved)
-    return results
+    return launch_processes(spec, {**DEFAULT_SPEC, **spec}["J"], timeout, grace, target=run_rank)

@@ -194,7 +194,7 @@ def run_single(args: argparse.Namespace, device: torch.device) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _time_calls(args, device, train_batch, samples_per_call=k * args.micro_batch_size)
+    return _time_calls(args, device, train_batch, micro_batches_per_call=k)
 
 
 def run_pipeline(args: argparse.Namespace, variant: str, device: torch.device) -> dict:
@@ -223,18 +223,20 @@ def run_pipeline(args: argparse.Namespace, variant: str, device: torch.device) -
                                           model_parameters=module.parameters())
     data = itertools.cycle(micro_batches(args, engine.device))
     k = engine.gradient_accumulation_steps()
-    result = _time_calls(args, engine.device, lambda: engine.train_batch(data), samples_per_call=k * args.micro_batch_size,
+    result = _time_calls(args, engine.device, lambda: engine.train_batch(data), micro_batches_per_call=k,
                          barrier=dist.barrier)
     result["parts"] = [int(p) for p in getattr(module, "petra_parts", module.parts)]
     if variant == "petra" and args.costs:
-        result["costs"] = stage_costs(args, engine, data)
+        result["costs"] = stage_costs(engine, data)
     return result
 
 
-def _time_calls(args: argparse.Namespace, device: torch.device, train_batch, samples_per_call: int,
+def _time_calls(args: argparse.Namespace, device: torch.device, train_batch, micro_batches_per_call: int,
                 barrier=None) -> dict:
-    """Warm up, then time ``args.calls`` calls (naive_mp: k times as many, the same micro-batches)."""
-    scale = args.micro_batches if samples_per_call == args.micro_batch_size else 1
+    """Warm up, then time calls covering ``args.calls`` x k micro-batches (naive_mp takes one per call,
+    so it makes k times as many calls)."""
+    scale = args.micro_batches // micro_batches_per_call
+    samples_per_call = micro_batches_per_call * args.micro_batch_size
     for _ in range(args.warmup * scale):
         train_batch()
     _sync(device)
@@ -255,7 +257,7 @@ def _time_calls(args: argparse.Namespace, device: torch.device, train_batch, sam
             "seconds_per_call": times}
 
 
-def stage_costs(args: argparse.Namespace, engine, data) -> dict:
+def stage_costs(engine, data) -> dict:
     """This rank's stage primitives (on an input it really received) and the neighbour message time,
     gathered on every rank."""
     from deepspeed import comm as dist

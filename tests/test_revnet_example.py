@@ -12,7 +12,10 @@ from subprocess_env import ROOT, launcher_env
 
 
 @pytest.mark.parametrize("config,method,stages,extra", [
-    ("petra.json", "petra", 10, ["--gradient-quality", "2"]), ("backprop.json", "backprop", 2, [])])
+    ("petra.json", "petra", 10, ["--gradient-quality", "2"]),
+    # DeepSpeed's 1F1B path of the example: slow (the default run is near its 10-minute budget, and the
+    # slow resume test trains this path twice over)
+    pytest.param("backprop.json", "backprop", 2, [], marks=pytest.mark.slow)])
 def test_two_process_run_writes_a_valid_summary(tmp_path, config, method, stages, extra):
     out = tmp_path / "run"
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),

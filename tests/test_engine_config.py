@@ -64,6 +64,7 @@ def test_client_optimizer_and_scheduler_callables_are_built_per_stage():
     assert res["probe"][3]["stage_steps"] == 2 and res["probe"][0]["stage_steps"] == 0
 
 
+@pytest.mark.slow  # ~21 s; the default run keeps test_transformer's bf16 reconstruction bound through 12 blocks
 def test_bf16_on_cpu_trains_and_bounds_the_reconstruction_error():
     """bf16 autocast in F and G with fp32 parameters and fp32 streams (DESIGN.md section 2)."""
     common = {"k": 2, "dtype": "float32", "micro_batch": 16, "dropout": 0.1}

@@ -286,37 +286,24 @@ def stage_costs(engine, data) -> dict:
     return {"stages": gathered, "message_s": message_seconds(engine)}
 
 
-def message_seconds(engine, repeats: int = 20) -> float:
-    """Half the round trip of one stage-0 activation between pipeline ranks 0 and 1 (the p2p the
-    pipelines use), median over ``repeats``."""
+def message_seconds(engine) -> float:
+    """One stage-0 activation between pipeline ranks 0 and 1 (half a round trip, median), the same
+    value on every rank."""
     from deepspeed import comm as dist
 
     from petra_ds import messages
+    from petra_ds.analysis.timeline import measure_message_seconds
 
     if engine.num_stages < 2:
         return 0.0
     holder = [engine.channel_layouts.get(("act", 0, 1))]  # negotiated by stage 0 on its first send
     dist.broadcast_object_list(holder, src=engine._stage_rank(0))
-    tensors = messages.allocate(holder[0], engine.device)
     rank0, rank1 = engine._stage_rank(0), engine._stage_rank(1)
-    samples = []
-    for _ in range(repeats):
-        _sync(engine.device)
-        t0 = time.perf_counter()
-        if engine.global_rank == rank0:
-            for t in tensors:
-                dist.send(t, rank1)
-            for t in tensors:
-                dist.recv(t, rank1)
-        elif engine.global_rank == rank1:
-            for t in tensors:
-                dist.recv(t, rank0)
-            for t in tensors:
-                dist.send(t, rank0)
-        _sync(engine.device)
-        samples.append((time.perf_counter() - t0) / 2)
-    samples.sort()
-    median = [samples[len(samples) // 2]]
+    median = [0.0]
+    if engine.global_rank in (rank0, rank1):
+        tensors = messages.allocate(holder[0], engine.device)
+        peer = rank1 if engine.global_rank == rank0 else rank0
+        median = [measure_message_seconds(tensors, peer, first=engine.global_rank == rank0)]
     dist.broadcast_object_list(median, src=rank0)
     return float(median[0])
 
@@ -343,6 +330,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, variant: str, argv: list[str]) -> dict:
     from petra_ds.launch import free_port
+    from petra_ds.testing import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
 
     procs = 1 if variant == "single" else args.stages
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
@@ -353,20 +341,13 @@ def launch(args: argparse.Namespace, variant: str, argv: list[str]) -> dict:
         env = dict(os.environ)
         if not torch.cuda.is_available():
             env["OMP_NUM_THREADS"] = str(args.threads)
-        before = shm_buffers()
+        before = deepspeed_shm_buffers()
         try:
             subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
         finally:
-            for name in shm_buffers() - before:  # DeepSpeed's CPU comm op never unlinks them (~66 MB each)
-                os.unlink(os.path.join("/dev/shm", name))
+            remove_deepspeed_shm_buffers(before)  # DeepSpeed's CPU comm op never unlinks them
         with open(result) as f:
             return json.load(f)
-
-
-def shm_buffers() -> set[str]:
-    if not os.path.isdir("/dev/shm"):
-        return set()
-    return {name for name in os.listdir("/dev/shm") if name.startswith("deepspeed_allreduce_buffer")}
 
 
 def device_name() -> str:

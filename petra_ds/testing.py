@@ -330,6 +330,33 @@ def _arm_kill(engine: Any, spec: dict[str, Any]) -> None:
     checkpoint.commit = dying_commit
 
 
+SHM_DIR, SHM_PREFIX = "/dev/shm", "deepspeed_allreduce_buffer"
+
+
+def deepspeed_shm_buffers() -> set[str]:
+    """Names of the shared-memory buffers DeepSpeed's CPU communication op has created (~66 MB each, one
+    per process and launch, never unlinked)."""
+    if not os.path.isdir(SHM_DIR):
+        return set()
+    return {name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIX)}
+
+
+def remove_deepspeed_shm_buffers(before: set[str]) -> None:
+    """Unlink the buffers created since ``before`` was taken that this process does not map: those of
+    processes that have exited. Hundreds of launches would otherwise fill the machine's memory."""
+    left = deepspeed_shm_buffers() - before
+    if not left:
+        return
+    with open("/proc/self/maps") as f:
+        mapped = f.read()
+    for name in left:
+        if name not in mapped:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+
+
 def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str, target: Callable | None = None) -> None:
     os.environ.update(spec.get("env", {}))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),

@@ -14,33 +14,16 @@ def _default_dtype():
     torch.set_default_dtype(dtype)
 
 
-SHM_DIR, SHM_PREFIX = "/dev/shm", "deepspeed_allreduce_buffer"
-
-
-def _shm_buffers() -> set[str]:
-    if not os.path.isdir(SHM_DIR):
-        return set()
-    return {name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIX)}
-
-
 @pytest.fixture(autouse=True)
 def _deepspeed_shm_buffers():
-    """DeepSpeed's CPU communication op maps a shared-memory buffer (~66 MB) per process and launch and
-    never unlinks it: the slow tests alone launch enough processes to fill a 24 GiB machine's memory.
-    Remove what this test's processes left behind (they have exited; this process still maps its own)."""
-    before = _shm_buffers()
+    """DeepSpeed's CPU communication op leaves a shared-memory buffer per process and launch: the slow
+    tests alone launch enough processes to fill a 24 GiB machine's memory. Remove what this test's
+    processes left behind (they have exited; this process still maps its own)."""
+    from petra_ds.testing import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
+
+    before = deepspeed_shm_buffers()
     yield
-    left = _shm_buffers() - before
-    if not left:
-        return
-    with open("/proc/self/maps") as f:
-        mapped = f.read()
-    for name in left:
-        if name not in mapped:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except FileNotFoundError:
-                pass
+    remove_deepspeed_shm_buffers(before)
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,7 @@ __all__ = [
     "Simulation",
     "StageCosts",
     "VARIANTS",
-    "measure_exchange_seconds",
+    "measure_message_seconds",
     "measure_stage_costs",
     "plot_gantt",
     "predict",
@@ -354,6 +354,18 @@ def _loss_broadcast(batch: int, rank: int, ranks: int) -> list[Op]:
 # --- lowering the instruction streams ------------------------------------------------------------
 
 
+def _endpoint(counts: tuple[dict, dict], stage: int, other: int, send: bool, grad: bool, seconds: float) -> Endpoint:
+    """One end of the next message on its channel (act or grad, source -> destination): the n-th send
+    and the n-th receive of a channel pair up, whichever rank posts first. ``counts``: (sent, received)."""
+    src, dst = (stage, other) if send else (other, stage)
+    channel = ("grad" if grad else "act", src, dst)
+    counter = counts[0] if send else counts[1]
+    endpoint = Endpoint((channel, counter[channel]), send, stage, seconds)
+    counter[channel] += 1
+    return endpoint
+
+
+
 def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_per_rank: int = 1,
                     reversible: Sequence[bool] | None = None, drain: bool = False) -> dict[int, list[Op]]:
     """The engine's own streams, one op per instruction: a send or receive between ranks is posted where
@@ -382,8 +394,7 @@ def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_pe
     programs: dict[int, list[Op]] = {}
     for rank, clocks in streams.items():
         program: list[Op] = []
-        sent: dict[tuple, int] = defaultdict(int)
-        received: dict[tuple, int] = defaultdict(int)
+        counts: tuple[dict, dict] = (defaultdict(int), defaultdict(int))  # messages sent, received per channel
         posted: list[Endpoint] = []
         clock_iter = iter(clocks)
         for w, window in enumerate(windows):
@@ -410,13 +421,9 @@ def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_pe
                         other = j + (1 if isinstance(cmd, (SendActivation, RecvGrad)) else -1)
                         if other // S == rank:
                             continue  # handed over in memory
-                        src, dst = (j, other) if send else (other, j)
-                        channel = ("grad" if grad else "act", src, dst)
-                        counter = sent if send else received
                         size = 2.0 if grad and cmd.with_input else 1.0
-                        posted.append(Endpoint((channel, counter[channel]), send, j, size * costs.message_s))
+                        posted.append(_endpoint(counts, j, other, send, grad, size * costs.message_s))
                         program.append(Post(posted[-1]))
-                        counter[channel] += 1
                     elif isinstance(cmd, CommitP2P):
                         if posted:
                             program.append(Wait(tuple(posted)))
@@ -438,8 +445,7 @@ def _ds_programs(schedule_cls: type, costs: Costs, micro_batches: int, batches: 
     for s in range(J):
         c = costs.stages[s]
         program: list[Op] = []
-        sent: dict[tuple, int] = defaultdict(int)
-        received: dict[tuple, int] = defaultdict(int)
+        counts: tuple[dict, dict] = (defaultdict(int), defaultdict(int))  # messages sent, received per channel
         for b in range(batches):
             forwards = backwards = 0
             for step_cmds in schedule_cls(micro_batches=micro_batches, stages=J, stage_id=s):
@@ -464,12 +470,8 @@ def _ds_programs(schedule_cls: type, costs: Costs, micro_batches: int, batches: 
                         send = isinstance(cmd, (ds.SendActivation, ds.SendGrad))
                         grad = isinstance(cmd, (ds.SendGrad, ds.RecvGrad))
                         other = s + (1 if isinstance(cmd, (ds.SendActivation, ds.RecvGrad)) else -1)
-                        src, dst = (s, other) if send else (other, s)
-                        channel = ("grad" if grad else "act", src, dst)
-                        counter = sent if send else received
-                        ep = Endpoint((channel, counter[channel]), send, s, costs.message_s)
+                        ep = _endpoint(counts, s, other, send, grad, costs.message_s)
                         program += [Post(ep), Wait((ep,))]  # blocking p2p
-                        counter[channel] += 1
                     elif isinstance(cmd, (ds.LoadMicroBatch, ds.ReduceGrads, ds.ReduceTiedGrads)):
                         continue
                     else:
@@ -703,24 +705,23 @@ def measure_stage_costs(stage: Callable | Sequence[Callable], x: Any, params: It
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
-def measure_exchange_seconds(x: Any, peer: int, *, repeats: int = 5, warmup: int = 1, group: Any = None) -> float:
-    """Median seconds of one PETRA-like exchange: this rank and ``peer`` each send a copy of ``x`` to the
-    other in one ``batch_isend_irecv``. Both ranks must call it (collective between the two)."""
+def measure_message_seconds(x: Any, peer: int, *, first: bool, repeats: int = 20, warmup: int = 1,
+                            group: Any = None) -> float:
+    """Median seconds of one message ``x`` (a tensor or nested tensors) between this rank and ``peer``:
+    half a round trip of blocking send/recv, the rank with ``first`` sending first. Both ranks call it."""
     import torch.distributed as tdist
 
     tensors = [t.detach().contiguous() for t in _tensors(x)]
-    buffers = [torch.empty_like(t) for t in tensors]
     times = []
     for i in range(warmup + repeats):
-        ops = [tdist.P2POp(tdist.isend, t, peer, group) for t in tensors]
-        ops += [tdist.P2POp(tdist.irecv, b, peer, group) for b in buffers]
         _sync(tensors)
         t0 = time.perf_counter()
-        for req in tdist.batch_isend_irecv(ops):
-            req.wait()
+        for phase in (first, not first):
+            for t in tensors:
+                (tdist.send if phase else tdist.recv)(t, peer, group)
         _sync(tensors)
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0) / 2)
     return statistics.median(times)
 
 

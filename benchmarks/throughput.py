@@ -296,9 +296,10 @@ def message_seconds(engine) -> float:
 
     if engine.num_stages < 2:
         return 0.0
-    holder = [engine.channel_layouts.get(("act", 0, 1))]  # negotiated by stage 0 on its first send
-    dist.broadcast_object_list(holder, src=engine._stage_rank(0))
-    rank0, rank1 = engine._stage_rank(0), engine._stage_rank(1)
+    stage_rank = engine.transport.stage_rank
+    holder = [engine.transport.layouts.get(("act", 0, 1))]  # negotiated by stage 0 on its first send
+    dist.broadcast_object_list(holder, src=stage_rank(0))
+    rank0, rank1 = stage_rank(0), stage_rank(1)
     median = [0.0]
     if engine.global_rank in (rank0, rank1):
         tensors = messages.allocate(holder[0], engine.device)

@@ -4,31 +4,27 @@ The engine owns the clock and the transport; the math of a stage lives in ``stag
 DeepSpeed the way DeepSpeed's DualPipeV engine does: a ``PipeSchedule`` subclass produces the
 instructions and this subclass merges its handlers into ``_INSTRUCTION_MAP``.
 
-Per clock every rank posts the receives of what its pipeline neighbours send in that clock, runs its
-local stages' instructions, sending each message as soon as it is computed, and waits for all of them
-at the clock's ``CommitP2P``: transfers overlap compute, and a neighbour never waits for the rest of this
-rank's clock. A channel's first message (its layout header) goes in one blocking ``batch_isend_irecv``
-at the commit; a message between two stages of the same rank is handed over in memory. Each stage
-steps its own optimizer and LR scheduler after its k-th backward, reducing its gradients inside its
-data-parallel group only: no collective on the training path spans stages.
+Messages and collectives go through ``petra_ds.transport`` (one batch per clock and phase, safe under
+NCCL's rules); a message between two stages of the same rank is handed over in memory. Each stage
+steps its own optimizer and LR scheduler after its k-th backward, reducing its gradients (and batch-norm
+running statistics) inside its data-parallel group only: no collective on the training path spans stages.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any, Callable, Iterator
 
 import torch
-from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim import Optimizer
 
 from . import checkpoint, messages
+from .transport import PeerLostError, Transport
 from .analysis.gradient_quality import GradientQuality
 from .config import PetraConfig, PetraConfigError
 from .module import (
@@ -41,7 +37,7 @@ from .module import (
     stages_per_rank_of,
     tied_params,
 )
-from .nn.batchnorm import BatchNormPolicy
+from .nn.batchnorm import BatchNormPolicy, running_stat_tensors
 from .schedule import (
     AccumulateAndStep,
     CommitP2P,
@@ -50,6 +46,7 @@ from .schedule import (
     ForwardPass,
     LoadMicroBatch,
     PetraSchedule,
+    PostP2P,
     RecvActivation,
     RecvGrad,
     RecvTiedGrad,
@@ -65,21 +62,8 @@ from .schedule import (
 from .stage import Stage, StageOptions, tensor_bytes
 
 
-#: p2p tags per channel kind, so that messages of different channels between the same two ranks never
-#: match each other whatever order they are posted in (layout headers and analysis traffic use 0)
-CHANNEL_TAGS = {"act": 1, "grad": 2, "tied_grad": 3, "tied_weight": 4}
-
-
-def channel_tag(channel: tuple[str, int, int]) -> int:
-    return CHANNEL_TAGS.get(channel[0].split(":", 1)[0], 0)
-
-
 #: ``petra`` keys that do not change training: a checkpoint resumes under other values
 DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible")
-
-
-class PeerLostError(RuntimeError):
-    """A collective or message exchange failed: another rank died or stopped answering."""
 
 
 class StageOptimizers:
@@ -138,8 +122,13 @@ def _param_groups(model_parameters: Any) -> list[dict]:
     return [{"params": params}]
 
 
-#: what a clock runs before its first backward (the gradient-quality probe goes after these)
-_BEFORE_BACKWARD = (LoadMicroBatch, ForwardPass, SendActivation, RecvActivation, RecvGrad)
+#: what a clock runs before its first backward (the gradient-quality probe goes after these and the
+#: activations' batch)
+_BEFORE_BACKWARD = (LoadMicroBatch, ForwardPass, SendActivation, RecvActivation)
+
+
+def _before_backward(cmd: Any) -> bool:
+    return isinstance(cmd, _BEFORE_BACKWARD) or (isinstance(cmd, PostP2P) and cmd.phase == "act")
 
 
 class PetraEngine(PipelineEngine):
@@ -163,6 +152,7 @@ class PetraEngine(PipelineEngine):
         options = StageOptions(
             gradient_accumulation_steps=self.micro_batches,
             seed=petra_config.seed,
+            replica=self.grid.data_parallel_id,
             input_buffer=petra_config.input_buffer,
             param_buffer=petra_config.param_buffer,
             bn_policy=BatchNormPolicy(petra_config.bn_running_stats),
@@ -184,13 +174,10 @@ class PetraEngine(PipelineEngine):
         self.produced: dict[tuple[int, str, int], tuple] = {}
         self._loaded: dict[int, tuple[Any, Any]] = {}
         self._pending_delta: dict[int, Any] = {}
-        self._sends: list[tuple[tuple[str, int, int], tuple]] = []
-        self._recvs: list[tuple[tuple[str, int, int], tuple[int, str, int]]] = []
-        self._arrivals: dict[tuple[int, str, int], tuple] = {}
-        #: p2p operations posted before the commit: (work, tensor kept alive) and (key, channel, buffers, work)
-        self._posted_sends: list[tuple[Any, Tensor]] = []
-        self._posted_recvs: list[tuple[tuple[int, str, int], tuple, list[Tensor], list[Any]]] = []
-        self.channel_layouts: dict[tuple[str, int, int], messages.Layout] = {}
+        self.clock_now = 0
+        #: every message and collective of this rank (``PETRA_DS_COMM_TRACE=<dir>`` records them)
+        self.transport = Transport(rank=self.global_rank, device=self.device, local_stages=self.local_stage_ids,
+                                   stage_rank=self._stage_rank, clock=lambda: self.clock_now)
         self._window_losses: list[Tensor] = []
         #: (stage, micro-batch, loss) not yet checked for ``non_finite: "raise"``
         self._unchecked_losses: list[tuple[int, int, Tensor]] = []
@@ -202,14 +189,10 @@ class PetraEngine(PipelineEngine):
         self.clock_observers: list[Callable[["PetraEngine", int], None]] = []
         #: (stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``)
         self.skipped_steps: list[tuple[int, int]] = []
-        self.clock_now = 0
         #: the App. B gradient-quality study, when ``petra.gradient_quality_every`` > 0
         self.gradient_quality: GradientQuality | None = (
             GradientQuality(self, petra_config.gradient_quality_every)
             if petra_config.gradient_quality_every > 0 else None)
-        #: post messages as soon as possible; not while the probe runs its own untagged p2p mid-clock
-        #: (backends that ignore tags, NCCL, would pair its messages with the early ones)
-        self.post_early = self.gradient_quality is None
 
     # --- optimizers and schedulers, one per local stage ---
 
@@ -352,6 +335,7 @@ class PetraEngine(PipelineEngine):
         loss = self._reduce_loss(self._window_losses)
         if self.gradient_quality is not None:
             self.gradient_quality.end_window()
+        self.transport.save_trace()
         return loss
 
     def _exec_schedule(self, pipe_schedule: PetraSchedule) -> None:
@@ -361,7 +345,7 @@ class PetraEngine(PipelineEngine):
             self.clock_now = clock
             probe = self.gradient_quality
             for cmd in step_cmds:
-                if probe is not None and not isinstance(cmd, _BEFORE_BACKWARD):
+                if probe is not None and not _before_backward(cmd):
                     probe.mid_clock(clock)
                     probe = None
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
@@ -373,20 +357,6 @@ class PetraEngine(PipelineEngine):
             if probe is not None:
                 probe.mid_clock(clock)
 
-    @contextmanager
-    def _peers(self, what: str) -> Iterator[None]:
-        """Communication failures name this rank, its stages, the clock and what to do, with the
-        backend's own error chained (gloo names only an address)."""
-        try:
-            yield
-        except PeerLostError:
-            raise
-        except RuntimeError as error:
-            raise PeerLostError(
-                f"rank {self.global_rank} (PETRA stages {list(self.local_stage_ids)}) lost a peer during {what} "
-                f"at clock {self.clock_now}: another rank died or stopped answering ({error}). Restart every "
-                "rank from the last checkpoint (engine.load_checkpoint(dir), or --resume in the examples)") from error
-
     def _reduce_loss(self, losses: list[Tensor]) -> Tensor:
         """Mean over this window's finished micro-batches, averaged over data parallelism and
         broadcast from the last stage: a collective at the window's end, where every rank is."""
@@ -394,12 +364,13 @@ class PetraEngine(PipelineEngine):
         nan = torch.tensor(float("nan"), dtype=torch.float32)
         value = torch.stack([loss.float() for loss in losses]).mean() if losses else nan
         value = value.reshape(1).to(self.device)
-        with self._peers("the loss reduction at the end of train_batch"):
-            if self.is_last_stage() and self.grid.data_parallel_size > 1:
-                dist.all_reduce(value, group=self.grid.get_data_parallel_group())
-                value /= self.grid.data_parallel_size
-            if self.num_stages > 1:
-                dist.broadcast(value, src=last_rank, group=self.grid.get_pipe_parallel_group())
+        if self.is_last_stage() and self.grid.data_parallel_size > 1:
+            self.transport.all_reduce(value, self.grid.get_data_parallel_group(),
+                                      "the loss reduction over data-parallel replicas")
+            value /= self.grid.data_parallel_size
+        if self.num_stages > 1:
+            self.transport.broadcast(value, last_rank, self.grid.get_pipe_parallel_group(),
+                                     "the loss broadcast at the end of the window")
         return value[0]
 
     # --- instructions ---
@@ -481,14 +452,8 @@ class PetraEngine(PipelineEngine):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.grid.data_parallel_size > 1 and params:
-            grads = [p.grad for p in params]
-            flat = _flatten_dense_tensors(grads)
-            with self._peers(f"the data-parallel gradient reduction of stage {stage}"):
-                dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
-            flat /= self.grid.data_parallel_size
-            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
+        if self.grid.data_parallel_size > 1:
+            self._average_over_replicas(stage, [p.grad for p in params] + running_stat_tensors(st.norms))
         self._tied_gradients(stage, step)
         if st.is_last:
             self._check_losses()
@@ -506,6 +471,20 @@ class PetraEngine(PipelineEngine):
         self.stage_steps[stage] += 1
         if self.stage_steps[stage] != step:
             raise RuntimeError(f"stage {stage} took step {self.stage_steps[stage]}, the schedule says {step}")
+
+    def _average_over_replicas(self, stage: int, tensors: list[Tensor]) -> None:
+        """One all-reduce inside the stage's data-parallel group: the accumulated gradients, and the
+        batch-norm running statistics, so every replica evaluates with the same ones (each replica's
+        reconstructions updated them from its own micro-batches)."""
+        floats = [t for t in tensors if t.is_floating_point()]
+        if not floats:
+            return
+        flat = _flatten_dense_tensors(floats)
+        self.transport.all_reduce(flat, self.grid.get_data_parallel_group(),
+                                  f"the data-parallel reduction of stage {stage}")
+        flat /= self.grid.data_parallel_size
+        for t, synced in zip(floats, _unflatten_dense_tensors(flat, floats)):
+            t.copy_(synced)
 
     def _check_losses(self) -> None:
         """``non_finite: "raise"``: one host sync for the losses since the last check, at the last
@@ -596,33 +575,10 @@ class PetraEngine(PipelineEngine):
                    (dx, x_tilde if with_input else None))
 
     def _send(self, channel, key, fields) -> None:
-        """In memory to a local stage; else posted now when the channel's layout is negotiated, or
-        queued for the commit (a channel's first message carries its layout header)."""
-        if channel[2] in self.stages:
-            self._arrivals[key] = fields
-        elif self.post_early and channel in self.channel_layouts:
-            self._check_layout(channel, fields, self.channel_layouts)
-            peer = self._stage_rank(channel[2])
-            with self._peers(f"posting a message to rank {peer}"):
-                for t in messages.flatten(fields):
-                    self._posted_sends.append((dist.isend(t, peer, tag=channel_tag(channel)), t))
-        else:
-            self._sends.append((channel, fields))
+        self.transport.send(channel, key, fields)
 
     def _recv(self, channel, key) -> None:
-        """Posted before the compute when the layout is known (the buffers are allocated now), else
-        left to the commit."""
-        if channel[1] in self.stages:
-            return
-        layout = self.channel_layouts.get(channel)
-        if not self.post_early or layout is None:
-            self._recvs.append((channel, key))
-            return
-        peer = self._stage_rank(channel[1])
-        tensors = messages.allocate(layout, self.device)
-        with self._peers(f"posting a receive from rank {peer}"):
-            works = [dist.irecv(t, peer, tag=channel_tag(channel)) for t in tensors]
-        self._posted_recvs.append((key, channel, tensors, works))
+        self.transport.recv(channel, key)
 
     def _exec_petra_recv_act(self, stage: int, micro_batch: int) -> None:
         self._recv(("act", stage - 1, stage), (stage, "act", micro_batch))
@@ -630,72 +586,12 @@ class PetraEngine(PipelineEngine):
     def _exec_petra_recv_grad(self, stage: int, micro_batch: int, with_input: bool) -> None:
         self._recv(("grad", stage + 1, stage), (stage, "grad", micro_batch))
 
+    def _exec_petra_post(self, phase: str) -> None:
+        self.transport.post(f"the {phase} batch of clock {self.clock_now}")
+
     def _exec_petra_commit(self) -> None:
-        received = self._exchange(self._sends, self._recvs, self.channel_layouts)
-        if self._posted_sends or self._posted_recvs:
-            peers = sorted({self._stage_rank(c[1]) for _, c, _, _ in self._posted_recvs})
-            with self._peers(f"the message exchange with ranks {peers}"):
-                for work, _ in self._posted_sends:
-                    work.wait()
-                for key, channel, tensors, works in self._posted_recvs:
-                    for work in works:
-                        work.wait()
-                    received[key] = messages.unflatten(tensors, self.channel_layouts[channel])
-        self.inbox.update(self._arrivals)
-        self.inbox.update(received)
-        self._sends, self._recvs, self._arrivals = [], [], {}
-        self._posted_sends, self._posted_recvs = [], []
+        self.inbox.update(self.transport.commit(f"the commit of clock {self.clock_now}"))
         self._apply_tied_weights()
-
-    @staticmethod
-    def _check_layout(channel, fields, layouts: dict) -> None:
-        layout, known = messages.layout_of(fields), layouts[channel]
-        if layout != known:
-            raise messages.MessageLayoutError(
-                f"stage {channel[1]} sends {messages.describe(layout)} to stage {channel[2]}, but the "
-                f"layout negotiated on the first message was {messages.describe(known)}; "
-                "PETRA exchanges shapes once: keep micro-batch shapes fixed")
-
-    def _exchange(self, sends, recvs, layouts: dict | None) -> dict:
-        """Batched p2p with the neighbouring ranks. ``layouts`` holds the negotiated layout of each
-        channel (a header goes first on a channel's first use); ``None`` sends a header every time."""
-        if not sends and not recvs:
-            return {}
-        known = {} if layouts is None else layouts
-        header_ops, header_recvs = [], []
-        for channel, fields in sends:
-            if channel in known:
-                self._check_layout(channel, fields, known)
-            else:
-                known[channel] = layout = messages.layout_of(fields)
-                header_ops.append(dist.P2POp(dist.isend, messages.encode(layout).to(self.device),
-                                             self._stage_rank(channel[2])))
-        for channel, _key in recvs:
-            if channel not in known:
-                header = torch.zeros(messages.HEADER_LEN, dtype=torch.int64, device=self.device)
-                header_ops.append(dist.P2POp(dist.irecv, header, self._stage_rank(channel[1])))
-                header_recvs.append((channel, header))
-        peers = sorted({self._stage_rank(c[2]) for c, _ in sends} | {self._stage_rank(c[1]) for c, _ in recvs})
-        if header_ops:
-            with self._peers(f"the message exchange with ranks {peers}"):
-                for req in dist.batch_isend_irecv(header_ops):
-                    req.wait()
-            for channel, header in header_recvs:
-                known[channel] = messages.decode(header.cpu())
-        ops, buffers = [], []
-        for channel, fields in sends:
-            peer = self._stage_rank(channel[2])
-            ops.extend(dist.P2POp(dist.isend, t, peer, tag=channel_tag(channel)) for t in messages.flatten(fields))
-        for channel, key in recvs:
-            peer = self._stage_rank(channel[1])
-            tensors = messages.allocate(known[channel], self.device)
-            ops.extend(dist.P2POp(dist.irecv, t, peer, tag=channel_tag(channel)) for t in tensors)
-            buffers.append((key, channel, tensors))
-        if ops:
-            with self._peers(f"the message exchange with ranks {peers}"):
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
-        return {key: messages.unflatten(tensors, known[channel]) for key, channel, tensors in buffers}
 
     # --- evaluation ---
 
@@ -743,11 +639,13 @@ class PetraEngine(PipelineEngine):
                         if j > 0 and 0 <= m < n and j - 1 not in self.stages:
                             recvs.append((("eval", j - 1, j), (j, m)))
                     inbox.update(arrivals)
-                    inbox.update({(k[0], k[1]): v for k, v in self._exchange(sends, recvs, None).items()})
+                    received = self.transport.exchange(sends, recvs, f"evaluation clock {clock}")
+                    inbox.update({(k[0], k[1]): v for k, v in received.items()})
         finally:
             self.module.train(was_training)
         loss = self._reduce_loss(losses) if (compute_loss and bcast_loss) else (
             torch.stack(losses).mean() if losses else None)
+        self.transport.save_trace()
         if return_logits:
             return loss, (logits if self.is_last_stage() else None)
         return loss
@@ -760,24 +658,22 @@ class PetraEngine(PipelineEngine):
 
         Called by every rank between ``train_batch`` calls; no micro-batch needs to be drained."""
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
-        if self._sends or self._recvs or self.produced or self._loaded:
+        if self.transport.in_flight or self.produced or self._loaded:
             raise RuntimeError("save_checkpoint() must be called between train_batch() calls")
         if self.global_rank == 0:
             checkpoint.prepare(save_dir, tag)
-        with self._peers("save_checkpoint"):
-            dist.barrier()
+        self.transport.barrier("save_checkpoint: the directory is prepared")
         path = checkpoint.partial_dir(save_dir, tag)
         self.module.save_state_dict(path, checkpoint_engine=self.checkpoint_engine,
                                     exclude_frozen_params=exclude_frozen_parameters)
         checkpoint.atomic_save(self._petra_state(client_state),
                                checkpoint.state_file(path, self.stage_id, self.grid.data_parallel_id))
-        with self._peers("save_checkpoint"):
-            dist.barrier()
+        self.transport.barrier("save_checkpoint: every rank wrote its files")
         final = os.path.join(save_dir, tag)
         if self.global_rank == 0:
             final = checkpoint.commit(save_dir, tag, save_latest)
-        with self._peers("save_checkpoint"):
-            dist.barrier()
+        self.transport.barrier("save_checkpoint: committed")
+        self.transport.save_trace()
         return final
 
     def _petra_state(self, client_state: dict | None) -> dict:
@@ -883,5 +779,6 @@ class PetraEngine(PipelineEngine):
         RecvTiedGrad: _exec_recv_tied_grad,
         SendTiedWeight: _exec_send_tied_weight,
         RecvTiedWeight: _exec_recv_tied_weight,
+        PostP2P: _exec_petra_post,
         CommitP2P: _exec_petra_commit,
     }

@@ -1,8 +1,10 @@
 """Replay every rank's PETRA instruction stream without torch.distributed, and check it.
 
-Each rank walks its own list of clocks at its own pace; sends and receives are queued and a
-``CommitP2P`` delivers the queued sends and then waits for the queued receives (the engine posts them
-earlier, where they appear in the stream, and waits at the commit: the same pairing). A rank that waits for a message nobody will send is a deadlock. Along the way the replay
+Each rank walks its own list of clocks at its own pace; sends and receives are queued, a ``PostP2P``
+delivers the sends queued so far and a ``CommitP2P`` delivers the rest and then waits for the queued
+receives (the engine waits for its posted batches at the commit: the same pairing). A rank that waits
+for a message nobody will send is a deadlock. Whether the order in which a rank issues its batches is
+safe on NCCL is :mod:`petra_ds.nccl_replay`'s question, asked of recorded traffic. Along the way the replay
 checks the PETRA semantics: one forward and one backward per micro-batch and stage, the delay
 ``2(J-1-j)``, messages that travel exactly one clock, input FIFOs only where a stage cannot
 reconstruct, and an optimizer step after every k-th backward of a stage, after its compute of that
@@ -24,6 +26,7 @@ from .schedule import (
     ForwardPass,
     LoadMicroBatch,
     PetraSchedule,
+    PostP2P,
     RecvActivation,
     RecvGrad,
     RecvTiedGrad,
@@ -256,6 +259,9 @@ class _Replay:
         elif isinstance(cmd, RecvGrad):
             self.queued_recvs[rank].append(("grad", cmd.stage + 1, cmd.stage, cmd.micro_batch,
                                             cmd.with_input, cmd))
+        elif isinstance(cmd, PostP2P):
+            for channel, message in self.queued_sends.pop(rank, []):
+                self.channels[channel].append(message)
         elif isinstance(cmd, CommitP2P):
             return self.commit(rank, clock)
         else:

@@ -7,11 +7,13 @@ one clock. :class:`PetraSchedule` turns them into DeepSpeed ``PipeInstruction`` 
 clock, for a pipeline rank that hosts ``stages_per_rank`` consecutive stages; ``petra_ds.replay``
 replays the lists of every rank and checks them without torch.distributed.
 
-Within a clock a rank posts the receives of the next clock's inputs, loads data, runs its forwards
-and backwards (all with the parameters as they were when the clock began), sending each output right
-after the instruction that computed it, steps the optimizers that are due, and waits for all of this
-clock's messages at its ``CommitP2P``: a message travels exactly one clock, its transfer overlaps the
-rest of the clock, and a window of clocks leaves nothing half-sent behind it.
+Within a clock a rank loads data, runs its forwards, posts the activations it sends and receives in
+this clock as one batch (``PostP2P("act")``), runs its backwards (all with the parameters as they were
+when the clock began) and posts the gradients' batch (``PostP2P("grad")``), steps the optimizers that are
+due, and at its ``CommitP2P`` posts the tied weights' batch and waits for all of this clock's messages:
+a message travels exactly one clock, its transfer overlaps the rest of the clock, and a window of clocks
+leaves nothing half-sent behind it. One batch per (clock, phase), in that order on every rank, is what
+makes the traffic safe under NCCL's rules (see ``petra_ds.transport``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "ForwardPass",
     "LoadMicroBatch",
     "PetraSchedule",
+    "PostP2P",
     "RecvActivation",
     "RecvGrad",
     "ReverseReconstruct",
@@ -175,6 +178,14 @@ class RecvGrad(PetraInstruction):
         super().__init__(stage=stage, micro_batch=micro_batch, with_input=with_input)
 
 
+class PostP2P(PipeInstruction):
+    """Issue the sends and receives queued since the last post as one batch: ``phase`` "act" after the
+    clock's forwards, "grad" after its backwards (the tied weights go with the ``CommitP2P``)."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(phase=phase)
+
+
 class SendTiedGrad(PipeInstruction):
     """A reader of tied weights sends the gradient it accumulated for its step ``step`` to the owner."""
 
@@ -303,49 +314,55 @@ class PetraSchedule(PipeSchedule):
             yield self.clock_instructions(clock)
 
     def clock_instructions(self, clock: int) -> list[PipeInstruction]:
-        """One clock of this rank, in the order the engine runs it: the receives of what the
-        neighbours send this clock come first (posted before computing, so data flows while this rank
-        computes), each send right after the instruction that produced it, the tied-weight messages
-        after the optimizer steps, and a ``CommitP2P`` that waits for all of them."""
+        """One clock of this rank, in the order the engine runs it: the forwards, then every activation
+        this rank sends or receives in this clock, posted as one batch; the backwards, then the gradients'
+        batch; the optimizer steps, the tied-weight messages, and a ``CommitP2P`` that posts those and waits
+        for all of them. Receives are for the inputs of the next clock."""
         last = self.num_petra_stages - 1
         local = self.local_stages
         cmds: list[PipeInstruction] = []
-        for stage in local:
-            m = self.forward_at(clock + 1, stage)
-            if m is not None and stage > 0:
-                cmds.append(RecvActivation(stage=stage, micro_batch=m))
-            m = self.backward_at(clock + 1, stage)
-            if m is not None and stage < last:
-                cmds.append(RecvGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage)))
-        exchanges = bool(cmds)
-
         m = self.forward_at(clock, 0)
         if 0 in local and m is not None:
             cmds.append(LoadMicroBatch(stage=0, micro_batch=m))
+        posts = False
         for stage in local:
             m = self.forward_at(clock, stage)
             if m is not None:
                 cmds.append(ForwardPass(stage=stage, micro_batch=m))
                 if stage < last:
                     cmds.append(SendActivation(stage=stage, micro_batch=m))
-                    exchanges = True
+        for stage in local:
+            m = self.forward_at(clock + 1, stage)
+            if m is not None and stage > 0:
+                cmds.append(RecvActivation(stage=stage, micro_batch=m))
+        if any(isinstance(c, (SendActivation, RecvActivation)) for c in cmds):
+            cmds.append(PostP2P("act"))
+            posts = True
+        grads: list[PipeInstruction] = []
         for stage in reversed(local):
             m = self.backward_at(clock, stage)
             if m is None:
                 continue
             if self.reconstructs(stage):
-                cmds.append(ReverseReconstruct(stage=stage, micro_batch=m))
-            cmds.append(DelayedBackward(stage=stage, micro_batch=m))
+                grads.append(ReverseReconstruct(stage=stage, micro_batch=m))
+            grads.append(DelayedBackward(stage=stage, micro_batch=m))
             if stage > 0:
-                cmds.append(SendGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage - 1)))
-                exchanges = True
+                grads.append(SendGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage - 1)))
+        for stage in local:
+            m = self.backward_at(clock + 1, stage)
+            if m is not None and stage < last:
+                grads.append(RecvGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage)))
+        cmds.extend(grads)
+        if any(isinstance(c, (SendGrad, RecvGrad)) for c in grads):
+            cmds.append(PostP2P("grad"))
+            posts = True
         for stage in local:
             step = self.step_at(clock, stage)
             if step is not None:
                 cmds.append(AccumulateAndStep(stage=stage, step=step))
         tied = self.tied_messages(clock)
         cmds.extend(tied)
-        if exchanges or tied:
+        if posts or tied:
             cmds.append(CommitP2P())
         return cmds
 

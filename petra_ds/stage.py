@@ -56,6 +56,9 @@ class StageOptions:
 
     gradient_accumulation_steps: int = 1
     seed: int = 0
+    #: data-parallel replica: part of the keyed-RNG key, so replicas draw different dropout masks and each
+    #: replica's reconstruction replays its own
+    replica: int = 0
     input_buffer: str = "non_reversible"  # or "all": every stage keeps its exact inputs
     param_buffer: bool = False  # weight stashing: the backward uses the forward's parameters
     bn_policy: BatchNormPolicy = BatchNormPolicy()
@@ -163,8 +166,9 @@ class Stage:
 
     @contextmanager
     def scope(self, m: int, update_bn: bool) -> Iterator[None]:
-        """Keyed RNG of (seed, m, stage); batch norms update their running statistics iff ``update_bn``."""
-        with micro_batch_rng(self.options.seed, m, self.index), norms_running_stats(self.norms, update_bn):
+        """Keyed RNG of (seed, m, stage, replica); batch norms update their running statistics iff ``update_bn``."""
+        with micro_batch_rng(self.options.seed, m, self.index, self.options.replica), \
+                norms_running_stats(self.norms, update_bn):
             yield
 
     @property

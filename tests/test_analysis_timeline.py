@@ -32,14 +32,14 @@ def random_costs(rng: random.Random, J: int, message_s: float = 0.0, step: bool 
                                   rng.uniform(0, 1) if step else 0.0) for _ in range(J)), message_s)
 
 
-def sends_before_backward() -> bool:
-    """Whether PETRA's streams post a clock's activation before its backward (transfers overlapping the
-    clock) rather than every message at the commit: then stage 0, which sends no gradient, never waits
-    for a transfer of its own in steady state."""
+def gradients_received_before_backward() -> bool:
+    """Whether PETRA's streams post a clock's gradient receive before its backward (the old per-message
+    posting: stage 0, which sends no gradient, then never waits for a transfer of its own in steady
+    state) rather than in the batch after the backward (every stage waits one transfer after its compute)."""
     J = 3
     window = Timeline(J).train_window(8)
     cmds = [type(c).__name__ for c in PetraSchedule.for_window(window, J, 0).clock_instructions(6)]
-    return cmds.index("SendActivation") < cmds.index("DelayedBackward")
+    return cmds.index("RecvGrad") < cmds.index("DelayedBackward")
 
 
 def per_clock(costs: Costs, j: int) -> float:
@@ -78,7 +78,7 @@ def test_petra_speedup_over_pipelines_grows_towards_its_limit():
 def test_petra_runs_at_the_pace_of_its_slowest_stage(J, k, seed):
     costs = random_costs(random.Random(seed), J, message_s=0.05, step=False)
     m = costs.message_s
-    if sends_before_backward():  # a stage j > 0 sends its gradient after its compute
+    if gradients_received_before_backward():  # a stage j > 0 sends its gradient after its compute
         expected = max([per_clock(costs, 0)] + [per_clock(costs, j) + m for j in range(1, J)])
     else:
         expected = max(per_clock(costs, j) for j in range(J)) + m
@@ -112,9 +112,9 @@ def test_petra_stages_sharing_a_rank_run_one_after_the_other():
     costs = Costs.uniform(J, F, FG, B, message_s=m)
     c = F + FG + B
     assert seconds_per_micro_batch("petra", costs, 3, stages_per_rank=4) == pytest.approx(3 * c + FG + B)
-    # rank 1 sends (delta_2, x~_1) to rank 0 after its compute: two messages; rank 0 only sends its
-    # activation, which overlaps its backward when posted early
-    rank0 = 2 * c if sends_before_backward() else 2 * c + 2 * m
+    # rank 1 sends (delta_2, x~_1) to rank 0 after its compute: two messages, which rank 0 waits for after
+    # its own compute unless it posted their receive before its backward
+    rank0 = 2 * c if gradients_received_before_backward() else 2 * c + 2 * m
     assert seconds_per_micro_batch("petra", costs, 3, stages_per_rank=2) == pytest.approx(
         max(rank0, c + FG + B + 2 * m))
 

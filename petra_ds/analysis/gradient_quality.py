@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
-from deepspeed import comm as dist
 from torch import Tensor
 
 from ..nn.reversible import Activation, as_tuple, detach_leaf, like
@@ -155,8 +154,8 @@ class GradientQuality:
         if not done:
             return []
         local = [self._local_records(self.open.pop(m)) for m in done]
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [r for rows in local for r in rows])
+        gathered = self.engine.transport.all_gather_object([r for rows in local for r in rows],
+                                                           "the gradient-quality records")
         new = average_replicas([row for rows in gathered for row in rows])
         self.records.extend(new)
         engine = self.engine
@@ -224,7 +223,7 @@ class GradientQuality:
         for j in local:  # forward through this rank's stages, in pipeline order
             if j > 0 and j == local[0]:
                 key = (j, "gq_act", m)
-                carry = engine._exchange([], [(("gq_act", j - 1, j), key)], None)[key]
+                carry = engine.transport.exchange([], [(("gq_act", j - 1, j), key)], "the probe's forward")[key]
             inputs[j] = carry
             st = engine.stages[j]
             if st.is_last:
@@ -233,19 +232,19 @@ class GradientQuality:
             with st.scope(m, update_bn=False), torch.no_grad():
                 carry = (st.run(x), labels)
             if j == local[-1]:
-                engine._exchange([(("gq_act", j, j + 1), carry)], [], None)
+                engine.transport.exchange([(("gq_act", j, j + 1), carry)], [], "the probe's forward")
         dy: Any = None
         for j in reversed(local):  # backward: each stage's graph recomputed from its input of this pass
             st = engine.stages[j]
             if not st.is_last and j == local[-1]:
                 key = (j, "gq_grad", m)
-                dy = engine._exchange([], [(("gq_grad", j + 1, j), key)], None)[key]
+                dy = engine.transport.exchange([], [(("gq_grad", j + 1, j), key)], "the probe's backward")[key]
             x, labels = inputs[j]
             grads, dy = self._vjp(st, m, x, labels, None if st.is_last else dy)
             if j in due:
                 probe.grads.setdefault(j, {})["e2e"] = grads
             if j > 0 and j == local[0]:
-                engine._exchange([(("gq_grad", j, j - 1), dy)], [], None)
+                engine.transport.exchange([(("gq_grad", j, j - 1), dy)], [], "the probe's backward")
 
     # --- results ---
 

@@ -6,11 +6,10 @@ DeepSpeed's ``TrainSchedule``, naive model parallelism the same with one micro-b
 instruction gets a duration from a few measured primitives of each stage (:class:`StageCosts`), and an
 event simulator plays all ranks against each other with the engines' communication semantics:
 
-- PETRA: a send or receive is posted (non-blocking) where the stream has it, and the clock's
-  ``CommitP2P`` waits for all of them; a transfer takes ``message_s`` once both sides are posted (a
-  gradient that carries the reconstructed input x~ is two messages). Streams that post everything at
-  the commit (a batched exchange) and streams that post receives first and each send right after its
-  compute (transfers overlapping the clock) are both just data here;
+- PETRA: sends and receives are posted (non-blocking) by the ``PostP2P`` after them (the activations'
+  batch after the forwards, the gradients' after the backwards) or the clock's ``CommitP2P``, which waits
+  for all of them; a transfer takes ``message_s`` once both sides are posted (a gradient that carries
+  the reconstructed input x~ is two messages);
 - DeepSpeed: every ``Send*``/``Recv*`` is a blocking p2p call, matched in order on its channel;
 - both: ``train_batch`` ends with the loss broadcast from the last stage, which the others wait for.
 
@@ -68,6 +67,7 @@ from ..schedule import (
     DelayedBackward,
     ForwardPass,
     LoadMicroBatch,
+    PostP2P,
     RecvActivation,
     RecvGrad,
     ReverseReconstruct,
@@ -369,7 +369,7 @@ def _endpoint(counts: tuple[dict, dict], stage: int, other: int, send: bool, gra
 def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_per_rank: int = 1,
                     reversible: Sequence[bool] | None = None, drain: bool = False) -> dict[int, list[Op]]:
     """The engine's own streams, one op per instruction: a send or receive between ranks is posted where
-    it stands in the stream and waited for at the clock's ``CommitP2P``; messages between two stages of
+    its batch is posted (``PostP2P``, ``CommitP2P``) and waited for at the clock's ``CommitP2P``; messages between two stages of
     one rank are free (the engine hands them over in memory). A gradient that carries x~ is two messages."""
     J, S = costs.num_stages, stages_per_rank
     if J % S:
@@ -396,6 +396,7 @@ def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_pe
         program: list[Op] = []
         counts: tuple[dict, dict] = (defaultdict(int), defaultdict(int))  # messages sent, received per channel
         posted: list[Endpoint] = []
+        queued: list[Endpoint] = []
         clock_iter = iter(clocks)
         for w, window in enumerate(windows):
             for _ in range(window.clocks):
@@ -422,12 +423,15 @@ def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_pe
                         if other // S == rank:
                             continue  # handed over in memory
                         size = 2.0 if grad and cmd.with_input else 1.0
-                        posted.append(_endpoint(counts, j, other, send, grad, size * costs.message_s))
-                        program.append(Post(posted[-1]))
-                    elif isinstance(cmd, CommitP2P):
-                        if posted:
-                            program.append(Wait(tuple(posted)))
-                        posted = []
+                        queued.append(_endpoint(counts, j, other, send, grad, size * costs.message_s))
+                    elif isinstance(cmd, (PostP2P, CommitP2P)):
+                        program.extend(Post(e) for e in queued)
+                        posted += queued
+                        queued = []
+                        if isinstance(cmd, CommitP2P):
+                            if posted:
+                                program.append(Wait(tuple(posted)))
+                            posted = []
                     else:
                         raise TypeError(f"no cost model for {cmd!r}")
             program += _loss_broadcast(w, rank, ranks)

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 BN_POLICIES = ("backward", "forward")
 
@@ -22,6 +22,11 @@ def batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
         for m in module.modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None
     ]
+
+
+def running_stat_tensors(norms: Sequence[nn.modules.batchnorm._BatchNorm]) -> list[Tensor]:
+    """The running means and variances of ``norms`` (what data-parallel replicas average)."""
+    return [t for m in norms for t in (m.running_mean, m.running_var) if t is not None]
 
 
 def running_stats(module: nn.Module, update: bool):

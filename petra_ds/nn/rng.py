@@ -3,7 +3,7 @@
 A reversible layer evaluates its F and G twice per micro-batch: once in the forward and once in the
 reconstruction, clocks later, after other micro-batches went through the same layer. Any stochastic op
 inside (dropout, drop-path, LSH rotations) must draw the same numbers both times, so the generator
-state is derived from (seed, micro-batch, stage, layer, branch) instead of taken from the global
+state is derived from (seed, micro-batch, stage, replica, layer, branch) instead of taken from the global
 stream or from a per-layer attribute that the next micro-batch would overwrite.
 """
 
@@ -41,7 +41,7 @@ _scope = _Scope()
 
 
 def current_key() -> tuple[int, ...] | None:
-    """The (seed, micro_batch, stage) key of the enclosing :func:`micro_batch_rng`, if any."""
+    """The (seed, micro_batch, stage, replica) key of the enclosing :func:`micro_batch_rng`, if any."""
     return _scope.key
 
 
@@ -65,15 +65,16 @@ def keyed_rng(*key: int, devices: Sequence[int] | None = None) -> Iterator[None]
 
 
 @contextmanager
-def micro_batch_rng(seed: int, micro_batch: int, stage: int) -> Iterator[None]:
+def micro_batch_rng(seed: int, micro_batch: int, stage: int, replica: int = 0) -> Iterator[None]:
     """Everything a stage computes for one micro-batch runs under this scope.
 
-    Ops outside reversible layers draw from the (seed, micro_batch, stage) stream, so a non-reversible
-    stage's recomputation matches its forward; reversible layers derive their own per-layer streams
-    from the same key (see :func:`layer_rng`).
+    Ops outside reversible layers draw from the (seed, micro_batch, stage, replica) stream, so a
+    non-reversible stage's recomputation matches its forward; reversible layers derive their own
+    per-layer streams from the same key (see :func:`layer_rng`). Data-parallel replicas see different
+    data under the same micro-batch index, so ``replica`` gives each its own masks.
     """
     previous = _scope.key
-    _scope.key = (int(seed), int(micro_batch), int(stage))
+    _scope.key = (int(seed), int(micro_batch), int(stage), int(replica))
     try:
         with keyed_rng(*_scope.key):
             yield

@@ -35,3 +35,28 @@ def batch_norm_updates(engine):
         forwards = sum(1 for m in range(fed.total) if m + j < engine.clock)
         out[j] = {"tracked": tracked, "backwards": st.backwards, "forwards": forwards}
     return out
+
+
+def replica_view(engine):
+    """What must agree or differ across data-parallel replicas: each local stage's output for one fixed
+    input under micro-batch 0's keyed masks (training mode: dropout on, batch statistics), its running
+    statistics and its parameters."""
+    import torch
+
+    from petra_ds.nn.batchnorm import running_stat_tensors
+    from petra_ds.nn.reversible import as_tuple
+
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    x = None
+    engine.module.train()
+    for j in sorted(engine.stages):
+        st = engine.stages[j]
+        if x is None:
+            x = torch.randn(8, 6, generator=g, dtype=torch.get_default_dtype())
+        with st.scope(0, update_bn=False), torch.no_grad():
+            y = st.run(x)
+        out[j] = {"output": [t.clone() for t in as_tuple(y)],
+                  "running_stats": [t.clone() for t in running_stat_tensors(st.norms)]}
+        x = y
+    return out

@@ -351,3 +351,24 @@ class _NcclReplay:
         if pos < len(events):
             return f"CPU blocked at event #{pos}, a wait on event #{events[pos]['ref']}"
         return f"CPU has issued all its {len(events)} events"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m petra_ds.nccl_replay DIR``: replay the traces a run wrote with ``PETRA_DS_COMM_TRACE=DIR``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("directory", help="where the ranks wrote trace-rank<R>.json")
+    args = parser.parse_args(argv)
+    try:
+        report = replay_nccl(load_traces(args.directory))
+    except NcclReplayError as error:
+        print(f"{type(error).__name__}: {error}")
+        return 1
+    print(f"safe under NCCL's rules: {len(report.events)} ranks, {sum(report.batches.values())} batches, "
+          f"{sum(report.collectives.values())} collectives, {report.transfers} transfers")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

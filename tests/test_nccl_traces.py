@@ -9,7 +9,7 @@ The negative control (the old posting, reported as a hang) is in ``test_nccl_rep
 
 import pytest
 
-from petra_ds.nccl_replay import load_traces, replay_nccl
+from petra_ds.nccl_replay import load_traces, main, replay_nccl
 from petra_ds.testing import launch
 from petra_ds.transport import TRACE_ENV
 
@@ -56,6 +56,7 @@ def test_three_ranks_one_stage_each_with_drain_and_eval(tmp_path):
     # the middle rank exchanges with both neighbours, one batch per clock and phase
     whats = {e["what"].split(" of clock")[0] for e in traces[1] if e["op"] == "batch"}
     assert {"the act batch", "the grad batch"} <= whats
+    assert main([str(tmp_path / "three")]) == 0  # the command line README gives users
 
 
 def test_four_ranks_data_parallel_pipeline_with_tied_embeddings(tmp_path):

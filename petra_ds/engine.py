@@ -24,7 +24,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim import Optimizer
 
 from . import checkpoint, messages
-from .transport import PeerLostError, Transport
 from .analysis.gradient_quality import GradientQuality
 from .config import PetraConfig, PetraConfigError
 from .module import (
@@ -60,6 +59,7 @@ from .schedule import (
     Window,
 )
 from .stage import Stage, StageOptions, tensor_bytes
+from .transport import Transport
 
 
 #: ``petra`` keys that do not change training: a checkpoint resumes under other values

@@ -32,6 +32,13 @@ class PetraConfig:
     #: gradient per stage (``petra_ds.analysis.gradient_quality``); 0 turns it off. A diagnostic: it does
     #: not change training, and a checkpoint may be resumed with another value
     gradient_quality_every: int = 0
+    #: a reversible stage's backward goes block by block from its last block (reconstruct the block's input,
+    #: then backpropagate through it) instead of reconstructing every block first; on CUDA the
+    #: reconstruction of block i-1 runs on a second stream while block i's gradients are computed
+    #: (PaReprop). The same arithmetic, so the same gradients (bit for bit on CPU); at most two blocks'
+    #: graphs are alive at once instead of the whole stage's. A speed / memory setting: it does not change
+    #: training
+    reconstruct_overlap: bool = False
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "PetraConfig":
@@ -67,6 +74,9 @@ class PetraConfig:
             raise PetraConfigError(f'"petra.non_finite" must be one of {NON_FINITE}, got {self.non_finite!r}')
         if not isinstance(self.check_reversible, bool):
             raise PetraConfigError(f'"petra.check_reversible" must be true or false, got {self.check_reversible!r}')
+        if not isinstance(self.reconstruct_overlap, bool):
+            raise PetraConfigError(
+                f'"petra.reconstruct_overlap" must be true or false, got {self.reconstruct_overlap!r}')
         every = self.gradient_quality_every
         if not isinstance(every, int) or isinstance(every, bool) or every < 0:
             raise PetraConfigError(

@@ -63,7 +63,7 @@ from .transport import Transport
 
 
 #: ``petra`` keys that do not change training: a checkpoint resumes under other values
-DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible")
+DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible", "reconstruct_overlap")
 
 
 class StageOptimizers:
@@ -159,6 +159,7 @@ class PetraEngine(PipelineEngine):
             autocast_dtype=torch.bfloat16 if bf16 else None,
             device_type=self.device.type,
             check_reversible=petra_config.check_reversible,
+            reconstruct_overlap=petra_config.reconstruct_overlap,
         )
         self.stages: dict[int, Stage] = {}
         for j in self.local_stage_ids:

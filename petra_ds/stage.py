@@ -4,7 +4,8 @@ A stage is a run of layers F_j. Per micro-batch m it does a forward (nothing kep
 reversible) and, clocks later, a backward with its parameters as they are *then*:
 
 - the last stage computes the loss in its forward and backpropagates it in the same clock;
-- a reversible stage rebuilds x~_{j-1} from x~_j, building the graph on the way, then runs the VJPs;
+- a reversible stage rebuilds x~_{j-1} from x~_j, building the graph on the way, then runs the VJPs
+  (with ``reconstruct_overlap``, block by block, overlapping on CUDA: ``nn.reversible.reconstruct_and_backward``);
 - any other stage recomputes F_j with grad from its exact input: the FIFO for a non-reversible
   stage, the raw micro-batch (data, not an activation buffer) for stage 0.
 
@@ -15,7 +16,7 @@ that after k backwards ``.grad`` is the mean over the k micro-batches, as DeepSp
 from __future__ import annotations
 
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -34,6 +35,7 @@ from .nn.reversible import (
     is_reversible,
     like,
     reconstruct,
+    reconstruct_and_backward,
 )
 from .module import layer_module
 from .nn.rng import micro_batch_rng
@@ -69,6 +71,11 @@ class StageOptions:
     track_reconstruction: bool = False
     #: check the layers declared reversible on the stage's first input
     check_reversible: bool = False
+    #: a reconstructing stage goes block by block from its last block (reconstruct it, backpropagate through
+    #: it) instead of reconstructing all blocks first; on CUDA block i-1's reconstruction runs on a second
+    #: stream while block i's gradients are computed (PaReprop). Same bits; at most two blocks' graphs
+    #: alive instead of the stage's
+    reconstruct_overlap: bool = False
 
 
 class Stage:
@@ -113,6 +120,9 @@ class Stage:
         self.stash: dict[int, list[Tensor]] = {}  # param_buffer ablation
         self.live: tuple[int, Activation, Activation, Tensor] | None = None  # last stage: (m, x, leaf, loss)
         self.tape: tuple[int, Activation, SequentialTape] | None = None  # reconstructing stage: (m, x~, tape)
+        #: ``reconstruct_overlap``: (m, x~_j) recorded by ``reconstruct``, the work done in ``backward``
+        self.deferred: tuple[int, Activation] | None = None
+        self._side_stream: torch.cuda.Stream | None = None
         self._swapped: list[Tensor] | None = None
         self.backwards = 0
         self._truth: dict[int, Activation] = {}
@@ -205,10 +215,17 @@ class Stage:
 
     # --- backward ---
 
-    def reconstruct(self, m: int, y_tilde: Activation) -> Activation:
-        """x~_{j-1} = F_j^{-1}(x~_j) with the current parameters, keeping the graph for the backward."""
+    def reconstruct(self, m: int, y_tilde: Activation) -> Activation | None:
+        """x~_{j-1} = F_j^{-1}(x~_j) with the current parameters, keeping the graph for the backward.
+
+        With ``reconstruct_overlap`` it only records x~_j and returns None: block i-1 is reconstructed
+        while block i's gradients are computed, which needs delta, so ``backward`` does both (and
+        returns x~_{j-1})."""
         if not self.reconstructs:
             raise RuntimeError(f"stage {self.index} does not reconstruct its input")
+        if self.options.reconstruct_overlap:
+            self.deferred = (m, y_tilde)
+            return None
         self._use_forward_params(m)
         with self.scope(m, update_bn=not self._bn_in_forward), self._autocast():
             x = y_tilde
@@ -217,12 +234,42 @@ class Stage:
                 x, tape = reconstruct(layer, x)
                 tapes.append(tape)
         self.tape = (m, x, SequentialTape(tapes))
+        self._note_reconstruction(m, x)
+        return x
+
+    def _reconstruct_and_backward(self, m: int, delta: Activation) -> tuple[Activation, Activation]:
+        """(dx, x~_{j-1}) block by block, under the same RNG / batch-norm scope and autocast as
+        ``reconstruct``; the VJPs run without autocast, as ``backward`` runs them after ``reconstruct``."""
+        if self.deferred is None or self.deferred[0] != m:
+            raise RuntimeError(f"stage {self.index}: backward of micro-batch {m} without its reconstruction")
+        _, y_tilde = self.deferred
+        self.deferred = None
+        self._use_forward_params(m)
+        dtype = self.options.autocast_dtype
+        no_autocast = ((lambda: torch.autocast(self.options.device_type, enabled=False)) if dtype is not None
+                       else nullcontext)
+        with self.scope(m, update_bn=not self._bn_in_forward), self._autocast():
+            x, dx = reconstruct_and_backward(self.layers, y_tilde, delta, vjp_context=no_autocast,
+                                             side_stream=self._stream_beside(y_tilde))
+        self._note_reconstruction(m, x)
+        return dx, x
+
+    def _stream_beside(self, y: Activation) -> torch.cuda.Stream | None:
+        """The second CUDA stream of ``reconstruct_overlap`` (None on CPU: the same order, one stream)."""
+        t = as_tuple(y)[0]
+        if not t.is_cuda:
+            return None
+        if self._side_stream is None or self._side_stream.device != t.device:
+            self._side_stream = torch.cuda.Stream(device=t.device)
+        return self._side_stream
+
+    def _note_reconstruction(self, m: int, x: Activation) -> None:
+        """``track_reconstruction``: max |x~ - x| / max |x| against the input kept at forward time."""
         truth = self._truth.pop(m, None)
         if truth is not None:
             error = max(float((a - b).abs().max()) for a, b in zip(as_tuple(x), as_tuple(truth)))
             scale = max(float(t.abs().max()) for t in as_tuple(truth))
             self.reconstruction_errors.append(error / max(scale, 1e-30))
-        return x
 
     def backward(self, m: int, delta: Activation | None) -> tuple[Activation | None, Activation]:
         """delta_j and x~_{j-1} for micro-batch ``m``; Delta_j accumulates into ``.grad``."""
@@ -235,6 +282,8 @@ class Stage:
             self._use_forward_params(m)
             (loss / k).backward()
             dx = like(leaf, [t.grad if t.is_floating_point() else None for t in as_tuple(leaf)])
+        elif self.reconstructs and self.options.reconstruct_overlap:
+            dx, x_tilde = self._reconstruct_and_backward(m, delta)
         elif self.reconstructs:
             if self.tape is None or self.tape[0] != m:
                 raise RuntimeError(f"stage {self.index}: backward of micro-batch {m} without its reconstruction")
@@ -287,7 +336,7 @@ class Stage:
 
     def state_dict(self) -> dict:
         """What is in flight at this stage between two clocks (parameters are saved elsewhere)."""
-        if self.live is not None or self.tape is not None or self._swapped is not None:
+        if self.live is not None or self.tape is not None or self.deferred is not None or self._swapped is not None:
             raise RuntimeError(f"stage {self.index} is in the middle of a clock")
         return {
             "grads": [None if p.grad is None else p.grad.detach().clone() for p in self.params],

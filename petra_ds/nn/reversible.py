@@ -7,11 +7,16 @@ that can build that graph while inverting (the couplings) do so, which keeps eve
 evaluation in the forward and one in the reconstruction.
 
 Activations are a tensor or a tuple of tensors (the two streams of a coupling travel as a pair).
+
+:func:`reconstruct_and_backward` runs a chain's reconstruction and backward block by block instead of
+all reconstructions first (PaReprop, Zhu and Mangalam 2023): block i-1's reconstruction needs only
+block i's reconstructed input, not its gradients, so on CUDA the two run on two streams at once.
 """
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -96,6 +101,86 @@ class SequentialTape(Tape):
             dy = tape.backward(dy)
         self.tapes = []
         return dy
+
+
+def reconstruct_and_backward(
+    layers: Sequence[nn.Module],
+    y: Activation,
+    dy: Activation,
+    vjp_context: Callable[[], ContextManager] = nullcontext,
+    side_stream: "torch.cuda.Stream | None" = None,
+) -> tuple[Activation, Activation]:
+    """(x, dx) of the chain ``layers`` from its output ``y`` and output gradient ``dy``, block by block
+    from the last: block i's input is reconstructed (building its graph), then its VJPs run.
+
+    The arithmetic is that of reconstructing every block and then running the chain's tape: the same
+    functions on the same values, so the same bits (and the same keyed draws: a block's draws do not
+    depend on when it runs). At most two blocks' graphs are alive at once (block i's and block
+    i-1's, being built), instead of the whole chain's.
+
+    With ``side_stream`` (CUDA) the blocks alternate between the current stream and ``side_stream``:
+    block i-1's reconstruction is issued on the other stream before block i's VJPs, so the two overlap.
+    A block's VJPs run on the stream its graph was built on (autograd runs a backward op on its forward
+    op's stream), hence the alternation. ``vjp_context`` is entered around every VJP: the caller
+    reconstructs under its autocast, and the plain order runs the VJPs outside it.
+    """
+    blocks = [b for layer in reversed(list(layers)) for b in _blocks(layer)]
+    current = None if side_stream is None else torch.cuda.current_stream(side_stream.device)
+    streams = (current, side_stream)
+    if side_stream is not None:
+        side_stream.wait_stream(current)  # the inputs, and the parameters the optimizer just wrote
+    x, tape = reconstruct(blocks[0], y)
+    rebuilt, differentiated = _event(current), None
+    for n in range(len(blocks)):
+        here, there = streams[n % 2], streams[(n + 1) % 2]
+        if n + 1 < len(blocks):
+            with _on(there):  # block n+1 (the one before in the chain) from block n's input
+                _after(there, rebuilt, x)
+                x_next, tape_next = reconstruct(blocks[n + 1], x)
+                rebuilt = _event(there)
+        with _on(here), vjp_context():
+            _after(here, differentiated, dy)
+            dy = tape.backward(dy)
+            differentiated = _event(here)
+        if n + 1 < len(blocks):
+            x, tape = x_next, tape_next
+    if side_stream is not None:
+        current.wait_stream(side_stream)
+        _after(current, None, x)
+        _after(current, None, dy)
+    return x, dy
+
+
+def _blocks(layer: nn.Module) -> list[nn.Module]:
+    """``layer`` as a list of blocks, last first: a nested chain is walked block by block."""
+    if isinstance(layer, ReversibleSequential):
+        return [b for sub in reversed(list(layer.layers)) for b in _blocks(sub)]
+    return [layer]
+
+
+def _on(stream: "torch.cuda.Stream | None") -> ContextManager:
+    return nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def _event(stream: "torch.cuda.Stream | None") -> "torch.cuda.Event | None":
+    """An event after the work issued so far on ``stream`` (None without streams)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _after(stream: "torch.cuda.Stream | None", event: "torch.cuda.Event | None", values: Activation | None) -> None:
+    """``stream`` waits for ``event``; the caching allocator will not hand ``values`` (made on another
+    stream) to new tensors until the work ``stream`` holds when they are freed is done."""
+    if stream is None:
+        return
+    if event is not None:
+        stream.wait_event(event)
+    for t in as_tuple(values) if values is not None else ():
+        if isinstance(t, Tensor) and t.is_cuda:
+            t.record_stream(stream)
 
 
 class Reversible(nn.Module):

@@ -1,0 +1,208 @@
+"""PETRA on one CUDA device: NCCL as a world of one hosting all J stages, against the float64 CPU oracle.
+
+Run on a machine with a GPU: ``pytest -m gpu tests/test_gpu.py -ra``. On CPU every test here is skipped
+and ``-ra`` shows why. One spawned process (NCCL needs a fresh one) runs every engine configuration;
+the tests compare what it recorded.
+
+Tolerances, relative to the largest reference value of the compared set (max |got - ref| / max |ref|):
+
+- fp32 (TF32 off): unit roundoff u = 2^-24 ~ 6e-8. Each forward / reconstruction / VJP op rounds
+  once per dot-product term (length n <= 16 here) and the toy model is 9 layers deep (3 of them
+  reconstructed, which adds the inversion's rounding), so even the worst case, (3 x 9) x 16 x u ~ 3e-5, is
+  inside FP32_TOL = 1e-4, while TF32 (u = 2^-11) or a stray bf16 cast (2^-8) lands at 1e-3 .. 1e-2 and fails.
+- bf16 autocast with fp32 streams and parameters: F and G see their inputs rounded to bf16 (u = 2^-9
+  ~ 2e-3) and accumulate in fp32; per layer ~ sqrt(n) u ~ 8e-3 in the worst dot product, adding up like
+  a random walk over ~18 rounded evaluations (9 layers forward, 9 backward): sqrt(18) x 8e-3 ~ 3e-2.
+  BF16_TOL = 1e-1 leaves ~3x, still an order of magnitude below what a wrong gradient (a stale or missing
+  term) gives. The reconstruction itself stays exact to fp32 rounding: F and G are evaluated under
+  the same autocast as in the forward, on the same fp32 stream values, so the error bound
+  (RECONSTRUCTION_TOL, the CPU bf16 test's) is the same as in fp32.
+- ``reconstruct_overlap`` on vs off: bit for bit. The second stream runs the same kernels on the same
+  values; a block's VJPs run on the stream its graph was built on, after events that order them as the
+  plain order does, and GEMMs, reductions and keyed (Philox) dropout are deterministic run to run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from petra_ds.testing import launch, model_for, run_rank
+
+import oracle
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA device (torch.cuda.is_available() is False); run on a GPU with -m gpu"),
+]
+
+FP32_TOL = 1e-4
+BF16_TOL = 1e-1
+RECONSTRUCTION_TOL = 1e-5
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+J, K, BATCHES = 3, 2, 4  # J = 3: stage 1 reconstructs three blocks (Swap, Additive, Swap)
+FROZEN = {"type": "SGD", "params": {"lr": 0.0}}
+SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+BASE = {"pipe": 1, "stages_per_rank": J, "k": K, "train_batches": BATCHES, "dtype": "float32", "dropout": 0.0}
+RUNS = {
+    "fp32": {"optimizer": FROZEN},
+    "bf16": {"optimizer": FROZEN, "bf16": True},
+    "fp32_sgd": {"optimizer": SGD},
+    "bf16_sgd": {"optimizer": SGD, "bf16": True},
+    "revgpt_fp32": {"optimizer": FROZEN, "model": "revgpt"},
+    "revgpt_bf16": {"optimizer": FROZEN, "model": "revgpt", "bf16": True},
+    "fp32_sgd_overlap": {"optimizer": SGD, "petra": {"reconstruct_overlap": True}},
+    "bf16_sgd_overlap": {"optimizer": SGD, "bf16": True, "petra": {"reconstruct_overlap": True}},
+    # dropout on CUDA (keyed Philox streams), frozen so that x~ = x up to rounding (with lr > 0 the
+    # reconstruction uses newer weights: PETRA's approximation, not an error)
+    "dropout": {"optimizer": FROZEN, "dropout": 0.1, "track_reconstruction": True},
+    "dropout_overlap": {"optimizer": FROZEN, "dropout": 0.1, "track_reconstruction": True,
+                        "petra": {"reconstruct_overlap": True}},
+    "bf16_dropout": {"optimizer": FROZEN, "dropout": 0.1, "bf16": True, "track_reconstruction": True},
+    "bf16_dropout_overlap": {"optimizer": FROZEN, "dropout": 0.1, "bf16": True, "track_reconstruction": True,
+                             "petra": {"reconstruct_overlap": True}},
+}
+
+
+def _cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
+
+
+def _run(spec: dict) -> dict:
+    """``run_rank`` on the GPU, with the engine's device, backend and side streams."""
+    import petra_ds
+
+    initialize = petra_ds.initialize
+    seen = {}
+
+    def initialize_and_note(*args, **kwargs):
+        out = initialize(*args, **kwargs)
+        seen["engine"] = out[0]
+        return out
+
+    petra_ds.initialize = initialize_and_note
+    try:
+        result = run_rank({**BASE, **spec})
+    finally:
+        petra_ds.initialize = initialize
+    engine = seen.pop("engine")
+    result["device"] = str(engine.device)
+    result["backend"] = torch.distributed.get_backend()
+    result["side_streams"] = {j: st._side_stream is not None for j, st in engine.stages.items()}
+    return _cpu(result)
+
+
+def _all_runs(_spec: dict) -> dict:
+    import petra_ds
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (TF32 would cost 1e-3, see the top)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.cuda.set_device(0)
+    petra_ds.init_distributed(dist_backend="nccl")  # run_rank's gloo request then finds it initialized
+    return {name: _run(spec) for name, spec in RUNS.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def runs() -> dict:
+    (results,) = launch({}, world_size=1, target=_all_runs, timeout=900)
+    return results
+
+
+def rel(got: dict, ref: dict) -> float:
+    assert got.keys() == ref.keys() and got
+    scale = max(r.abs().max().item() for r in ref.values())
+    return max((got[n].double() - ref[n]).abs().max().item() for n in got) / scale
+
+
+def oracle_for(name: str):
+    """The float64 CPU oracle's stages with the run's own float32 initial weights, and the run's data."""
+    spec = {**BASE, **RUNS[name]}
+    layer_specs, loss_fn, data_fn = model_for(spec)
+    torch.set_default_dtype(torch.float32)  # the run's: token_data's noise draws depend on it
+    data = [(x.double() if x.is_floating_point() else x, y)
+            for x, y in data_fn(K * BATCHES, spec.get("micro_batch", 4), 0, torch.float32)]
+    stages = oracle.build_stages(J, dropout=spec["dropout"], specs=layer_specs)  # float64 from here
+    frozen = "revgpt_fp32" if spec.get("model") == "revgpt" else "fp32"  # lr 0: final weights = initial ones
+    initial = runs()[frozen]["params"]
+    with torch.no_grad():
+        for stage in stages:
+            for n, p in oracle.named_params(stage).items():
+                p.copy_(initial[n].double())
+    return stages, data, loss_fn
+
+
+def test_it_ran_on_the_gpu_with_nccl_as_a_world_of_one():
+    for name, result in runs().items():
+        assert result["device"].startswith("cuda") and result["backend"] == "nccl", name
+        assert result["stages"] == list(range(J)) and result["reconstructs"][1], name
+        assert result["side_streams"][1] == bool(RUNS[name].get("petra", {}).get("reconstruct_overlap")), name
+
+
+@pytest.mark.parametrize("name,tol", [("fp32", FP32_TOL), ("bf16", BF16_TOL),
+                                      ("revgpt_fp32", FP32_TOL), ("revgpt_bf16", BF16_TOL)])
+def test_frozen_gradients_match_the_float64_oracle(name, tol):
+    """lr = 0: every stage's gradient of every step is plain autograd's (DESIGN.md section 5)."""
+    stages, data, loss_fn = oracle_for(name)
+    grads = runs()[name]["grads"]
+    for step in range(BATCHES):
+        ref = oracle.autograd_group_grads(stages, data, range(step * K, (step + 1) * K), 0, loss=loss_fn)
+        for j in range(J):
+            assert rel(grads[j][step], ref[j]) < tol, (name, step, j)
+
+
+@pytest.mark.parametrize("name,tol", [("fp32_sgd", FP32_TOL), ("bf16_sgd", BF16_TOL)])
+def test_training_matches_the_float64_delayed_reference(name, tol):
+    """lr > 0: the parameters after 4 steps are PETRA's clock replayed in float64 (``oracle.delayed_training``);
+    the error is measured against how far training moved them."""
+    stages, data, _ = oracle_for(name)
+    start = {n: p.detach().clone() for s in stages for n, p in oracle.named_params(s).items()}
+    final, _ = oracle.delayed_training(stages, data, K, 0.1, 0.9, 0)
+    got = runs()[name]["params"]
+    moved = max((final[n] - start[n]).abs().max().item() for n in final)
+    assert moved > 1e-3
+    error = max((got[n].double() - final[n]).abs().max().item() for n in final)
+    assert error / moved < tol, (name, error, moved)
+
+
+@pytest.mark.parametrize("name", ["fp32_sgd", "bf16_sgd", "dropout", "bf16_dropout"])
+def test_overlap_on_cuda_changes_no_bit(name):
+    off, on = runs()[name], runs()[name + "_overlap"]
+    for n in off["params"]:
+        assert torch.equal(on["params"][n], off["params"][n]), n
+    for j, steps in off["grads"].items():
+        for a, b in zip(steps, on["grads"][j]):
+            assert all(torch.equal(a[n], b[n]) for n in a), j
+    assert on["reconstruction_errors"] == off["reconstruction_errors"]
+
+
+@pytest.mark.parametrize("name", ["dropout", "dropout_overlap", "bf16_dropout", "bf16_dropout_overlap"])
+def test_reconstruction_with_dropout_on_cuda_is_exact_to_fp32_rounding(name):
+    errors = runs()[name]["reconstruction_errors"][1]
+    assert len(errors) == K * BATCHES
+    assert max(errors) < RECONSTRUCTION_TOL, errors
+
+
+def test_benchmark_script_runs_on_the_gpu(tmp_path):
+    """``benchmarks/gpu.py --tiny`` end to end on CUDA: peak memory of PETRA and plain backprop recorded."""
+    out = tmp_path / "gpu.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--tiny", "--output", str(out)],
+                   cwd=ROOT, check=True, timeout=600)
+    report = json.loads(out.read_text())
+    assert report["device_type"] == "cuda"
+    for row in report["memory"]:
+        assert row["petra_peak_bytes"] > 0 and row["plain_peak_bytes"] > 0, row
+    assert {row["model"] for row in report["memory"]} == {"revnet18", "revgpt"}

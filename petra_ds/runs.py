@@ -1,11 +1,13 @@
-"""What the example training scripts share: the pipeline x data-parallel layout of a run, the files it
-writes (``metrics.jsonl``, ``summary.json``, ``curves.png``) in its output directory, and its checkpoints
-(``<output-dir>/checkpoints``, written every ``--save-every`` steps and loaded by ``--resume``)."""
+"""What the example training scripts share: the pipeline x data-parallel layout of a run, fitted to the
+processes launched (:func:`choose_layout`), the files it writes (``metrics.jsonl``, ``summary.json``,
+``curves.png``) in its output directory, and its checkpoints (``<output-dir>/checkpoints``, written every
+``--save-every`` steps and loaded by ``--resume``)."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -13,19 +15,123 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 
-def pipeline_topology(data_parallel: int) -> tuple[PipeDataParallelTopology, int]:
-    """DeepSpeed's topology for ``data_parallel`` pipeline replicas over the world; and the pipeline ranks."""
-    world = dist.get_world_size()
-    if world % data_parallel:
-        raise SystemExit(f"--data-parallel {data_parallel} does not divide the world size {world}")
+@dataclass(frozen=True)
+class Layout:
+    """How a run's processes are arranged: ``pipeline_ranks`` x ``data_parallel`` processes, each pipeline
+    rank hosting ``stages_per_rank`` of the ``stages`` (J) stages cut from ``layers`` layers. For DeepSpeed's
+    1F1B (``petra`` false) every pipeline rank is one stage and DeepSpeed partitions the layers itself."""
+
+    pipeline_ranks: int
+    data_parallel: int
+    stages_per_rank: int
+    stages: int
+    layers: int
+    petra: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.pipeline_ranks * self.data_parallel
+
+    def topology(self) -> PipeDataParallelTopology:
+        """DeepSpeed's grid for this layout (data-parallel innermost: rank r is replica r % data_parallel)."""
+        return PipeDataParallelTopology(num_pp=self.pipeline_ranks, num_dp=self.data_parallel)
+
+    def describe(self) -> str:
+        """One line for the start of a run, e.g. ``layout: 18 processes = 9 pipeline ranks x 2 data-parallel
+        replicas; J = 9 PETRA stages (1 per rank) over 10 layers``."""
+        head = (f"layout: {_count(self.world, 'process', 'processes')} = "
+                f"{_count(self.pipeline_ranks, 'pipeline rank')} x "
+                f"{_count(self.data_parallel, 'data-parallel replica')}")
+        if not self.petra:
+            return f"{head}; DeepSpeed 1F1B, one stage per pipeline rank over {_count(self.layers, 'layer')}"
+        return (f"{head}; J = {_count(self.stages, 'PETRA stage')} ({self.stages_per_rank} per rank) "
+                f"over {_count(self.layers, 'layer')}")
+
+
+def _count(n: int, singular: str, plural: str | None = None) -> str:
+    return f"{n} {singular if n == 1 else plural or singular + 's'}"
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def choose_layout(num_layers: int, world: int, stages: int | None = None, data_parallel: int | None = None,
+                  *, petra: bool = True) -> Layout:
+    """Fit the pipeline x data-parallel layout to the ``world`` processes that were launched, so a launch
+    command works at any process count; an explicit ``stages`` (J) or ``data_parallel`` (D) is kept, and an
+    impossible one raises a ValueError that says what to change.
+
+    PETRA needs the same number of stages S on every pipeline rank (J = P x S), but a stage may hold
+    several layers, so:
+
+    - neither given: D is the smallest divisor of ``world`` leaving at most one pipeline rank per layer,
+      P = world / D, S = floor(num_layers / P) (J = num_layers when P divides it; otherwise some stages
+      hold two layers). One process hosts every layer as its own stage: the paper's single-device setting;
+    - ``stages`` only: D is the smallest divisor of ``world`` whose P = world / D divides J;
+    - ``data_parallel`` only: P = world / D, S = floor(num_layers / P);
+    - both: D must divide ``world`` and J be a multiple of P.
+
+    ``petra=False`` (DeepSpeed's 1F1B, which partitions the layers itself) gives P x D with one stage per
+    pipeline rank and refuses ``stages``.
+    """
+    for name, value in (("the number of layers", num_layers), ("the number of processes", world),
+                        ("--stages", stages), ("--data-parallel", data_parallel)):
+        if value is not None:
+            _positive(name, value)
+    if not petra and stages is not None:
+        raise ValueError(f"--stages {stages} sets PETRA's number of stages J, but a config without a \"petra\" "
+                         "section runs DeepSpeed's 1F1B with one stage per pipeline rank: leave --stages out "
+                         "(set the pipeline ranks with --data-parallel) or add a \"petra\" section")
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    if stages is not None and stages > num_layers:
+        raise ValueError(f"--stages {stages} is more than the {num_layers} layers of this model: every PETRA "
+                         f"stage needs at least one layer; use --stages {num_layers} or fewer")
+    if data_parallel is not None:
+        if world % data_parallel:
+            raise ValueError(f"--data-parallel {data_parallel} does not divide the {world} processes of this "
+                             f"run; use one of {divisors} or launch a multiple of {data_parallel} processes")
+        ranks = world // data_parallel
+        fits = [d for d in divisors if world // d <= num_layers]
+        if ranks > num_layers:
+            raise ValueError(f"--data-parallel {data_parallel} leaves {world} / {data_parallel} = {ranks} pipeline "
+                             f"ranks for {num_layers} layers: every rank needs at least one layer; use "
+                             f"--data-parallel {fits[0]} or another of {fits}")
+        if stages is not None and stages % ranks:
+            multiples = list(range(ranks, num_layers + 1, ranks))
+            raise ValueError(f"--stages {stages} must be a multiple of the {ranks} pipeline ranks ({world} "
+                             f"processes / --data-parallel {data_parallel}): use --stages in {multiples}, or "
+                             "leave --data-parallel out to fit it to --stages")
+    elif stages is not None:
+        data_parallel = next(d for d in divisors if stages % (world // d) == 0)  # d = world: P = 1 always fits
+    else:
+        data_parallel = next(d for d in divisors if world // d <= num_layers)  # d = world: P = 1 always fits
     ranks = world // data_parallel
-    return PipeDataParallelTopology(num_pp=ranks, num_dp=data_parallel), ranks
+    if stages is None:
+        stages = ranks * (num_layers // ranks if petra else 1)
+    return Layout(pipeline_ranks=ranks, data_parallel=data_parallel, stages_per_rank=stages // ranks,
+                  stages=stages, layers=num_layers, petra=petra)
 
 
-def stages_per_rank(stages: int, ranks: int) -> int:
-    if stages % ranks:
-        raise SystemExit(f"--stages {stages} must be a multiple of the {ranks} pipeline ranks")
-    return stages // ranks
+def run_layout(num_layers: int, stages: int | None = None, data_parallel: int | None = None, *,
+               petra: bool = True, name: str = "") -> Layout:
+    """:func:`choose_layout` for this run's processes, as the example scripts use it: rank 0 prints the layout;
+    an impossible request ends the run with the fix (SystemExit) rather than a traceback on every rank. With
+    ``petra`` false, ``--stages`` is ignored with a note, as the scripts always did for DeepSpeed's 1F1B."""
+    rank0 = dist.get_rank() == 0
+    if stages is not None and not petra:
+        if rank0:
+            print(f"--stages {stages} ignored: DeepSpeed's 1F1B (no \"petra\" config section) runs one stage per "
+                  "pipeline rank")
+        stages = None
+    try:
+        layout = choose_layout(num_layers, dist.get_world_size(), stages, data_parallel, petra=petra)
+    except ValueError as error:
+        raise SystemExit(f"{name}: {error}" if name else str(error)) from None
+    if rank0:
+        print(layout.describe(), flush=True)
+    return layout
 
 
 def add_run_arguments(parser: Any) -> None:

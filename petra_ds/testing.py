@@ -342,15 +342,23 @@ def deepspeed_shm_buffers() -> set[str]:
 
 
 def remove_deepspeed_shm_buffers(before: set[str]) -> None:
-    """Unlink the buffers created since ``before`` was taken that this process does not map: those of
-    processes that have exited. Hundreds of launches would otherwise fill the machine's memory."""
+    """Unlink the buffers created since ``before`` was taken that no live process maps: those of processes
+    that have exited. Hundreds of launches would otherwise fill the machine's memory. (Checking every
+    process, not only this one, leaves alone the buffers of another launch that is still running.)"""
     left = deepspeed_shm_buffers() - before
     if not left:
         return
-    with open("/proc/self/maps") as f:
-        mapped = f.read()
+    mapped = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    mapped.append(f.read())
+            except OSError:  # gone, or not ours to read
+                continue
+    maps = "".join(mapped)
     for name in left:
-        if name not in mapped:
+        if name not in maps:
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
             except FileNotFoundError:

@@ -1,4 +1,5 @@
-"""The quickstart example under DeepSpeed's launcher (4 CPU processes, gloo) and as plain python."""
+"""The quickstart example under DeepSpeed's launcher (4 CPU processes, gloo) and as plain python, each with
+the layout fitted to its processes."""
 
 import json
 import os
@@ -21,17 +22,22 @@ def run(cmd, tmp_path):
 
 
 def test_deepspeed_launcher_runs_four_pipeline_ranks(tmp_path):
+    """9 toy layers on 4 processes: the layout fitted to them is 4 ranks x 2 stages (J = 8)."""
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     summary = run([deepspeed, "--num_gpus", "4", "--master_port", str(free_port()), SCRIPT, "--deepspeed_config", CONFIG, "--steps", "10"], tmp_path)
-    assert summary["world_size"] == 4 and summary["num_stages"] == 4
-    assert summary["clock"] == 10 * 2 + 2 * (4 - 1)  # k clocks per train_batch, then the drain
+    assert summary["world_size"] == 4 and summary["num_stages"] == 8 and summary["stages_per_rank"] == 2
+    assert summary["clock"] == 10 * 2 + 2 * (8 - 1)  # k clocks per train_batch, then the drain
     losses = summary["losses"]
-    assert losses[0] != losses[0], "the first call finishes no micro-batch at J = 4, k = 2 (NaN)"
-    assert all(0 < l < 5 for l in losses[2:])
+    # micro-batch 0 reaches the loss at clock J - 1 = 7, in the 4th call (k = 2): the first three are NaN
+    assert all(l != l for l in losses[:3]), losses
+    assert all(0 < l < 5 for l in losses[3:])
     assert 0 < summary["eval_loss"] < 5
 
 
 def test_plain_python_hosts_every_stage_in_one_process(tmp_path):
+    """The paper's single-device setting: all 9 stages, one per layer, in one process."""
     summary = run([sys.executable, SCRIPT, "--deepspeed_config", CONFIG, "--steps", "12"], tmp_path)
-    assert summary["world_size"] == 1 and summary["num_stages"] == 1
-    assert summary["losses"][-1] < summary["losses"][0]
+    assert summary["world_size"] == 1 and summary["num_stages"] == 9 and summary["stages_per_rank"] == 9
+    losses = summary["losses"]
+    assert all(l != l for l in losses[:4]) and all(0 < l < 5 for l in losses[4:]), losses  # loss at clock 8
+    assert losses[-1] < losses[4]

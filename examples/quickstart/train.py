@@ -4,8 +4,11 @@
     torchrun --nproc_per_node 2 examples/quickstart/train.py --deepspeed_config ds_configs/quickstart.json
     python examples/quickstart/train.py --deepspeed_config ds_configs/quickstart.json   # one process, all stages
 
-The pipeline has one rank per process (J = processes x petra.stages_per_rank); rank 0 prints the
-losses and writes a JSON summary with --output.
+The layout fits the processes launched (petra_ds.runs.choose_layout, printed by rank 0; it overrides the
+config's petra.stages_per_rank): one process hosts all J = 9 stages, one per layer (the paper's
+single-device setting on the same engine); 4 processes are 4 pipeline ranks of 2 stages each (J = 8, one
+stage holding two layers); more than 9 processes add data-parallel replicas, each training on its own
+toy data. Rank 0 prints the losses and writes a JSON summary with --output.
 """
 
 import argparse
@@ -18,6 +21,7 @@ from deepspeed import comm as dist
 from torch import nn
 
 import petra_ds
+from petra_ds.runs import run_layout
 from petra_ds.testing import toy_data, toy_layer_specs
 
 
@@ -33,13 +37,16 @@ def main() -> None:
     petra_ds.init_distributed()
     with open(args.deepspeed_config) as f:
         config = json.load(f)
-    stages_per_rank = config.get("petra", {}).get("stages_per_rank", 1)
-    model = petra_ds.PetraPipelineModule(toy_layer_specs(dropout=0.1), num_stages=dist.get_world_size(),
-                                         loss_fn=nn.CrossEntropyLoss(), stages_per_rank=stages_per_rank,
-                                         partition_method="uniform")
+    layers = toy_layer_specs(dropout=0.1)
+    layout = run_layout(len(layers))
+    config.setdefault("petra", {})["stages_per_rank"] = layout.stages_per_rank
+    model = petra_ds.PetraPipelineModule(layers, topology=layout.topology(), loss_fn=nn.CrossEntropyLoss(),
+                                         stages_per_rank=layout.stages_per_rank, partition_method="uniform")
     engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config)
 
-    data = toy_data(args.distinct_micro_batches, engine.train_micro_batch_size_per_gpu(), dtype=torch.float32)
+    # each data-parallel replica its own micro-batches (seeded by replica; one replica up to 9 processes)
+    data = toy_data(args.distinct_micro_batches, engine.train_micro_batch_size_per_gpu(),
+                    seed=engine.grid.data_parallel_id, dtype=torch.float32)
     stream = itertools.cycle(data)
     losses = []
     for step in range(args.steps):
@@ -50,7 +57,8 @@ def main() -> None:
     engine.drain()
     eval_loss = engine.eval_batch(iter(data), num_micro_batches=len(data)).item()
     if dist.get_rank() == 0:
-        summary = {"world_size": dist.get_world_size(), "num_stages": engine.num_petra_stages,
+        summary = {"world_size": dist.get_world_size(), "data_parallel": layout.data_parallel,
+                   "num_stages": engine.num_petra_stages,
                    "stages_per_rank": engine.stages_per_rank, "clock": engine.clock, "losses": losses,
                    "eval_loss": eval_loss}
         print(json.dumps({k: v for k, v in summary.items() if k != "losses"}))

@@ -9,6 +9,10 @@
     ... --dataset wikitext --dataset-config wikitext-103-raw-v1 --tokenizer gpt2        # online
 
 A config with a "petra" section trains with PETRA; one without with DeepSpeed's synchronous 1F1B.
+The layout fits the processes launched (petra_ds.runs.choose_layout; rank 0 prints it): without --stages
+and --data-parallel, the fewest data-parallel replicas that leave at most one pipeline rank per layer and
+as many PETRA stages per rank as the layers allow (the default RevGPT's 11 layers on 4 processes: J = 8,
+three stages of two layers; on one process: J = 11).
 Without an "optimizer" section AdamW with warm-up and cosine decay is used. Text comes through
 Hugging Face ``datasets``; the tokenizer is a byte-level BPE trained on the training text (offline
 default), plain bytes, or any ``AutoTokenizer`` name/path. ``--export-hf DIR`` writes a trained Reformer
@@ -36,7 +40,7 @@ from tqdm import tqdm
 import petra_ds
 from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
-from petra_ds.runs import RunFiles, add_run_arguments, pipeline_topology, resume, save, stages_per_rank
+from petra_ds.runs import RunFiles, add_run_arguments, resume, run_layout, save
 
 
 def parse_args() -> argparse.Namespace:
@@ -65,8 +69,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reformer-config", default=None, help="a ReformerConfig (config.json or its directory)")
     p.add_argument("--from-pretrained", default=None, help="a local ReformerModelWithLMHead directory")
     p.add_argument("--export-hf", default=None, help="write the trained Reformer here (save_pretrained)")
-    p.add_argument("--stages", type=int, default=None, help="PETRA stages J (default: one per layer)")
-    p.add_argument("--data-parallel", type=int, default=1)
+    p.add_argument("--stages", type=int, default=None,
+                   help="PETRA stages J (default: fitted to the processes, one per layer when they divide it)")
+    p.add_argument("--data-parallel", type=int, default=None,
+                   help="pipeline replicas (default: the fewest that fit the processes to the layers)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     p = deepspeed.add_config_arguments(p)
     return p.parse_args()
@@ -113,7 +119,8 @@ ONE_F_ONE_B_DROPOUT_BASE = 1_000_003
 
 
 def build_model(args, config: dict, vocab_size: int):
-    topology, ranks = pipeline_topology(args.data_parallel)
+    """The pipeline module, its layout and (Reformer) its Hugging Face config; PETRA's partition is
+    "uniform": contiguous layers, one or two a stage when J is fitted to the processes, none empty."""
     hf_config = None
     if args.model == "reformer":
         hf_config, layers = reformer_model(args, vocab_size)
@@ -121,18 +128,20 @@ def build_model(args, config: dict, vocab_size: int):
         layers = revgpt_layers(RevGPTConfig(vocab_size=vocab_size, seq_len=args.seq_len, d_model=args.d_model,
                                             n_layers=args.layers, n_heads=args.heads, dropout=args.dropout,
                                             tie_embeddings=args.tie_embeddings))
+    layout = run_layout(len(layers), args.stages, args.data_parallel, petra="petra" in config, name=args.model)
+    topology = layout.topology()
     if "petra" not in config:
         module = PipelineModule(layers, topology=topology, loss_fn=lm_loss, partition_method="uniform",
                                 seed_layers=True, base_seed=args.seed)  # the same initial weights as PETRA's
         # DeepSpeed reseeds each layer's forward with base_seed * forward counter + layer index: with base 0
         # every micro-batch would draw the same dropout masks; a base above the layer count keeps them apart
         module.base_seed = ONE_F_ONE_B_DROPOUT_BASE + args.seed
-        return module, hf_config
-    config["petra"]["stages_per_rank"] = stages_per_rank(args.stages or len(layers), ranks)
+        return module, layout, hf_config
+    config["petra"]["stages_per_rank"] = layout.stages_per_rank
     module = petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=lm_loss,
-                                          stages_per_rank=config["petra"]["stages_per_rank"],
+                                          stages_per_rank=layout.stages_per_rank,
                                           partition_method="uniform", base_seed=args.seed)
-    return module, hf_config
+    return module, layout, hf_config
 
 
 def evaluate(engine, loader, batches: int) -> float:
@@ -181,7 +190,8 @@ def main() -> None:
         val_blocks = pack(raw["validation"], tokenizer, args.seq_len)
     vocab_size = len(tokenizer)
 
-    model, hf_config = build_model(args, config, vocab_size)
+    model, layout, hf_config = build_model(args, config, vocab_size)
+    replicas = layout.data_parallel
     micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
     if "optimizer" not in config:
         # on CPU, torch's AdamW: DeepSpeed's FusedAdam would first be JIT-compiled (about a minute)
@@ -193,7 +203,7 @@ def main() -> None:
 
     state = resume(engine, args.output_dir) if args.resume else None
     done = engine.global_steps  # train_batch calls behind us: k micro-batches each, in both engines
-    shard = (engine.grid.data_parallel_id, args.data_parallel)
+    shard = (engine.grid.data_parallel_id, replicas)
     data = iter(lm_stream(train_blocks, micro, seed=args.seed, start=done * k, shard=shard))
     val_loader = lm_loader(val_blocks, micro, train=False)
     eval_batches = min(args.eval_batches, len(val_loader))
@@ -222,7 +232,7 @@ def main() -> None:
             elapsed = trained_s + time.time() - start
             row = {"step": step, "train_loss": losses[-1][1] if losses else None, "val_loss": val_loss,
                    "val_perplexity": math.exp(min(val_loss, 50.0)), "elapsed_s": elapsed,
-                   "tokens_per_s": step * micro * k * args.data_parallel * args.seq_len / elapsed}
+                   "tokens_per_s": step * micro * k * replicas * args.seq_len / elapsed}
             metrics.append(row)
             files.log(row, engine, [("Eval/loss", val_loss, step)], bar.write)
         if args.save_every and step % args.save_every == 0:
@@ -242,7 +252,8 @@ def main() -> None:
         summary = {"method": method, "model": args.model, "final_val_loss": metrics[-1]["val_loss"],
                    "final_val_perplexity": metrics[-1]["val_perplexity"], "tokens_per_s": metrics[-1]["tokens_per_s"],
                    "steps": args.max_steps, "world_size": dist.get_world_size(),
-                   "stages": getattr(engine, "num_petra_stages", engine.num_stages), "memory_rank0": memory,
+                   "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
+                   "memory_rank0": memory,
                    "args": vars(args), "config": config}
         files.summary(summary)
         files.gradient_quality_plot(f"{method} {args.model}: gradient quality per stage")

@@ -7,8 +7,16 @@
 
 A config with a "petra" section trains with PETRA (petra_ds.initialize); one without trains with
 DeepSpeed's synchronous 1F1B schedule. Without an "optimizer" section the paper's recipe is used
-(petra_ds.recipe). PETRA's default partition is one stage per residual block (10 for RevNet18, 18 for
-RevNet34/50) spread evenly over the pipeline ranks; --stages picks a coarser J.
+(petra_ds.recipe).
+
+The layout fits the processes launched (petra_ds.runs.choose_layout; rank 0 prints it): without --stages
+and --data-parallel, the fewest data-parallel replicas that leave at most one pipeline rank per layer, and
+as many PETRA stages per rank as the layers allow: one stage per residual block (10 for RevNet18, 18 for
+RevNet34/50) when the pipeline ranks divide that count, otherwise a few stages of two blocks (RevNet18 on
+18 processes: 9 ranks x 2 replicas, J = 9). --stages picks J, --data-parallel the replicas.
+
+The datasets: cifar10 reads <data-dir>/cifar-10-batches-py/ (--download fetches it when online), digits
+is scikit-learn's bundled set (offline), imagenet32 / imagenet read the folders under --data-dir.
 
 --save-every N checkpoints to <output-dir>/checkpoints every N train_batch calls; --resume continues from
 the latest one: step count, optimizer and LR schedule, the data stream's position, metrics.jsonl.
@@ -34,7 +42,7 @@ from petra_ds.data import INFO, build_dataset, make_loader
 from petra_ds.data.stream import resumable_loader
 from petra_ds.models.revnet import resnet_layers, revnet_layers
 from petra_ds.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
-from petra_ds.runs import RunFiles, add_run_arguments, pipeline_topology, resume, save, stages_per_rank
+from petra_ds.runs import Layout, RunFiles, add_run_arguments, resume, run_layout, save
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
 
@@ -68,8 +76,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     add_run_arguments(parser)
     parser.add_argument("--width", type=int, default=64, help="base width (64 is the paper's network)")
-    parser.add_argument("--stages", type=int, default=None, help="PETRA stages J (default: one per block)")
-    parser.add_argument("--data-parallel", type=int, default=1, help="pipeline replicas")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="PETRA stages J (default: fitted to the processes, one per block when they divide it)")
+    parser.add_argument("--data-parallel", type=int, default=None,
+                        help="pipeline replicas (default: the fewest that fit the processes to the blocks)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per process")
     parser.add_argument("--warmup-epochs", type=float, default=5.0)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -77,21 +87,36 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def build_model(args, config: dict, info, loss_fn: nn.Module):
+def build_layers(args, info) -> list:
     kind, depth = ARCHS[args.arch]
-    layers = (revnet_layers if kind == "revnet" else resnet_layers)(depth, info.num_classes, info.cifar_stem, args.width)
-    topology, ranks = pipeline_topology(args.data_parallel)
+    return (revnet_layers if kind == "revnet" else resnet_layers)(depth, info.num_classes, info.cifar_stem, args.width)
+
+
+def build_model(args, config: dict, layers: list, layout: Layout, loss_fn: nn.Module):
+    """PETRA partitions the blocks into J stages: one per block when J equals their count, DeepSpeed's
+    "parameters" balance for an explicit smaller --stages, and "uniform" (contiguous, one or two blocks a
+    stage) for a J fitted to the processes, where balancing parameters would pile the many small
+    high-resolution blocks onto stage 0 (RevNet34 at J = 9: 8 of 18 blocks). Both leave no stage empty."""
+    topology = layout.topology()
     if "petra" not in config:
         # seed_fn: DeepSpeed's "parameters" partition yields numpy indices that random.seed rejects
         return PipelineModule(layers, topology=topology, loss_fn=loss_fn, partition_method="parameters",
                               seed_layers=True, seed_fn=lambda seed: set_random_seed(int(seed)),
                               base_seed=args.seed, dynamic_shape=True)
-    stages = args.stages or len(layers)
-    config["petra"]["stages_per_rank"] = stages_per_rank(stages, ranks)
-    method = "uniform" if stages == len(layers) else "parameters"
+    config["petra"]["stages_per_rank"] = layout.stages_per_rank
+    method = "parameters" if args.stages is not None and layout.stages != len(layers) else "uniform"
     return petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=loss_fn,
-                                        stages_per_rank=config["petra"]["stages_per_rank"],
+                                        stages_per_rank=layout.stages_per_rank,
                                         partition_method=method, base_seed=args.seed)
+
+
+def load_data(args) -> tuple:
+    """(train, eval) data sets; a missing local copy ends the run with how to get it, not a traceback."""
+    try:
+        return (build_dataset(args.dataset, args.data_dir, train=True, download=args.download),
+                build_dataset(args.dataset, args.data_dir, train=False, download=args.download))
+    except FileNotFoundError as error:
+        raise SystemExit(str(error)) from None
 
 
 def evaluate(engine, loader, loss_fn: ClassificationLoss) -> tuple[float, float]:
@@ -122,18 +147,20 @@ def main() -> None:
     info = INFO[args.dataset]
     epochs = args.epochs or (90 if args.dataset.startswith("imagenet") else 300)
     loss_fn = ClassificationLoss()
-    model = build_model(args, config, info, loss_fn)
+    layers = build_layers(args, info)
+    layout = run_layout(len(layers), args.stages, args.data_parallel, petra="petra" in config, name=args.arch)
+    replicas = layout.data_parallel
+    train_set, eval_set = load_data(args)
+    model = build_model(args, config, layers, layout, loss_fn)
 
     micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
-    train_set = build_dataset(args.dataset, args.data_dir, train=True, download=args.download)
-    eval_set = build_dataset(args.dataset, args.data_dir, train=False, download=args.download)
-    if args.data_parallel > 1:
-        shard = dist.get_rank() % args.data_parallel  # PipeDataParallelTopology puts data innermost
-        train_set = torch.utils.data.Subset(train_set, range(shard, len(train_set), args.data_parallel))
+    if replicas > 1:
+        shard = dist.get_rank() % replicas  # PipeDataParallelTopology puts data innermost
+        train_set = torch.utils.data.Subset(train_set, range(shard, len(train_set), replicas))
     eval_loader = make_loader(eval_set, micro, train=False, workers=args.workers)
     steps_per_epoch = max(1, len(train_set) // micro // k)
 
-    recipe = paper_recipe(args.dataset, epochs, micro * k * args.data_parallel, args.warmup_epochs)
+    recipe = paper_recipe(args.dataset, epochs, micro * k * replicas, args.warmup_epochs)
     extra = {}
     if "optimizer" not in config:
         extra = dict(optimizer=sgd_factory(recipe),
@@ -168,7 +195,7 @@ def main() -> None:
             elapsed = trained_s + time.time() - start
             row = {"epoch": step / steps_per_epoch, "step": step, "train_loss": losses[-1][1] if losses else None,
                    "eval_loss": eval_loss, "eval_acc": eval_acc, "elapsed_s": elapsed,
-                   "samples_per_s": step * micro * k * args.data_parallel / elapsed}
+                   "samples_per_s": step * micro * k * replicas / elapsed}
             metrics.append(row)
             files.log(row, engine, [("Eval/loss", eval_loss, step), ("Eval/accuracy", eval_acc, step)], bar.write)
         if args.save_every and step % args.save_every == 0:
@@ -185,7 +212,8 @@ def main() -> None:
         summary = {"method": method, "arch": args.arch, "dataset": args.dataset, "final_eval_acc": metrics[-1]["eval_acc"],
                    "best_eval_acc": best, "final_eval_loss": metrics[-1]["eval_loss"],
                    "samples_per_s": metrics[-1]["samples_per_s"], "steps": total_steps, "world_size": dist.get_world_size(),
-                   "stages": getattr(engine, "num_petra_stages", engine.num_stages), "args": vars(args), "config": config,
+                   "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
+                   "args": vars(args), "config": config,
                    "recipe": vars(recipe) if extra else None}
         files.summary(summary)
         files.gradient_quality_plot(f"{method} {args.arch}: gradient quality per stage")

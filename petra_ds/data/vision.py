@@ -54,15 +54,29 @@ def imagenet_transform(train: bool) -> Callable:
     return transforms.Compose(steps + [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 
+class DatasetNotFoundError(FileNotFoundError):
+    """A data set's files are not on disk; the message says how to get them (the examples print it and exit)."""
+
+
 class LocalCIFAR10(datasets.CIFAR10):
     """torchvision's CIFAR-10 reader; without ``download`` it accepts any folder in the published
-    pickle-batch layout (checks that the files exist, not their checksums)."""
+    pickle-batch layout (checks that the files exist, not their checksums), and a missing one raises
+    :class:`DatasetNotFoundError` naming the options rather than torchvision's ``download=True`` hint."""
 
     def __init__(self, root: str, train: bool, transform: Callable, download: bool) -> None:
         if not download:  # torchvision skips the checksum of a file whose md5 is None
             self.train_list = [(name, None) for name, _ in self.train_list]
             self.test_list = [(name, None) for name, _ in self.test_list]
             self.meta = {**self.meta, "md5": None}
+            names = [name for name, _ in self.train_list + self.test_list] + [self.meta["filename"]]
+            folder = os.path.join(root, self.base_folder)
+            missing = [name for name in names if not os.path.isfile(os.path.join(folder, name))]
+            if missing:
+                raise DatasetNotFoundError(
+                    f"CIFAR-10 is not in {folder}/ (missing {', '.join(missing)}): add --download to fetch it "
+                    f"there (needs network access), or pass --data-dir DIR for a folder DIR holding "
+                    f"{self.base_folder}/ in the published Python pickle layout (data_batch_1..5, test_batch, "
+                    "batches.meta); offline, --dataset digits trains on scikit-learn's bundled digits")
         super().__init__(root, train=train, transform=transform, download=download)
 
 

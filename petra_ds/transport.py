@@ -44,10 +44,11 @@ from torch import Tensor
 
 from . import messages
 
-#: (kind, source stage, destination stage); ``kind`` is "act", "grad", "tied_grad:<key>", ... 
+#: (kind, source stage, destination stage); ``kind`` is "act", "grad", "tied_grad:<key>", ...
 Channel = tuple[str, int, int]
 
-#: the environment variable naming the directory the communication traces go to
+#: the environment variable naming the directory the communication traces go to (a diagnostic for short
+#: runs: each rank rewrites its whole trace at the end of every window)
 TRACE_ENV = "PETRA_DS_COMM_TRACE"
 
 

@@ -540,18 +540,18 @@ class PetraEngine(PipelineEngine):
                     self.produced[(stage, f"tied_weight:{tie.key}:{reader}", step)] = weights
 
     def _exec_send_tied_grad(self, stage: int, owner: int, key: str, step: int) -> None:
-        self._send((f"tied_grad:{key}", stage, owner), (owner, f"tied_grad:{key}:{stage}", step),
-                   self.produced.pop((stage, f"tied_grad:{key}", step)))
+        self.transport.send((f"tied_grad:{key}", stage, owner), (owner, f"tied_grad:{key}:{stage}", step),
+                            self.produced.pop((stage, f"tied_grad:{key}", step)))
 
     def _exec_recv_tied_grad(self, stage: int, reader: int, key: str, step: int) -> None:
-        self._recv((f"tied_grad:{key}", reader, stage), (stage, f"tied_grad:{key}:{reader}", step))
+        self.transport.recv((f"tied_grad:{key}", reader, stage), (stage, f"tied_grad:{key}:{reader}", step))
 
     def _exec_send_tied_weight(self, stage: int, reader: int, key: str, step: int) -> None:
-        self._send((f"tied_weight:{key}", stage, reader), (reader, f"tied_weight:{key}", step),
-                   self.produced.pop((stage, f"tied_weight:{key}:{reader}", step)))
+        self.transport.send((f"tied_weight:{key}", stage, reader), (reader, f"tied_weight:{key}", step),
+                            self.produced.pop((stage, f"tied_weight:{key}:{reader}", step)))
 
     def _exec_recv_tied_weight(self, stage: int, owner: int, key: str, step: int) -> None:
-        self._recv((f"tied_weight:{key}", owner, stage), (stage, f"tied_weight:{key}", step))
+        self.transport.recv((f"tied_weight:{key}", owner, stage), (stage, f"tied_weight:{key}", step))
 
     def _apply_tied_weights(self) -> None:
         """Weights received this clock replace the readers' copies before the next clock."""
@@ -567,25 +567,19 @@ class PetraEngine(PipelineEngine):
         return self.grid.stage_to_global(stage_id=stage // self.stages_per_rank)
 
     def _exec_petra_send_act(self, stage: int, micro_batch: int) -> None:
-        self._send(("act", stage, stage + 1), (stage + 1, "act", micro_batch),
-                   self.produced.pop((stage, "act", micro_batch)))
+        self.transport.send(("act", stage, stage + 1), (stage + 1, "act", micro_batch),
+                            self.produced.pop((stage, "act", micro_batch)))
 
     def _exec_petra_send_grad(self, stage: int, micro_batch: int, with_input: bool) -> None:
         dx, x_tilde = self.produced.pop((stage, "grad", micro_batch))
-        self._send(("grad", stage, stage - 1), (stage - 1, "grad", micro_batch),
-                   (dx, x_tilde if with_input else None))
-
-    def _send(self, channel, key, fields) -> None:
-        self.transport.send(channel, key, fields)
-
-    def _recv(self, channel, key) -> None:
-        self.transport.recv(channel, key)
+        self.transport.send(("grad", stage, stage - 1), (stage - 1, "grad", micro_batch),
+                            (dx, x_tilde if with_input else None))
 
     def _exec_petra_recv_act(self, stage: int, micro_batch: int) -> None:
-        self._recv(("act", stage - 1, stage), (stage, "act", micro_batch))
+        self.transport.recv(("act", stage - 1, stage), (stage, "act", micro_batch))
 
     def _exec_petra_recv_grad(self, stage: int, micro_batch: int, with_input: bool) -> None:
-        self._recv(("grad", stage + 1, stage), (stage, "grad", micro_batch))
+        self.transport.recv(("grad", stage + 1, stage), (stage, "grad", micro_batch))
 
     def _exec_petra_post(self, phase: str) -> None:
         self.transport.post(f"the {phase} batch of clock {self.clock_now}")
@@ -640,8 +634,7 @@ class PetraEngine(PipelineEngine):
                         if j > 0 and 0 <= m < n and j - 1 not in self.stages:
                             recvs.append((("eval", j - 1, j), (j, m)))
                     inbox.update(arrivals)
-                    received = self.transport.exchange(sends, recvs, f"evaluation clock {clock}")
-                    inbox.update({(k[0], k[1]): v for k, v in received.items()})
+                    inbox.update(self.transport.exchange(sends, recvs, f"evaluation clock {clock}"))
         finally:
             self.module.train(was_training)
         loss = self._reduce_loss(losses) if (compute_loss and bcast_loss) else (

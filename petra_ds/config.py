@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from .compensation import DelayCompensation, DelayCompensationError
+
 INPUT_BUFFERS = ("non_reversible", "all")
 BN_RUNNING_STATS = ("backward", "forward")
 NON_FINITE = ("raise", "skip")
@@ -39,6 +41,9 @@ class PetraConfig:
     #: graphs are alive at once instead of the whole stage's. A speed / memory setting: it does not change
     #: training
     reconstruct_overlap: bool = False
+    #: what each stage does about its delay tau_j (``petra_ds.compensation``): "none" (the paper's PETRA),
+    #: "weight_prediction" or "lr_rescale", or an object {"method": ..., its parameters}
+    delay_compensation: DelayCompensation = DelayCompensation()
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "PetraConfig":
@@ -53,6 +58,10 @@ class PetraConfig:
             raise PetraConfigError(
                 f'unknown key(s) {unknown} in the "petra" config section; the known keys are {sorted(known)}'
             )
+        try:
+            section["delay_compensation"] = DelayCompensation.parse(section.get("delay_compensation"))
+        except DelayCompensationError as error:
+            raise PetraConfigError(str(error)) from None
         config = cls(**section)
         config.validate()
         return config
@@ -77,6 +86,10 @@ class PetraConfig:
         if not isinstance(self.reconstruct_overlap, bool):
             raise PetraConfigError(
                 f'"petra.reconstruct_overlap" must be true or false, got {self.reconstruct_overlap!r}')
+        if self.param_buffer and self.delay_compensation.method != "none":
+            raise PetraConfigError(
+                '"petra.param_buffer" (weight stashing) already runs each backward with its forward\'s weights; '
+                'it cannot be combined with "petra.delay_compensation": remove one of them')
         every = self.gradient_quality_every
         if not isinstance(every, int) or isinstance(every, bool) or every < 0:
             raise PetraConfigError(
@@ -103,12 +116,10 @@ def split_config(config: Mapping[str, Any]) -> tuple[PetraConfig, dict[str, Any]
             '"torch_autocast" is not supported with PETRA: its engine runs the stages itself, so DeepSpeed\'s '
             'autocast would be silently ignored; use "bf16": {"enabled": true} (bf16 autocast, fp32 parameters)')
     clipping = config.get("gradient_clipping") or 0.0
-    if not isinstance(clipping, (int, float)) or isinstance(clipping, bool):
-        raise PetraConfigError(f'"gradient_clipping" must be a number (PETRA only runs without it: 0), got {clipping!r}')
-    if clipping > 0.0:
+    if not isinstance(clipping, (int, float)) or isinstance(clipping, bool) or clipping < 0:
         raise PetraConfigError(
-            '"gradient_clipping" is not supported with PETRA: it clips by the global gradient norm, a '
-            'collective across stages that step at different clocks; remove it (or set it to 0)')
+            f'"gradient_clipping" must be a number >= 0 (0: off; with PETRA each stage clips its own gradient '
+            f'norm to it), got {clipping!r}')
     _check_zero(config.get("zero_optimization"))
     gas = config.get("gradient_accumulation_steps", 1)
     if gas is not None and (not isinstance(gas, int) or isinstance(gas, bool)):

@@ -57,6 +57,7 @@ from .schedule import (
     SendTiedWeight,
     Timeline,
     Window,
+    delay,
 )
 from .stage import Stage, StageOptions, tensor_bytes
 from .transport import Transport
@@ -169,6 +170,10 @@ class PetraEngine(PipelineEngine):
             if stage.reversible != self.reversible[j]:
                 raise TypeError(f"stage {j}: its built layers and their specs disagree on reversibility")
             self.stages[j] = stage
+        for j, stage in self.stages.items():
+            stepped = [p for p in stage.params if p.requires_grad and id(p) not in self._reader_tied_ids(j)]
+            stage.compensation = petra_config.delay_compensation.for_stage(
+                stepped, delay(j, self.num_petra_stages) / self.micro_batches)
         self.timeline = Timeline(self.num_petra_stages)
         self.stage_steps = {j: 0 for j in self.local_stage_ids}
         self.inbox: dict[tuple[int, str, int], tuple] = {}  # (stage, kind, m) -> fields, for the next clock
@@ -459,10 +464,13 @@ class PetraEngine(PipelineEngine):
         if st.is_last:
             self._check_losses()
         finite = self._gradients_finite(stage, step, params)
+        if finite and self.gradient_clipping() > 0:
+            own = [p for p in params if id(p) not in self._reader_tied_ids(stage)]
+            torch.nn.utils.clip_grad_norm_(own, self.gradient_clipping())
         for observe in self.step_observers:
             observe(stage, st)
         if optimizer is not None and finite:
-            optimizer.step()
+            st.compensation.step(optimizer.step, optimizer, step)
         for p in params:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
             p.grad = None
         self._tied_weights(stage, step)

@@ -146,6 +146,25 @@ def add_run_arguments(parser: Any) -> None:
     parser.add_argument("--gradient-quality", type=int, default=0, metavar="N",
                         help="PETRA: every N optimizer steps compare each stage's gradient with the delayed "
                              "and the end-to-end one (metrics.jsonl, gradient_quality.png); 0: off")
+    parser.add_argument("--delay-compensation", default=None, metavar="METHOD",
+                        help='PETRA: sets "petra": {"delay_compensation": ...}: none, weight_prediction, '
+                             'lr_rescale, or a JSON object such as \'{"method": "weight_prediction", "beta": 0.5}\'')
+
+
+def apply_run_arguments(args: Any, config: dict) -> str:
+    """Write --gradient-quality and --delay-compensation into a PETRA config's "petra" section; returns
+    the method ("petra" or "backprop"). Both are PETRA's: with a config without that section they exit."""
+    method = "petra" if "petra" in config else "backprop"
+    wanted = [flag for flag, value in (("--gradient-quality", args.gradient_quality),
+                                       ("--delay-compensation", args.delay_compensation)) if value]
+    if wanted and method != "petra":
+        raise SystemExit(f"{' and '.join(wanted)} configure PETRA: use a config that has a \"petra\" section")
+    if args.gradient_quality:
+        config["petra"]["gradient_quality_every"] = args.gradient_quality
+    if args.delay_compensation:
+        value = args.delay_compensation
+        config["petra"]["delay_compensation"] = json.loads(value) if value.lstrip().startswith("{") else value
+    return method
 
 
 def checkpoint_dir(output_dir: str) -> str:

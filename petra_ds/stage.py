@@ -37,6 +37,7 @@ from .nn.reversible import (
     reconstruct,
     reconstruct_and_backward,
 )
+from .compensation import StageCompensation
 from .module import layer_module
 from .nn.rng import micro_batch_rng
 
@@ -131,6 +132,8 @@ class Stage:
         self.peak_input_bytes = 0
         self.peak_param_buffer_bytes = 0
         self._checked = not options.check_reversible
+        #: delay compensation (``petra_ds.compensation``): the weights a forward runs with, how a step is taken
+        self.compensation = StageCompensation()
 
     def check_layers(self, x: Activation) -> None:
         """``inverse(forward(x)) == x`` for every layer declared reversible, on this input: a wrong inverse
@@ -200,7 +203,7 @@ class Stage:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
             self.live = (m, x, leaf, loss)
             return loss.detach()
-        with self.scope(m, update_bn=self._bn_in_forward), torch.no_grad():
+        with self.scope(m, update_bn=self._bn_in_forward), torch.no_grad(), self.compensation.forward_weights():
             y = self.run(x)
         if self.is_first:
             self.raw[m] = x
@@ -346,6 +349,7 @@ class Stage:
             "backwards": self.backwards,
             "peak_input_bytes": self.peak_input_bytes,
             "peak_param_buffer_bytes": self.peak_param_buffer_bytes,
+            "compensation": self.compensation.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -357,6 +361,7 @@ class Stage:
         self.backwards = state["backwards"]
         self.peak_input_bytes = state["peak_input_bytes"]
         self.peak_param_buffer_bytes = state["peak_param_buffer_bytes"]
+        self.compensation.load_state_dict(state.get("compensation", {}))
 
     # --- accounting ---
 

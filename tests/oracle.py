@@ -88,9 +88,18 @@ class _Inverse(nn.Module):
         return self.layer.inverse(y)
 
 
-def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False, param_buffer=False):
-    """PETRA's clock in one loop. Returns (final params by name, grads per stage per step)."""
+def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False, param_buffer=False,
+                     compensation=None, clip=0.0):
+    """PETRA's clock in one loop. Returns (final params by name, grads per stage per step).
+
+    ``compensation`` ({"method": ..., its parameters}) and ``clip`` (per-stage gradient clipping) follow
+    their papers' rules written out here, not petra_ds.compensation: weight prediction runs the forward
+    through ``functional_call`` on w + scale * tau_j / k * d (d: the last update, or its average with
+    ``beta``); the LR rescaling multiplies SGD's lr by max(1, tau_j / k) ** -max(0, 1 - (t - 1) / anneal);
+    clipping scales the stage's gradient by C / (norm + 1e-6) when that is below 1."""
     J, M = len(stages), len(data)
+    comp = dict(compensation or {"method": "none"})
+    updates = [None] * J  # weight prediction's d per stage
     params = [named_params(s) for s in stages]
     opts = [torch.optim.SGD(list(p.values()), lr=lr, momentum=momentum) for p in params]
     reconstructs = [0 < j < J - 1 and all(is_reversible(l) for _, l in s) and not input_buffer_all
@@ -117,8 +126,12 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
             m = t - j
             if 0 <= m < M:
                 x = data[m][0] if j == 0 else acts.pop((j, m))
+                ahead = comp.get("scale", 1.0) * 2 * (J - 1 - j) / k
+                predicted = None
+                if comp["method"] == "weight_prediction" and updates[j] is not None:
+                    predicted = {n: p.detach() + ahead * updates[j][n] for n, p in params[j].items()}
                 with torch.no_grad():
-                    new_acts[(j + 1, m)] = call(j, m, x)
+                    new_acts[(j + 1, m)] = call(j, m, x, predicted)
                 inputs[(j, m)] = x
                 if param_buffer:
                     stash[(j, m)] = {n: p.detach().clone() for n, p in params[j].items()}
@@ -159,10 +172,30 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
                 new_grads[(j - 1, m)] = (tuple(dx), x_in)
             counts[j] += 1
             if counts[j] % k == 0:
-                recorded[j].append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-                                    for n, p in params[j].items()})
+                step = counts[j] // k
+                for p in params[j].values():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                if clip > 0:
+                    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in params[j].values()))
+                    coef = clip / (norm + 1e-6)
+                    if coef < 1:
+                        for p in params[j].values():
+                            p.grad = p.grad * coef
+                recorded[j].append({n: p.grad.clone() for n, p in params[j].items()})
+                factor = 1.0
+                if comp["method"] == "lr_rescale" and j < J - 1:
+                    power = max(0.0, 1.0 - (step - 1) / comp.get("anneal_steps", 100))
+                    factor = max(1.0, 2 * (J - 1 - j) / k) ** -power
+                opts[j].param_groups[0]["lr"] = lr * factor
+                before = {n: p.detach().clone() for n, p in params[j].items()}
                 opts[j].step()
+                opts[j].param_groups[0]["lr"] = lr
                 opts[j].zero_grad(set_to_none=True)
+                update = {n: p.detach() - before[n] for n, p in params[j].items()}
+                beta = comp.get("beta", 0.0)
+                updates[j] = update if updates[j] is None else {
+                    n: beta * updates[j][n] + (1 - beta) * u for n, u in update.items()}
         acts.update(new_acts)
         grads_in.update(new_grads)
     final = {n: p.detach().clone() for ps in params for n, p in ps.items()}

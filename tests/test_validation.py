@@ -36,7 +36,7 @@ LAYERS = len(toy_layer_specs())
     ({"gradient_accumulation_steps": True}, r"\(PETRA's k\) must be an integer >= 1, got True"),
     ({"gradient_accumulation_steps": -3}, r"\(PETRA's k\) must be >= 1, got -3"),
     ({"gradient_clipping": "1.0"}, r'"gradient_clipping" must be a number .* got \'1.0\''),
-    ({"gradient_clipping": 0.5}, r'"gradient_clipping" is not supported with PETRA: it clips by the global gradient norm'),
+    ({"gradient_clipping": -0.5}, r'"gradient_clipping" must be a number >= 0 \(0: off; with PETRA each stage clips'),
     ({"fp16": {"enabled": True, "loss_scale": 0}}, r'"fp16" is not supported with PETRA: loss scaling'),
     ({"fp16": True}, r'"fp16" must be an object'),
     ({"bf16": "yes"}, r'"bf16" must be an object'),
@@ -62,6 +62,7 @@ def test_a_config_petra_cannot_run_is_refused_by_name(extra, message):
     {"fp16": None, "bf16": None, "torch_autocast": {"enabled": False}},
     {"gradient_clipping": 0},
     {"gradient_clipping": 0.0},
+    {"gradient_clipping": 1.0},
     {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "none"}, "reduce_bucket_size": 5e8}},
     {"zero_optimization": False},
     {"gradient_accumulation_steps": None, "train_batch_size": 8},  # DeepSpeed derives k

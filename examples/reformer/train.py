@@ -40,7 +40,7 @@ from tqdm import tqdm
 import petra_ds
 from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
-from petra_ds.runs import RunFiles, add_run_arguments, resume, run_layout, save
+from petra_ds.runs import RunFiles, add_run_arguments, apply_run_arguments, resume, run_layout, save
 
 
 def parse_args() -> argparse.Namespace:
@@ -168,11 +168,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     with open(args.deepspeed_config) as f:
         config = json.load(f)
-    method = "petra" if "petra" in config else "backprop"
-    if args.gradient_quality:
-        if method != "petra":
-            raise SystemExit("--gradient-quality compares PETRA's gradients: use it with a config that has a \"petra\" section")
-        config["petra"]["gradient_quality_every"] = args.gradient_quality
+    method = apply_run_arguments(args, config)
     if args.export_hf and args.model != "reformer":
         raise SystemExit("--export-hf writes a Hugging Face Reformer: use it with --model reformer")
     os.makedirs(args.output_dir, exist_ok=True)

@@ -42,7 +42,7 @@ from petra_ds.data import INFO, build_dataset, make_loader
 from petra_ds.data.stream import resumable_loader
 from petra_ds.models.revnet import resnet_layers, revnet_layers
 from petra_ds.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
-from petra_ds.runs import Layout, RunFiles, add_run_arguments, resume, run_layout, save
+from petra_ds.runs import Layout, RunFiles, add_run_arguments, apply_run_arguments, resume, run_layout, save
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
 
@@ -139,11 +139,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     with open(args.deepspeed_config) as f:
         config = json.load(f)
-    method = "petra" if "petra" in config else "backprop"
-    if args.gradient_quality:
-        if method != "petra":
-            raise SystemExit("--gradient-quality compares PETRA's gradients: use it with a config that has a \"petra\" section")
-        config["petra"]["gradient_quality_every"] = args.gradient_quality
+    method = apply_run_arguments(args, config)
     info = INFO[args.dataset]
     epochs = args.epochs or (90 if args.dataset.startswith("imagenet") else 300)
     loss_fn = ClassificationLoss()

@@ -1,0 +1,189 @@
+"""Delay compensation: what stage j does about its gradients arriving tau_j = 2(J-1-j) clocks late.
+
+Stage j runs micro-batch m's forward at one clock and its backward tau_j clocks later, with the
+parameters as they are then; about s_j = tau_j / k optimizer steps of that stage fall in between. Plain
+PETRA (the paper, ``"none"``) applies the gradient as it comes. The methods below are from the
+asynchronous-pipeline literature, chosen because they respect PETRA's constraint: nothing is kept per
+micro-batch in flight (no weight stash), at most one extra parameter-sized buffer per stage.
+
+- ``"weight_prediction"`` (SpecTrain, Chen et al. 2018; PipeMare's discrepancy correction, Yang et al.
+  2021, turned forward in time): the forward runs with ``w + scale * s_j * d``, where ``d`` is the stage's
+  last update (``beta`` > 0: an exponential average of its updates). The weights the forward uses then
+  approximate the ones its backward will use, so the gradient is less stale and a reversible stage
+  reconstructs its input from weights close to the forward's. One persistent buffer ``d`` per stage
+  (like an optimizer moment) and one temporary (the predicted weights during a forward, or the
+  weights before a step while ``d`` is formed).
+- ``"lr_rescale"`` (PipeMare's learning-rate rescheduling, Yang et al. 2021): stage j's step size is
+  ``lr * max(1, s_j) ** -p_t`` with ``p_t = max(0, 1 - t / anneal_steps)`` at its step t: delayed stages
+  start with a step size divided by their delay and reach the schedule's after ``anneal_steps``.
+  No buffer at all.
+
+The last stage has s_j = 0: every method leaves it as it is.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+METHODS = ("none", "weight_prediction", "lr_rescale")
+
+
+class DelayCompensationError(ValueError):
+    """A ``"petra": {"delay_compensation": ...}`` value that cannot run; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class DelayCompensation:
+    """Parsed ``"petra": {"delay_compensation": ...}``: a method name, or ``{"method": ..., params}``."""
+
+    method: str = "none"
+    #: weight_prediction: the extrapolation is ``scale * s_j`` updates ahead
+    scale: float = 1.0
+    #: weight_prediction: d is an exponential average of the updates with this decay (0: the last update)
+    beta: float = 0.0
+    #: lr_rescale: optimizer steps over which a delayed stage's step size returns to the schedule's
+    anneal_steps: int = 100
+
+    @classmethod
+    def parse(cls, value: Any) -> "DelayCompensation":
+        if isinstance(value, DelayCompensation):
+            return value
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            value = {"method": value}
+        if not isinstance(value, Mapping):
+            raise DelayCompensationError(
+                f'"petra.delay_compensation" must be a method name {METHODS} or an object such as '
+                f'{{"method": "weight_prediction", "scale": 1.0}}, got {value!r}')
+        known = {"method", "scale", "beta", "anneal_steps"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise DelayCompensationError(
+                f'unknown key(s) {unknown} in "petra.delay_compensation"; the known keys are {sorted(known)}')
+        parsed = cls(**value)
+        parsed.validate()
+        return parsed
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise DelayCompensationError(
+                f'"petra.delay_compensation.method" must be one of {METHODS}, got {self.method!r}')
+        if not _number(self.scale) or self.scale < 0:
+            raise DelayCompensationError(
+                f'"petra.delay_compensation.scale" must be a number >= 0, got {self.scale!r}')
+        if not _number(self.beta) or not 0 <= self.beta < 1:
+            raise DelayCompensationError(
+                f'"petra.delay_compensation.beta" must be in [0, 1), got {self.beta!r}')
+        steps = self.anneal_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise DelayCompensationError(
+                f'"petra.delay_compensation.anneal_steps" must be an integer >= 1, got {steps!r}')
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+    def for_stage(self, params: Sequence[Tensor], steps_behind: float) -> "StageCompensation":
+        """The per-stage object for a stage whose gradients are ``steps_behind`` optimizer steps late."""
+        if self.method == "weight_prediction" and steps_behind > 0:
+            return WeightPrediction(params, self.scale * steps_behind, self.beta)
+        if self.method == "lr_rescale" and steps_behind > 0:
+            return LrRescale(steps_behind, self.anneal_steps)
+        return StageCompensation()
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class StageCompensation:
+    """Plain PETRA: the forward uses the current weights, the optimizer steps as configured."""
+
+    def forward_weights(self) -> ContextManager[None]:
+        """The weights a forward runs with (entered around the stage's forward only)."""
+        return nullcontext()
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        """Take the stage's ``step``-th optimizer step (1-based)."""
+        optimizer_step()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
+
+
+class WeightPrediction(StageCompensation):
+    """Forward with ``w_hat = w + ahead * d``; ``d`` is the stage's (averaged) last update."""
+
+    def __init__(self, params: Sequence[Tensor], ahead: float, beta: float) -> None:
+        self.params = list(params)
+        self.ahead = ahead
+        self.beta = beta
+        self.d: list[Tensor] | None = None  # None until the first step: nothing to extrapolate yet
+
+    @contextmanager
+    def forward_weights(self) -> Iterator[None]:
+        if self.d is None or self.ahead == 0:
+            yield
+            return
+        current = [p.data for p in self.params]
+        with torch.no_grad():
+            predicted = [w + self.ahead * d for w, d in zip(current, self.d)]
+        try:
+            for p, w_hat in zip(self.params, predicted):
+                p.data = w_hat
+            yield
+        finally:
+            for p, w in zip(self.params, current):
+                p.data = w
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        with torch.no_grad():
+            before = [p.detach().clone() for p in self.params]
+        optimizer_step()
+        with torch.no_grad():
+            update = [p.detach() - w for p, w in zip(self.params, before)]
+            if self.d is None or self.beta == 0:
+                self.d = update
+            else:
+                for d, u in zip(self.d, update):
+                    d.mul_(self.beta).add_(u, alpha=1 - self.beta)
+
+    def state_dict(self) -> dict:
+        return {"d": None if self.d is None else [d.clone() for d in self.d]}
+
+    def load_state_dict(self, state: dict) -> None:
+        d = state.get("d")
+        self.d = None if d is None else [t.to(p.device).clone() for t, p in zip(d, self.params)]
+
+
+class LrRescale(StageCompensation):
+    """PipeMare's step size ``lr * max(1, s) ** -p_t``, ``p_t = max(0, 1 - t / anneal_steps)``."""
+
+    def __init__(self, steps_behind: float, anneal_steps: int) -> None:
+        self.delay = max(1.0, steps_behind)
+        self.anneal_steps = anneal_steps
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the scheduled learning rate at the stage's ``step``-th step (1-based)."""
+        p = max(0.0, 1.0 - (step - 1) / self.anneal_steps)
+        return self.delay ** -p
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        groups = optimizer.param_groups
+        scheduled = [g["lr"] for g in groups]
+        factor = self.factor(step)
+        for g in groups:
+            g["lr"] = g["lr"] * factor
+        try:
+            optimizer_step()
+        finally:  # the scheduler owns the learning rate: give it back what it set
+            for g, lr in zip(groups, scheduled):
+                g["lr"] = lr

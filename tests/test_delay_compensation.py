@@ -1,0 +1,147 @@
+"""Delay compensation and per-stage gradient clipping against the written-out update rules of
+tests/oracle.py (float64, the toy model, dropout on), and what must stay exact: lr = 0, J = 1, resume."""
+
+import pytest
+import torch
+
+from petra_ds.compensation import DelayCompensation, LrRescale, WeightPrediction
+from petra_ds.config import PetraConfig, PetraConfigError
+from petra_ds.testing import launch, merged_params, toy_data
+
+import oracle
+from test_engine import SEED, SGD, SGD0, TOL, max_diff, run
+
+K, BATCHES = 2, 5
+METHODS = [
+    {"method": "weight_prediction"},
+    {"method": "weight_prediction", "scale": 2.0, "beta": 0.5},
+    {"method": "lr_rescale", "anneal_steps": 3},
+]
+
+
+def reference(compensation=None, clip=0.0):
+    return oracle.delayed_training(oracle.build_stages(4, 0.1), toy_data(K * BATCHES, 4), K, 0.1, 0.9, SEED,
+                                   compensation=compensation, clip=clip)
+
+
+@pytest.mark.parametrize("compensation", METHODS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_each_method_equals_its_update_rule(compensation):
+    """J = 4 (stage 1 reconstructs, stage 0 recomputes), SGD with momentum: parameters and every step's
+    gradient equal the oracle's, and the method changed training (it is not plain PETRA in disguise)."""
+    results = run(1, 4, k=K, train_batches=BATCHES, optimizer=SGD, dropout=0.1,
+                  petra={"delay_compensation": compensation})
+    final, grads = reference(compensation)
+    assert max_diff(results[0]["params"], final) < TOL
+    for j in range(4):
+        assert len(results[0]["grads"][j]) == len(grads[j]) == BATCHES
+        for got, want in zip(results[0]["grads"][j], grads[j]):
+            assert max_diff(got, want) < TOL
+    plain, _ = reference()
+    assert max_diff(final, plain) > 1e-6
+
+
+def test_per_stage_clipping_equals_clipping_each_stage_by_its_own_norm():
+    clip = 0.05
+    results = run(1, 4, k=K, train_batches=BATCHES, optimizer=SGD, dropout=0.1, config={"gradient_clipping": clip})
+    final, grads = reference(clip=clip)
+    assert max_diff(results[0]["params"], final) < TOL
+    norms = []
+    for j in range(4):
+        for got, want in zip(results[0]["grads"][j], grads[j]):
+            assert max_diff(got, want) < TOL
+            norms.append(float(torch.sqrt(sum((g ** 2).sum() for g in got.values()))))
+    assert max(norms) <= clip * (1 + 1e-9)
+    unclipped, _ = reference()
+    assert max_diff(final, unclipped) > 1e-6, "the clip must bind at some step"
+
+
+def test_weight_prediction_at_lr0_leaves_every_gradient_equal_to_autograd():
+    """lr = 0: every update is 0, so the predicted weights are the weights (the lr = 0 oracle stays exact)."""
+    results = run(1, 4, k=K, train_batches=3, optimizer=SGD0, dropout=0.1,
+                  petra={"delay_compensation": "weight_prediction"})
+    stages = oracle.build_stages(4, dropout=0.1)
+    data = toy_data(K * 3, 4)
+    for step in range(3):
+        ref = oracle.autograd_group_grads(stages, data, range(step * K, (step + 1) * K), SEED)
+        for j in range(4):
+            assert max_diff(results[0]["grads"][j][step], ref[j]) < TOL
+
+
+@pytest.mark.parametrize("compensation", ["weight_prediction", "lr_rescale"])
+def test_a_single_stage_is_still_backprop(compensation):
+    """J = 1 has no delay: any compensation is the identity there."""
+    plain = merged_params(run(1, 1, k=3, train_batches=4, optimizer=SGD, dropout=0.1))
+    compensated = merged_params(run(1, 1, k=3, train_batches=4, optimizer=SGD, dropout=0.1,
+                                    petra={"delay_compensation": compensation}))
+    assert max_diff(plain, compensated) == 0.0
+
+
+def test_weight_prediction_resumes_exactly(tmp_path):
+    """The averaged update d is checkpointed with the stage: a resumed run continues bit for bit."""
+    common = dict(k=K, train_batches=4, optimizer=SGD, dropout=0.1,
+                  petra={"delay_compensation": {"method": "weight_prediction", "beta": 0.5}})
+    whole = merged_params(run(2, 2, **common))
+    ckpt = str(tmp_path / "ckpt")
+    launch({"pipe": 2, "stages_per_rank": 2, **common, "save_dir": ckpt, "save_after": 2, "save_tag": "mid"})
+    resumed = launch({"pipe": 2, "stages_per_rank": 2, **common, "load_dir": ckpt})
+    assert max_diff(merged_params(resumed), whole) == 0.0
+
+
+def test_the_forward_runs_on_predicted_weights_and_gets_the_stored_ones_back():
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    prediction = WeightPrediction([w], ahead=1.5, beta=0.0)
+    with prediction.forward_weights():  # no update yet: nothing to extrapolate
+        assert torch.equal(w, torch.tensor([1.0, 2.0]))
+    opt = torch.optim.SGD([w], lr=0.5)
+    w.grad = torch.tensor([1.0, -1.0])
+    prediction.step(opt.step, opt, 1)
+    storage = w.data_ptr()
+    with prediction.forward_weights():
+        assert torch.equal(w, torch.tensor([0.5, 2.5]) + 1.5 * torch.tensor([-0.5, 0.5]))
+    assert w.data_ptr() == storage and torch.equal(w, torch.tensor([0.5, 2.5]))
+
+
+def test_lr_rescale_divides_by_the_delay_then_anneals_to_the_schedule():
+    rescale = LrRescale(steps_behind=4.0, anneal_steps=2)
+    assert [rescale.factor(t) for t in (1, 2, 3, 4)] == [0.25, 0.5, 1.0, 1.0]
+    assert LrRescale(steps_behind=0.5, anneal_steps=2).factor(1) == 1.0  # under one step behind: no change
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([w], lr=1.0)
+    w.grad = torch.ones(1)
+    rescale.step(opt.step, opt, 1)
+    assert w.item() == -0.25 and opt.param_groups[0]["lr"] == 1.0
+
+
+@pytest.mark.parametrize("value,message", [
+    ("nesterov", r'"petra.delay_compensation.method" must be one of'),
+    ({"method": "weight_prediction", "horizon": 2}, r"unknown key\(s\) \['horizon'\]"),
+    ({"method": "weight_prediction", "beta": 1.0}, r'"petra.delay_compensation.beta" must be in \[0, 1\)'),
+    ({"method": "lr_rescale", "anneal_steps": 0}, r'"petra.delay_compensation.anneal_steps" must be an integer >= 1'),
+    (3, r'"petra.delay_compensation" must be a method name'),
+])
+def test_a_bad_delay_compensation_is_refused_by_name(value, message):
+    with pytest.raises(PetraConfigError, match=message):
+        PetraConfig.from_dict({"delay_compensation": value})
+
+
+def test_weight_stashing_and_compensation_are_not_combined():
+    with pytest.raises(PetraConfigError, match="cannot be combined"):
+        PetraConfig.from_dict({"param_buffer": True, "delay_compensation": "lr_rescale"})
+    assert PetraConfig.from_dict({}).delay_compensation == DelayCompensation()
+
+
+def test_the_examples_flag_writes_the_petra_section_and_refuses_a_backprop_config():
+    import argparse
+
+    from petra_ds.runs import add_run_arguments, apply_run_arguments
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args = parser.parse_args(["--delay-compensation", '{"method": "weight_prediction", "beta": 0.5}'])
+    config = {"petra": {}}
+    assert apply_run_arguments(args, config) == "petra"
+    assert PetraConfig.from_dict(config["petra"]).delay_compensation == DelayCompensation("weight_prediction", beta=0.5)
+    args = parser.parse_args(["--delay-compensation", "lr_rescale"])
+    with pytest.raises(SystemExit, match='--delay-compensation configure PETRA: use a config that has a "petra"'):
+        apply_run_arguments(args, {})
+    assert apply_run_arguments(parser.parse_args([]), {}) == "backprop"

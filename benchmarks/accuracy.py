@@ -1,17 +1,24 @@
-"""PETRA vs backprop (DeepSpeed 1F1B) on the same architecture, data, epochs and seed.
+"""PETRA (plain and with each delay compensation) vs backprop (DeepSpeed 1F1B) on the same
+architecture, data, epochs and seed.
 
     OMP_NUM_THREADS=1 python benchmarks/accuracy.py --dataset digits --width 16 --epochs 40 --procs 2
+    ... --methods backprop petra weight_prediction lr_rescale --procs 1 --jobs 2 --epochs 15
 
-Runs examples/revnet/train.py once per method under the deepspeed launcher, prints the final and best
-eval accuracies and their difference in points, and saves everything as JSON.
+Runs examples/revnet/train.py once per method (under the deepspeed launcher with --procs > 1; --jobs
+runs at once, one thread each), prints the final and best eval accuracies and their difference to
+backprop in points, and saves everything as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from example_runs import DEEPSPEED, run_example, save_report
+
+METHODS = ("backprop", "petra", "weight_prediction", "lr_rescale")
 
 
 def main() -> None:
@@ -21,6 +28,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once")
+    parser.add_argument("--methods", nargs="+", default=["backprop", "petra"], choices=METHODS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--petra-config", default="ds_configs/petra_digits.json")
     parser.add_argument("--backprop-config", default="ds_configs/backprop_digits.json")
@@ -28,25 +37,34 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/accuracy")
     args = parser.parse_args()
 
-    results = {}
-    for method, config in (("petra", args.petra_config), ("backprop", args.backprop_config)):
+    def run(method: str) -> tuple[str, dict]:
         out = os.path.join(args.run_dir, method)
-        cmd = [DEEPSPEED, "--num_gpus", str(args.procs), "examples/revnet/train.py", "--deepspeed_config", config,
-               "--dataset", args.dataset, "--arch", args.arch, "--width", str(args.width), "--epochs",
-               str(args.epochs), "--seed", str(args.seed), "--workers", "1", "--output-dir", out]
+        launcher = [sys.executable] if args.procs == 1 else [DEEPSPEED, "--num_gpus", str(args.procs)]
+        config = args.backprop_config if method == "backprop" else args.petra_config
+        cmd = launcher + ["examples/revnet/train.py", "--deepspeed_config", config,
+                          "--dataset", args.dataset, "--arch", args.arch, "--width", str(args.width), "--epochs",
+                          str(args.epochs), "--seed", str(args.seed), "--workers", "1", "--output-dir", out]
+        if method != "backprop":
+            cmd += ["--delay-compensation", "none" if method == "petra" else method]
         summary, _rows, wall = run_example(cmd, out)
-        results[method] = {"final_eval_acc": summary["final_eval_acc"], "best_eval_acc": summary["best_eval_acc"],
-                           "samples_per_s": summary["samples_per_s"], "stages": summary["stages"],
-                           "wall_s": wall, "command": " ".join(cmd[1:])}
+        return method, {"final_eval_acc": summary["final_eval_acc"], "best_eval_acc": summary["best_eval_acc"],
+                        "samples_per_s": summary["samples_per_s"], "stages": summary["stages"],
+                        "wall_s": wall, "command": " ".join(cmd[1:])}
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = dict(pool.map(run, args.methods))
     gap = 100 * (results["backprop"]["final_eval_acc"] - results["petra"]["final_eval_acc"])
     report = {"dataset": args.dataset, "arch": args.arch, "width": args.width, "epochs": args.epochs,
               "procs": args.procs, "seed": args.seed, "results": results, "gap_points_final": gap}
     save_report(args.output, report)
-    print(f"{'method':10s} {'final':>8s} {'best':>8s} {'samples/s':>10s} {'wall s':>8s}")
+    print(f"{'method':18s} {'final':>8s} {'best':>8s} {'samples/s':>10s} {'wall s':>8s}")
     for method, r in results.items():
-        print(f"{method:10s} {100 * r['final_eval_acc']:7.2f}% {100 * r['best_eval_acc']:7.2f}% "
+        print(f"{method:18s} {100 * r['final_eval_acc']:7.2f}% {100 * r['best_eval_acc']:7.2f}% "
               f"{r['samples_per_s']:10.1f} {r['wall_s']:8.1f}")
     print(f"backprop - petra (final): {gap:+.2f} points")
+    for method, r in results.items():
+        if method not in ("backprop", "petra"):
+            print(f"{method} - petra (final): {100 * (r['final_eval_acc'] - results['petra']['final_eval_acc']):+.2f} points")
 
 
 if __name__ == "__main__":

@@ -29,13 +29,15 @@ def command(args: argparse.Namespace, out: str) -> list[str]:
         return [DEEPSPEED, "--num_gpus", str(args.procs), "examples/revnet/train.py",
                 "--deepspeed_config", "ds_configs/petra_digits.json", "--dataset", "digits", "--arch", "revnet18",
                 "--width", "16", "--epochs", str(args.epochs), "--seed", str(args.seed), "--workers", "1",
-                "--gradient-quality", str(args.every), "--output-dir", out]
+                "--gradient-quality", str(args.every), "--output-dir", out,
+                "--delay-compensation", args.delay_compensation]
     files = stdlib_corpus(os.path.join(ROOT, args.run_dir, "text"), 3_000_000)
     return [DEEPSPEED, "--num_gpus", str(args.procs), "examples/reformer/train.py",
             "--deepspeed_config", "ds_configs/petra_lm.json", "--model", "revgpt", "--data-files", *files,
             "--seq-len", "128", "--d-model", "128", "--layers", "6", "--heads", "4", "--vocab-size", "2048",
             "--lr", "2e-4", "--max-steps", str(args.steps), "--eval-every", str(max(1, args.steps // 4)),
-            "--stages", "4", "--seed", str(args.seed), "--gradient-quality", str(args.every), "--output-dir", out]
+            "--stages", "4", "--seed", str(args.seed), "--gradient-quality", str(args.every), "--output-dir", out,
+            "--delay-compensation", args.delay_compensation]
 
 
 def main() -> None:
@@ -47,40 +49,43 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default="runs/gradient_quality")
+    parser.add_argument("--delay-compensation", default="none",
+                        help="PETRA's delay compensation (petra_ds.compensation): none, weight_prediction, lr_rescale")
     parser.add_argument("--rows-from", default=None, help="recompute the tables from this saved report (no run)")
     args = parser.parse_args()
 
-    output = os.path.join("benchmarks", "results", f"gradient_quality_{args.model}.json")
+    name = args.model + ("" if args.delay_compensation == "none" else f"_{args.delay_compensation}")
+    output = os.path.join("benchmarks", "results", f"gradient_quality_{name}.json")
     if args.rows_from:  # the tables again from a saved report, without training
         with open(os.path.join(ROOT, args.rows_from)) as f:
             report = json.load(f)
         rows = report["rows"]
     else:
-        out = os.path.join(args.run_dir, args.model)
+        out = os.path.join(args.run_dir, name)
         cmd = command(args, out)
         summary, rows, wall = run_example(cmd, out)
         rows = [r for r in rows if r.get("kind") == "gradient_quality"]
         report = {"model": args.model, "args": vars(args), "command": " ".join(cmd[1:]), "wall_s": wall,
                   "summary": summary, "rows": rows}
-        figure = os.path.join(ROOT, "benchmarks", "results", f"gradient_quality_{args.model}.png")
+        figure = os.path.join(ROOT, "benchmarks", "results", f"gradient_quality_{name}.png")
         os.makedirs(os.path.dirname(figure), exist_ok=True)
-        shutil.copy(plot(rows, os.path.join(ROOT, out, "gq_plot.png"), title=f"{args.model}: PETRA gradient quality"),
+        shutil.copy(plot(rows, os.path.join(ROOT, out, "gq_plot.png"), title=f"{name}: PETRA gradient quality"),
                     figure)
     steps = sorted({r["step"] for r in rows})
     tenth = max(1, len(steps) // 10)
     middle = len(steps) // 2
     spans = {"early": steps[:tenth], "middle": steps[middle:middle + tenth], "late": steps[-tenth:]}
-    for name, span in spans.items():
-        report[f"{name}_steps"] = [span[0], span[-1]]
-        report[name] = by_stage(rows, span[0], span[-1])
+    for part, span in spans.items():
+        report[f"{part}_steps"] = [span[0], span[-1]]
+        report[part] = by_stage(rows, span[0], span[-1])
     save_report(output, report)
-    for name in spans:
-        table, span = report[name], report[f"{name}_steps"]
-        print(f"\n{name} (optimizer steps {span[0]}-{span[1]}):")
+    for part in spans:
+        table, span = report[part], report[f"{part}_steps"]
+        print(f"\n{part} (optimizer steps {span[0]}-{span[1]}):")
         print(f"{'stage':>5s} " + " ".join(f"{c:>20s}" for c in COLUMNS))
         for r in table:
             print(f"{r['stage']:5d} " + " ".join(f"{r[c]:20.4g}" for c in COLUMNS))
-    print(f"\nplot: benchmarks/results/gradient_quality_{args.model}.png")
+    print(f"\nplot: benchmarks/results/gradient_quality_{name}.png")
 
 
 if __name__ == "__main__":

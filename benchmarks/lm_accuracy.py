@@ -1,11 +1,15 @@
-"""PETRA vs backprop (DeepSpeed 1F1B) on the same small RevGPT, text, steps and seed, on CPU.
+"""PETRA (plain and with each delay compensation) against backprop on the same RevGPT, text, steps and
+seed, over a grid of Adam learning rates and pipeline depths J, on CPU.
 
-    OMP_NUM_THREADS=1 python benchmarks/lm_accuracy.py --steps 480 --procs 2
+    OMP_NUM_THREADS=1 python benchmarks/lm_accuracy.py --lrs 2e-4 5e-4 1e-3 --stages 4 8 --steps 320 --jobs 2
 
 The text is offline and reproducible: the docstrings of this Python's standard library, one paragraph
-per line, the last 5% of paragraphs held out. Runs examples/reformer/train.py once per method under
-the deepspeed launcher (a BPE tokenizer trained on the training text), prints the final validation
-losses and their relative gap, and saves everything as JSON.
+per line, the last 5% of paragraphs held out. Every run is examples/reformer/train.py (AdamW, warm-up
+then cosine decay, dropout 0.1, k = 4); backprop is DeepSpeed's engine (1F1B with --procs > 1; with
+--procs 1 a single stage: the same arithmetic), PETRA runs its J stages on --procs processes (the stages
+per process do not change PETRA's arithmetic: tests/test_engine.py::test_layout_invariance). A run
+whose summary.json exists is read back instead of run again, so a sweep can be continued. Prints the
+table of final validation losses and gaps to backprop, saves the JSON and one PNG of all the curves.
 """
 
 from __future__ import annotations
@@ -13,10 +17,15 @@ from __future__ import annotations
 import argparse
 import ast
 import glob
+import json
 import os
+import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 
 from example_runs import DEEPSPEED, ROOT, run_example, save_report
+
+METHODS = ("backprop", "petra", "weight_prediction", "lr_rescale")
 
 
 def stdlib_corpus(out_dir: str, max_chars: int) -> list[str]:
@@ -47,17 +56,81 @@ def stdlib_corpus(out_dir: str, max_chars: int) -> list[str]:
     return files
 
 
+def command(args: argparse.Namespace, files: list[str], method: str, lr: float, stages: int, out: str) -> list[str]:
+    config = args.backprop_config if method == "backprop" else args.petra_config
+    launcher = [sys.executable] if args.procs == 1 else [DEEPSPEED, "--num_gpus", str(args.procs)]
+    cmd = launcher + [
+        "examples/reformer/train.py", "--deepspeed_config", config, "--model", "revgpt", "--data-files", *files,
+        "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers),
+        "--heads", str(args.heads), "--vocab-size", str(args.vocab_size), "--lr", str(lr),
+        "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
+        "--eval-every", str(max(1, args.steps // 8)), "--eval-batches", str(args.eval_batches),
+        "--seed", str(args.seed), "--output-dir", out]
+    if method != "backprop":
+        cmd += ["--stages", str(stages)]
+    if method != "backprop":  # "petra" is the paper's (the LM config's own default compensates)
+        cmd += ["--delay-compensation", "none" if method == "petra" else method]
+    return cmd
+
+
+def run_one(args: argparse.Namespace, files: list[str], method: str, lr: float, stages: int) -> dict:
+    name = f"{method}_lr{lr:g}" + ("" if method == "backprop" else f"_J{stages}")
+    out = os.path.join(args.run_dir, name)
+    cmd = command(args, files, method, lr, stages, out)
+    summary_path = os.path.join(ROOT, out, "summary.json")
+    if os.path.exists(summary_path):
+        with open(summary_path) as f:
+            summary = json.load(f)
+        with open(os.path.join(ROOT, out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        wall = None
+    else:
+        summary, rows, wall = run_example(cmd, out)
+    print(f"{name}: {summary['final_val_loss']:.4f}", flush=True)
+    return {"method": method, "lr": lr, "stages": None if method == "backprop" else stages,
+            "final_val_loss": summary["final_val_loss"], "val_curve": [(r["step"], r["val_loss"]) for r in rows],
+            "wall_s": wall, "command": " ".join(cmd[1:] if args.procs > 1 else ["python"] + cmd[1:])}
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lrs, depths = report["args"]["lrs"], report["args"]["stages"]
+    fig, axes = plt.subplots(len(depths), len(lrs), figsize=(4.2 * len(lrs), 3.4 * len(depths)), squeeze=False)
+    for row, J in enumerate(depths):
+        for col, lr in enumerate(lrs):
+            ax = axes[row][col]
+            for r in report["runs"]:
+                if r["lr"] == lr and r["stages"] in (None, J):
+                    steps, losses = zip(*r["val_curve"])
+                    ax.plot(steps, losses, marker=".", label=r["method"],
+                            color="black" if r["method"] == "backprop" else None)
+            ax.set_title(f"Adam lr {lr:g}, J = {J}")
+            ax.set_xlabel("train_batch calls")
+            ax.set_ylabel("validation loss")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=480)
-    parser.add_argument("--procs", type=int, default=2)
-    parser.add_argument("--stages", type=int, default=4, help="PETRA stages J")
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lrs", type=float, nargs="+", default=[2e-4, 5e-4, 1e-3])
+    parser.add_argument("--stages", type=int, nargs="+", default=[4, 8], help="PETRA depths J")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--steps", type=int, default=320)
+    parser.add_argument("--warmup-steps", type=int, default=32)
+    parser.add_argument("--procs", type=int, default=1, help="processes per run")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
+    parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--eval-batches", type=int, default=50)
     parser.add_argument("--max-chars", type=int, default=3_000_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--petra-config", default="ds_configs/petra_lm.json")
@@ -67,32 +140,22 @@ def main() -> None:
     args = parser.parse_args()
 
     files = stdlib_corpus(os.path.join(ROOT, args.run_dir, "text"), args.max_chars)
-    results = {}
-    for method, config in (("petra", args.petra_config), ("backprop", args.backprop_config)):
-        out = os.path.join(args.run_dir, method)
-        cmd = [DEEPSPEED, "--num_gpus", str(args.procs), "examples/reformer/train.py", "--deepspeed_config", config,
-               "--model", "revgpt", "--data-files", *files, "--seq-len", str(args.seq_len),
-               "--d-model", str(args.d_model), "--layers", str(args.layers), "--heads", str(args.heads),
-               "--vocab-size", str(args.vocab_size), "--lr", str(args.lr), "--max-steps", str(args.steps),
-               "--eval-every", str(max(1, args.steps // 10)), "--seed", str(args.seed), "--output-dir", out]
-        if method == "petra":
-            cmd += ["--stages", str(args.stages)]
-        summary, curve, wall = run_example(cmd, out)
-        results[method] = {"final_val_loss": summary["final_val_loss"],
-                           "final_val_perplexity": summary["final_val_perplexity"],
-                           "tokens_per_s": summary["tokens_per_s"], "stages": summary["stages"],
-                           "val_curve": [(m["step"], m["val_loss"]) for m in curve],
-                           "wall_s": wall, "command": " ".join(cmd[1:])}
-    petra, backprop = results["petra"]["final_val_loss"], results["backprop"]["final_val_loss"]
-    gap = (petra - backprop) / backprop
-    report = {"model": "revgpt", "steps": args.steps, "procs": args.procs, "seed": args.seed,
-              "args": vars(args), "results": results, "relative_gap_val_loss": gap}
+    jobs = [(m, lr, J) for lr in args.lrs for m in args.methods for J in (args.stages[:1] if m == "backprop"
+                                                                          else args.stages)]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        runs = list(pool.map(lambda job: run_one(args, files, *job), jobs))
+    backprop = {r["lr"]: r["final_val_loss"] for r in runs if r["method"] == "backprop"}
+    for r in runs:
+        if r["lr"] in backprop:
+            r["gap_to_backprop"] = (r["final_val_loss"] - backprop[r["lr"]]) / backprop[r["lr"]]
+    report = {"model": "revgpt", "args": vars(args), "runs": runs}
     save_report(args.output, report)
-    print(f"{'method':10s} {'val loss':>9s} {'ppl':>8s} {'tokens/s':>9s} {'wall s':>8s}")
-    for method, r in results.items():
-        print(f"{method:10s} {r['final_val_loss']:9.4f} {r['final_val_perplexity']:8.2f} "
-              f"{r['tokens_per_s']:9.1f} {r['wall_s']:8.1f}")
-    print(f"(petra - backprop) / backprop: {100 * gap:+.2f}% of the validation loss")
+    plot(report, os.path.join(ROOT, os.path.splitext(args.output)[0] + ".png"))
+    print(f"{'lr':>7s} {'J':>3s} {'method':18s} {'val loss':>9s} {'vs backprop':>12s}")
+    for r in sorted(runs, key=lambda r: (r["lr"], r["stages"] or 0, METHODS.index(r["method"]))):
+        gap = r.get("gap_to_backprop")
+        print(f"{r['lr']:7.0e} {r['stages'] or '-':>3} {r['method']:18s} {r['final_val_loss']:9.4f} "
+              f"{'' if gap is None else f'{100 * gap:+.2f}%':>12s}")
 
 
 if __name__ == "__main__":

@@ -145,3 +145,15 @@ def test_the_examples_flag_writes_the_petra_section_and_refuses_a_backprop_confi
     with pytest.raises(SystemExit, match='--delay-compensation configure PETRA: use a config that has a "petra"'):
         apply_run_arguments(args, {})
     assert apply_run_arguments(parser.parse_args([]), {}) == "backprop"
+
+
+def test_per_stage_clipping_under_bf16_clips_the_fp32_gradients():
+    """bf16 autocast keeps fp32 parameters and gradients: clipping sees and writes fp32, as without it."""
+    clip = 0.05
+    res = launch({"pipe": 1, "stages_per_rank": 4, "k": K, "dtype": "float32", "micro_batch": 8, "dropout": 0.1,
+                  "bf16": True, "train_batches": 3, "optimizer": SGD, "config": {"gradient_clipping": clip}})[0]
+    norms = [float(torch.sqrt(sum((g.double() ** 2).sum() for g in step.values())))
+             for steps in res["grads"].values() for step in steps]
+    assert all(g.dtype == torch.float32 for steps in res["grads"].values() for step in steps for g in step.values())
+    assert max(norms) <= clip * (1 + 1e-5) and max(norms) > 0.99 * clip
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in res["params"].values())

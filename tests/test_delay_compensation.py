@@ -157,3 +157,29 @@ def test_per_stage_clipping_under_bf16_clips_the_fp32_gradients():
     assert all(g.dtype == torch.float32 for steps in res["grads"].values() for step in steps for g in step.values())
     assert max(norms) <= clip * (1 + 1e-5) and max(norms) > 0.99 * clip
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in res["params"].values())
+
+
+def test_a_single_stage_with_adamw_and_warmup_cosine_is_backprop():
+    """J = 1, the LM example's optimizer and schedule (AdamW, DeepSpeed's WarmupCosineLR): the engine is
+    backprop with accumulation to float64 precision, so any gap at J = 1 is float32 noise or dropout masks."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    k, batches, lr = 3, 5, 0.01
+    adamw = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.01, "torch_adam": True}}
+    schedule = {"type": "WarmupCosineLR", "params": {"total_num_steps": batches, "warmup_num_steps": 2}}
+    results = run(1, 1, k=k, train_batches=batches, optimizer=adamw, dropout=0.1, config={"scheduler": schedule})
+    (stage,) = oracle.build_stages(1, dropout=0.1)
+    params = oracle.named_params(stage)
+    opt = torch.optim.AdamW(list(params.values()), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    sched = WarmupCosineLR(opt, total_num_steps=batches, warmup_num_steps=2)
+    data = toy_data(k * batches, 4)
+    for step in range(batches):
+        opt.zero_grad()
+        for m in range(step * k, (step + 1) * k):
+            x, y = data[m]
+            with oracle.micro_batch_rng(SEED, m, 0):
+                (oracle.LOSS(oracle.run(stage, x), y) / k).backward()
+        opt.step()
+        sched.step()
+    assert max_diff(results[0]["params"], {n: p.detach() for n, p in params.items()}) < TOL
+    assert max_diff(results[0]["params"], oracle.named_params(oracle.build_stages(1, dropout=0.1)[0])) > 1e-3

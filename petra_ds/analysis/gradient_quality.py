@@ -115,7 +115,8 @@ class GradientQuality:
         if probe is None:
             return
         st = self.engine.stages[stage]
-        theta = [p.detach().clone() for p in self._params(st)]
+        with st.compensation.forward_weights():  # the weights the forward runs with (predicted, if it predicts)
+            theta = [p.detach().clone() for p in self._params(st)]
         probe.forward[stage] = (x, labels, theta)
 
     def mid_clock(self, clock: int) -> None:

@@ -745,7 +745,8 @@ class PetraEngine(PipelineEngine):
 
     def memory_report(self) -> dict[int, dict[str, int]]:
         """Per local stage, bytes held now: parameters, gradients, optimizer state, input buffer (now and
-        peak), parameter buffer (now and peak), stage 0's raw micro-batches, messages held."""
+        peak), parameter buffer (now and peak), stage 0's raw micro-batches, messages held, the delay
+        compensation's state (weight prediction's averaged update)."""
         report = {}
         for j, st in self.stages.items():
             optimizer = self.stage_optimizers[j - self.local_stage_ids[0]]
@@ -763,6 +764,7 @@ class PetraEngine(PipelineEngine):
                 "param_buffer_peak": st.peak_param_buffer_bytes,
                 "raw_micro_batches": tensor_bytes(list(st.raw.values())),
                 "messages": tensor_bytes(held),
+                "delay_compensation": tensor_bytes(st.compensation.state_dict()),
             }
         return report
 

@@ -163,7 +163,11 @@ def apply_run_arguments(args: Any, config: dict) -> str:
         config["petra"]["gradient_quality_every"] = args.gradient_quality
     if args.delay_compensation:
         value = args.delay_compensation
-        config["petra"]["delay_compensation"] = json.loads(value) if value.lstrip().startswith("{") else value
+        try:
+            config["petra"]["delay_compensation"] = json.loads(value) if value.lstrip().startswith("{") else value
+        except json.JSONDecodeError as error:
+            raise SystemExit(f"--delay-compensation {value!r} is not valid JSON ({error}); give a method name "
+                             "or an object such as '{\"method\": \"weight_prediction\"}'") from None
     return method
 
 

@@ -141,6 +141,8 @@ def test_the_examples_flag_writes_the_petra_section_and_refuses_a_backprop_confi
     config = {"petra": {}}
     assert apply_run_arguments(args, config) == "petra"
     assert PetraConfig.from_dict(config["petra"]).delay_compensation == DelayCompensation("weight_prediction", beta=0.5)
+    with pytest.raises(SystemExit, match="is not valid JSON"):
+        apply_run_arguments(parser.parse_args(["--delay-compensation", "{method: 1}"]), {"petra": {}})
     args = parser.parse_args(["--delay-compensation", "lr_rescale"])
     with pytest.raises(SystemExit, match='--delay-compensation configure PETRA: use a config that has a "petra"'):
         apply_run_arguments(args, {})
@@ -183,3 +185,12 @@ def test_a_single_stage_with_adamw_and_warmup_cosine_is_backprop():
         sched.step()
     assert max_diff(results[0]["params"], {n: p.detach() for n, p in params.items()}) < TOL
     assert max_diff(results[0]["params"], oracle.named_params(oracle.build_stages(1, dropout=0.1)[0])) > 1e-3
+
+
+def test_the_memory_report_counts_the_averaged_update_weight_prediction_keeps():
+    """One parameter-sized buffer per predicting stage (the last stage predicts nothing): the documented cost."""
+    res = run(1, 4, k=K, train_batches=2, optimizer=SGD, dropout=0.1, memory_trace=True,
+              petra={"delay_compensation": "weight_prediction"})
+    _, report = res[0]["memory"][-1]
+    for j, entry in report.items():
+        assert entry["delay_compensation"] == (entry["params"] if j < 3 else 0), (j, entry)

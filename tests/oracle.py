@@ -67,6 +67,14 @@ def autograd_group_grads(stages, data, group, seed, loss=LOSS):
     return [{n: p.grad.clone() for n, p in named_params(stage).items()} for stage in stages]
 
 
+def backprop_group(stage, data, group, seed, k):
+    """Plain autograd of one stage holding the whole model over micro-batches ``group``, each loss / k."""
+    for m in group:
+        x, y = data[m]
+        with micro_batch_rng(seed, m, 0):
+            (LOSS(run(stage, x), y) / k).backward()
+
+
 class _Tied(nn.Module):
     """``forward_fn(module, x)`` of a TiedLayerSpec, as a module whose parameters are the shared ones."""
 

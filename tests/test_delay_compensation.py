@@ -177,10 +177,7 @@ def test_a_single_stage_with_adamw_and_warmup_cosine_is_backprop():
     data = toy_data(k * batches, 4)
     for step in range(batches):
         opt.zero_grad()
-        for m in range(step * k, (step + 1) * k):
-            x, y = data[m]
-            with oracle.micro_batch_rng(SEED, m, 0):
-                (oracle.LOSS(oracle.run(stage, x), y) / k).backward()
+        oracle.backprop_group(stage, data, range(step * k, (step + 1) * k), SEED, k)
         opt.step()
         sched.step()
     assert max_diff(results[0]["params"], {n: p.detach() for n, p in params.items()}) < TOL

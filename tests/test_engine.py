@@ -58,11 +58,7 @@ def test_single_stage_is_backprop_with_accumulation():
     data = toy_data(k * batches, 4)
     for step in range(batches):
         opt.zero_grad()
-        for m in range(step * k, (step + 1) * k):
-            x, y = data[m]
-            with oracle.micro_batch_rng(SEED, m, 0):
-                loss = oracle.LOSS(oracle.run(stage, x), y) / k
-            loss.backward()
+        oracle.backprop_group(stage, data, range(step * k, (step + 1) * k), SEED, k)
         assert max_diff(results[0]["grads"][0][step], {n: p.grad for n, p in params.items()}) < TOL
         opt.step()
     assert max_diff(results[0]["params"], {n: p.detach() for n, p in params.items()}) < TOL

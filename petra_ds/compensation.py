@@ -14,7 +14,7 @@ micro-batch in flight (no weight stash), at most one extra parameter-sized buffe
   (like an optimizer moment) and one temporary (the predicted weights during a forward, or the
   weights before a step while ``d`` is formed).
 - ``"lr_rescale"`` (PipeMare's learning-rate rescheduling, Yang et al. 2021): stage j's step size is
-  ``lr * max(1, s_j) ** -p_t`` with ``p_t = max(0, 1 - t / anneal_steps)`` at its step t: delayed stages
+  ``lr * max(1, s_j) ** -p_t`` with ``p_t = max(0, 1 - (t - 1) / anneal_steps)`` at its step t: delayed stages
   start with a step size divided by their delay and reach the schedule's after ``anneal_steps``.
   No buffer at all.
 
@@ -24,7 +24,7 @@ The last stage has s_j = 0: every method leaves it as it is.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
@@ -84,9 +84,6 @@ class DelayCompensation:
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise DelayCompensationError(
                 f'"petra.delay_compensation.anneal_steps" must be an integer >= 1, got {steps!r}')
-
-    def describe(self) -> dict:
-        return asdict(self)
 
     def for_stage(self, params: Sequence[Tensor], steps_behind: float) -> "StageCompensation":
         """The per-stage object for a stage whose gradients are ``steps_behind`` optimizer steps late."""
@@ -149,11 +146,12 @@ class WeightPrediction(StageCompensation):
             before = [p.detach().clone() for p in self.params]
         optimizer_step()
         with torch.no_grad():
-            update = [p.detach() - w for p, w in zip(self.params, before)]
+            for w, p in zip(before, self.params):  # in place: the update is w_after - w_before
+                w.sub_(p.detach()).neg_()
             if self.d is None or self.beta == 0:
-                self.d = update
+                self.d = before
             else:
-                for d, u in zip(self.d, update):
+                for d, u in zip(self.d, before):
                     d.mul_(self.beta).add_(u, alpha=1 - self.beta)
 
     def state_dict(self) -> dict:

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from example_runs import DEEPSPEED, run_example, save_report
-
-METHODS = ("backprop", "petra", "weight_prediction", "lr_rescale")
+from example_runs import METHODS, launcher, method_arguments, run_example, save_report
 
 
 def main() -> None:
@@ -39,13 +36,11 @@ def main() -> None:
 
     def run(method: str) -> tuple[str, dict]:
         out = os.path.join(args.run_dir, method)
-        launcher = [sys.executable] if args.procs == 1 else [DEEPSPEED, "--num_gpus", str(args.procs)]
         config = args.backprop_config if method == "backprop" else args.petra_config
-        cmd = launcher + ["examples/revnet/train.py", "--deepspeed_config", config,
-                          "--dataset", args.dataset, "--arch", args.arch, "--width", str(args.width), "--epochs",
-                          str(args.epochs), "--seed", str(args.seed), "--workers", "1", "--output-dir", out]
-        if method != "backprop":
-            cmd += ["--delay-compensation", "none" if method == "petra" else method]
+        cmd = launcher(args.procs) + [
+            "examples/revnet/train.py", "--deepspeed_config", config, "--dataset", args.dataset, "--arch", args.arch,
+            "--width", str(args.width), "--epochs", str(args.epochs), "--seed", str(args.seed), "--workers", "1",
+            "--output-dir", out] + method_arguments(method)
         summary, _rows, wall = run_example(cmd, out)
         return method, {"final_eval_acc": summary["final_eval_acc"], "best_eval_acc": summary["best_eval_acc"],
                         "samples_per_s": summary["samples_per_s"], "stages": summary["stages"],

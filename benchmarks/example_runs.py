@@ -13,17 +13,39 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
 
+#: what the accuracy benchmarks compare: backprop, the paper's PETRA and PETRA with each delay compensation
+METHODS = ("backprop", "petra", "weight_prediction", "lr_rescale")
+
+
+def launcher(procs: int) -> list[str]:
+    """This Python for one process (PETRA's stages all in it), the deepspeed launcher for more."""
+    return [sys.executable] if procs == 1 else [DEEPSPEED, "--num_gpus", str(procs)]
+
+
+def method_arguments(method: str) -> list[str]:
+    """The example's flags for a benchmark method: "petra" is the paper's (an LM config may ship a
+    compensation, so it is turned off by name), the others name their compensation."""
+    if method == "backprop":
+        return []
+    return ["--delay-compensation", "none" if method == "petra" else method]
+
+
+def read_run(output_dir: str) -> tuple[dict, list[dict]]:
+    """(summary.json, metrics.jsonl rows) an example wrote to ``output_dir``."""
+    with open(os.path.join(ROOT, output_dir, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(ROOT, output_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return summary, rows
+
+
 def run_example(cmd: list[str], output_dir: str) -> tuple[dict, list[dict], float]:
     """(summary.json, metrics.jsonl rows, wall seconds) of ``cmd`` run from the repository root with
     one thread per process."""
     start = time.time()
     subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     wall = time.time() - start
-    with open(os.path.join(ROOT, output_dir, "summary.json")) as f:
-        summary = json.load(f)
-    with open(os.path.join(ROOT, output_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return summary, rows, wall
+    return (*read_run(output_dir), wall)
 
 
 def save_report(output: str, report: dict) -> None:

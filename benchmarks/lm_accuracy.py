@@ -17,15 +17,11 @@ from __future__ import annotations
 import argparse
 import ast
 import glob
-import json
 import os
-import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
-from example_runs import DEEPSPEED, ROOT, run_example, save_report
-
-METHODS = ("backprop", "petra", "weight_prediction", "lr_rescale")
+from example_runs import METHODS, ROOT, launcher, method_arguments, read_run, run_example, save_report
 
 
 def stdlib_corpus(out_dir: str, max_chars: int) -> list[str]:
@@ -58,8 +54,7 @@ def stdlib_corpus(out_dir: str, max_chars: int) -> list[str]:
 
 def command(args: argparse.Namespace, files: list[str], method: str, lr: float, stages: int, out: str) -> list[str]:
     config = args.backprop_config if method == "backprop" else args.petra_config
-    launcher = [sys.executable] if args.procs == 1 else [DEEPSPEED, "--num_gpus", str(args.procs)]
-    cmd = launcher + [
+    cmd = launcher(args.procs) + [
         "examples/reformer/train.py", "--deepspeed_config", config, "--model", "revgpt", "--data-files", *files,
         "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers),
         "--heads", str(args.heads), "--vocab-size", str(args.vocab_size), "--lr", str(lr),
@@ -68,22 +63,15 @@ def command(args: argparse.Namespace, files: list[str], method: str, lr: float, 
         "--seed", str(args.seed), "--output-dir", out]
     if method != "backprop":
         cmd += ["--stages", str(stages)]
-    if method != "backprop":  # "petra" is the paper's (the LM config's own default compensates)
-        cmd += ["--delay-compensation", "none" if method == "petra" else method]
-    return cmd
+    return cmd + method_arguments(method)
 
 
 def run_one(args: argparse.Namespace, files: list[str], method: str, lr: float, stages: int) -> dict:
     name = f"{method}_lr{lr:g}" + ("" if method == "backprop" else f"_J{stages}")
     out = os.path.join(args.run_dir, name)
     cmd = command(args, files, method, lr, stages, out)
-    summary_path = os.path.join(ROOT, out, "summary.json")
-    if os.path.exists(summary_path):
-        with open(summary_path) as f:
-            summary = json.load(f)
-        with open(os.path.join(ROOT, out, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f]
-        wall = None
+    if os.path.exists(os.path.join(ROOT, out, "summary.json")):
+        (summary, rows), wall = read_run(out), None
     else:
         summary, rows, wall = run_example(cmd, out)
     print(f"{name}: {summary['final_val_loss']:.4f}", flush=True)

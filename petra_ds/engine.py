@@ -170,10 +170,13 @@ class PetraEngine(PipelineEngine):
             if stage.reversible != self.reversible[j]:
                 raise TypeError(f"stage {j}: its built layers and their specs disagree on reversibility")
             self.stages[j] = stage
+        #: per local stage, the parameters its own step updates (a reader's tied copies follow the owner):
+        #: what it clips and what its delay compensation acts on
+        self._stepped = {j: [p for p in st.params if p.requires_grad and id(p) not in self._reader_tied_ids(j)]
+                         for j, st in self.stages.items()}
         for j, stage in self.stages.items():
-            stepped = [p for p in stage.params if p.requires_grad and id(p) not in self._reader_tied_ids(j)]
             stage.compensation = petra_config.delay_compensation.for_stage(
-                stepped, delay(j, self.num_petra_stages) / self.micro_batches)
+                self._stepped[j], delay(j, self.num_petra_stages) / self.micro_batches)
         self.timeline = Timeline(self.num_petra_stages)
         self.stage_steps = {j: 0 for j in self.local_stage_ids}
         self.inbox: dict[tuple[int, str, int], tuple] = {}  # (stage, kind, m) -> fields, for the next clock
@@ -465,8 +468,7 @@ class PetraEngine(PipelineEngine):
             self._check_losses()
         finite = self._gradients_finite(stage, step, params)
         if finite and self.gradient_clipping() > 0:
-            own = [p for p in params if id(p) not in self._reader_tied_ids(stage)]
-            torch.nn.utils.clip_grad_norm_(own, self.gradient_clipping())
+            torch.nn.utils.clip_grad_norm_(self._stepped[stage], self.gradient_clipping())
         for observe in self.step_observers:
             observe(stage, st)
         if optimizer is not None and finite:

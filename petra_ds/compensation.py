@@ -24,7 +24,7 @@ The last stage has s_j = 0: every method leaves it as it is.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
@@ -61,7 +61,7 @@ class DelayCompensation:
             raise DelayCompensationError(
                 f'"petra.delay_compensation" must be a method name {METHODS} or an object such as '
                 f'{{"method": "weight_prediction", "scale": 1.0}}, got {value!r}')
-        known = {"method", "scale", "beta", "anneal_steps"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
             raise DelayCompensationError(
@@ -155,7 +155,9 @@ class WeightPrediction(StageCompensation):
                     d.mul_(self.beta).add_(u, alpha=1 - self.beta)
 
     def state_dict(self) -> dict:
-        return {"d": None if self.d is None else [d.clone() for d in self.d]}
+        """The averaged update itself, not a copy: a checkpoint writes it at once, and the memory report
+        counts it without allocating it twice."""
+        return {"d": self.d}
 
     def load_state_dict(self, state: dict) -> None:
         d = state.get("d")
@@ -163,7 +165,7 @@ class WeightPrediction(StageCompensation):
 
 
 class LrRescale(StageCompensation):
-    """PipeMare's step size ``lr * max(1, s) ** -p_t``, ``p_t = max(0, 1 - t / anneal_steps)``."""
+    """PipeMare's step size ``lr * max(1, s) ** -p_t``, ``p_t = max(0, 1 - (t - 1) / anneal_steps)``."""
 
     def __init__(self, steps_behind: float, anneal_steps: int) -> None:
         self.delay = max(1.0, steps_behind)

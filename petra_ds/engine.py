@@ -330,10 +330,10 @@ class PetraEngine(PipelineEngine):
         return self.timeline.clock
 
     def _schedule(self, window: Window) -> PetraSchedule:
-        reconstructs = [r and self.petra_config.input_buffer != "all" for r in self.reversible]
         return PetraSchedule.for_window(
             window, self.num_stages, self.stage_id, stages_per_rank=self.stages_per_rank,
-            gradient_accumulation_steps=self.micro_batches, reversible=reconstructs,
+            gradient_accumulation_steps=self.micro_batches, reversible=self.reversible,
+            input_buffer=self.petra_config.input_buffer,
             ties=[(tie.key, tie.owner, tie.readers) for tie in self.ties])
 
     def _run_window(self, window: Window) -> Tensor:

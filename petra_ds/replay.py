@@ -38,6 +38,7 @@ from .schedule import (
     SendTiedWeight,
     Window,
     delay,
+    reconstructs,
 )
 
 
@@ -139,7 +140,7 @@ class _Replay:
         self.ties = {key: (owner, tuple(readers)) for key, owner, readers in ties}
 
     def reconstructs(self, j: int) -> bool:
-        return 0 < j < self.J - 1 and self.reversible[j]
+        return reconstructs(j, self.J, self.reversible[j])
 
     def fail(self, rank: int, clock: int, cmd, msg: str):
         raise ScheduleError(f"rank {rank}, clock {clock}, {cmd!r}: {msg}")

@@ -42,6 +42,7 @@ __all__ = [
     "backward_micro_batch",
     "delay",
     "forward_micro_batch",
+    "reconstructs",
 ]
 
 
@@ -61,6 +62,14 @@ def backward_micro_batch(clock: int, stage: int, num_stages: int) -> int:
 def delay(stage: int, num_stages: int) -> int:
     """tau_j: clocks between a micro-batch's forward and its backward at ``stage``."""
     return 2 * (num_stages - 1 - stage)
+
+
+def reconstructs(stage: int, num_stages: int, reversible: bool, input_buffer: str = "non_reversible") -> bool:
+    """Whether ``stage`` rebuilds its input by inversion instead of keeping it: a reversible middle
+    stage, unless ``input_buffer="all"`` keeps every input. Stage 0 re-reads its data and the last stage
+    keeps its graph within the clock, so neither does. The schedule, the replay, the timeline, the stage
+    and the engine all ask this function."""
+    return 0 < stage < num_stages - 1 and reversible and input_buffer != "all"
 
 
 # --- which micro-batches exist -------------------------------------------------------------------
@@ -223,7 +232,8 @@ class PetraSchedule(PipeSchedule):
     ``stages`` and ``stage_id`` keep DeepSpeed's meaning (pipeline ranks, this rank); the rank hosts
     PETRA stages ``stage_id * stages_per_rank ...`` up to the next rank's first. ``micro_batches`` is
     the number fed in this window (``feed`` already lists them); ``reversible[j]`` says whether stage
-    ``j`` reconstructs its input instead of keeping it. ``ties`` lists ``(key, owner, readers)`` of the
+    ``j``'s layers are reversible, and :func:`reconstructs` with ``input_buffer`` whether it rebuilds its
+    input instead of keeping it. ``ties`` lists ``(key, owner, readers)`` of the
     tied weights shared across stages (see ``petra_ds.module.Tie``): a reader sends its gradient at
     its step, the owner sends its new weights at its step.
     """
@@ -241,6 +251,7 @@ class PetraSchedule(PipeSchedule):
         gradient_accumulation_steps: int = 1,
         reversible: Sequence[bool] | None = None,
         ties: Sequence[tuple[str, int, Sequence[int]]] = (),
+        input_buffer: str = "non_reversible",
     ) -> None:
         super().__init__(micro_batches, stages, stage_id)
         self.ties = [(key, owner, tuple(readers)) for key, owner, readers in ties]
@@ -258,6 +269,7 @@ class PetraSchedule(PipeSchedule):
         if len(reversible) != self.num_petra_stages:
             raise ValueError(f"reversible has {len(reversible)} entries for {self.num_petra_stages} stages")
         self.reversible = reversible
+        self.input_buffer = input_buffer
 
     @classmethod
     def for_window(cls, window: "Window", stages: int, stage_id: int, **kwargs) -> "PetraSchedule":
@@ -265,9 +277,7 @@ class PetraSchedule(PipeSchedule):
                    start_clock=window.start_clock, clocks=window.clocks, **kwargs)
 
     def reconstructs(self, stage: int) -> bool:
-        """Whether ``stage`` rebuilds its input by inversion. Stage 0 re-reads its data and the last
-        stage keeps its graph within the clock, so neither does."""
-        return 0 < stage < self.num_petra_stages - 1 and self.reversible[stage]
+        return reconstructs(stage, self.num_petra_stages, self.reversible[stage], self.input_buffer)
 
     def forward_at(self, clock: int, stage: int) -> int | None:
         m = forward_micro_batch(clock, stage)

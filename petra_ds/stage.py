@@ -40,6 +40,7 @@ from .nn.reversible import (
 from .compensation import StageCompensation
 from .module import layer_module
 from .nn.rng import micro_batch_rng
+from .schedule import reconstructs
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -102,8 +103,7 @@ class Stage:
         if self.is_last and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn (PipelineModule(loss_fn=...))")
         self.reversible = all(isinstance(l, nn.Module) and is_reversible(l) for l in self.layers)
-        self.reconstructs = (self.reversible and not self.is_first and not self.is_last
-                             and options.input_buffer != "all")
+        self.reconstructs = reconstructs(index, num_stages, self.reversible, options.input_buffer)
         self.keeps_input = not (self.is_first or self.is_last or self.reconstructs)
         self.modules = []
         for layer in self.layers:

@@ -1,0 +1,61 @@
+"""What one micro-batch costs at each stage: the few measured seconds every instruction's duration is
+built from. One record shared by the measurement, the simulator's programs and the predictions."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+__all__ = ["Costs", "StageCosts"]
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Measured seconds of one stage's primitives, for one micro-batch.
+
+    ``backward_split``: the backward as DeepSpeed's ``PipelineEngine`` runs it at a stage whose output is
+    several tensors (a reversible stage's pair): one ``backward(retain_graph=True)`` call per tensor,
+    which walks the shared part of the graph again. ``None``: the same as ``backward``.
+    """
+
+    forward: float
+    forward_grad: float
+    backward: float
+    step: float = 0.0
+    backward_split: float | None = None
+
+    @property
+    def deepspeed_factor(self) -> float:
+        """How much longer DeepSpeed's backward takes than one backward call (1 without a measurement)."""
+        return 1.0 if self.backward_split is None else self.backward_split / self.backward
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-stage costs and the time of one activation-sized message between neighbouring ranks."""
+
+    stages: tuple[StageCosts, ...]
+    message_s: float = 0.0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @classmethod
+    def uniform(cls, num_stages: int, forward: float, forward_grad: float, backward: float,
+                step: float = 0.0, message_s: float = 0.0) -> "Costs":
+        return cls((StageCosts(forward, forward_grad, backward, step),) * num_stages, message_s)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Costs":
+        """The ``"costs"`` entry of a benchmark report: ``{"stages": [{forward, forward_grad, backward,
+        step[, backward_split]}, ...], "message_s": s}``."""
+        stages = tuple(StageCosts(float(s["forward"]), float(s["forward_grad"]), float(s["backward"]),
+                                  float(s.get("step", 0.0)),
+                                  None if s.get("backward_split") is None else float(s["backward_split"]))
+                       for s in data["stages"])
+        return cls(stages, float(data.get("message_s", 0.0)))
+
+    def to_dict(self) -> dict[str, Any]:
+        stages = [{k: v for k, v in asdict(s).items() if v is not None} for s in self.stages]
+        return {"stages": stages, "message_s": self.message_s}

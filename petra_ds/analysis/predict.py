@@ -1,0 +1,80 @@
+"""Steady-state time per micro-batch of each training variant, and how far it is from the throughput a
+benchmark measured: the numbers the simulator exists to give."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+from .costs import Costs
+from .programs import simulate_schedule
+
+__all__ = ["VARIANTS", "predict", "seconds_per_micro_batch", "validate"]
+
+#: what the simulator predicts; ``single`` is one process running every stage
+VARIANTS = ("single", "naive_mp", "naive_mp_ckpt", "naive_mp_rev", "gpipe", "gpipe_ckpt", "1f1b", "1f1b_ckpt",
+            "1f1b_rev", "petra")
+
+
+def seconds_per_micro_batch(variant: str, costs: Costs, micro_batches: int, *, stages_per_rank: int = 1,
+                            reversible: Sequence[bool] | None = None) -> float:
+    """Steady-state seconds per micro-batch of ``variant`` (see ``VARIANTS``) with k = ``micro_batches``.
+
+    Pipelines flush every ``train_batch``: the time between the ends of consecutive batches / k. PETRA
+    never flushes: its pace once the first micro-batch has gone all the way back, taken from the slowest
+    rank over whole windows. (After the fill the later stages run ahead of the earlier ones by up to a
+    clock per stage, which they only use up slowly when stages are nearly balanced; the slowest rank is
+    already at the steady pace while the others still run faster.)
+    """
+    k = micro_batches
+    if variant == "single":
+        return sum(s.forward_grad + s.backward + s.step / k for s in costs.stages)
+    J = costs.num_stages
+    if variant == "petra":
+        warm = math.ceil((2 * J - 1) / k) + 1
+        measured = max(4, math.ceil(4 * J / k))
+        sim = simulate_schedule("petra", costs, k, warm + measured, stages_per_rank=stages_per_rank,
+                                reversible=reversible)
+        return max(ends[-1] - ends[warm - 1] for ends in sim.rank_ends.values()) / (measured * k)
+    per_batch = 1 if variant.startswith("naive_mp") else k
+    sim = simulate_schedule(variant, costs, per_batch, 3, reversible=reversible)
+    return (sim.batch_ends[2] - sim.batch_ends[0]) / (2 * per_batch)
+
+
+def predict(costs: Costs, micro_batches: int, variants: Sequence[str] = VARIANTS, *,
+            reversible: Sequence[bool] | None = None) -> dict[str, float]:
+    """Seconds per micro-batch of each variant."""
+    return {v: seconds_per_micro_batch(v, costs, micro_batches, reversible=reversible) for v in variants}
+
+
+def validate(report: Mapping[str, Any], tolerance: float = 0.15, costs: Costs | None = None) -> dict[str, Any]:
+    """Predicted vs measured samples/s of every variant of a throughput report.
+
+    The report holds ``"costs"`` (see :meth:`Costs.from_dict`; or pass ``costs``, e.g. those of another
+    run of the same model and partition), ``"variants": {name: {"samples_per_s"}}``, ``"micro_batch_size"``,
+    ``"micro_batches"`` (k) and ``"stages"`` (J). ``"ds_streams": "stacked"`` says DeepSpeed's pipeline
+    got each stage's pair of streams as one tensor, so its backward is one call: ``backward_split`` is
+    then not used. Variants this module does not model are listed under ``"skipped"``."""
+    costs = Costs.from_dict(report["costs"]) if costs is None else costs
+    if report.get("ds_streams") == "stacked":
+        costs = Costs(tuple(replace(s, backward_split=None) for s in costs.stages), costs.message_s)
+    J, k, size = int(report["stages"]), int(report["micro_batches"]), int(report["micro_batch_size"])
+    if costs.num_stages != J:
+        raise ValueError(f"the report has {J} stages but costs for {costs.num_stages}")
+    rows: dict[str, dict[str, float]] = {}
+    skipped = []
+    for name, measured in report["variants"].items():
+        if name not in VARIANTS or not measured.get("samples_per_s"):
+            skipped.append(name)
+            continue
+        seconds = seconds_per_micro_batch(name, costs, k)
+        predicted = size / seconds
+        got = float(measured["samples_per_s"])
+        rows[name] = {"measured_samples_per_s": got, "predicted_samples_per_s": predicted,
+                      "predicted_ms_per_micro_batch": 1e3 * seconds, "measured_ms_per_micro_batch": 1e3 * size / got,
+                      "relative_error": (predicted - got) / got}
+    worst = max((abs(r["relative_error"]) for r in rows.values()), default=0.0)
+    return {"stages": J, "micro_batches": k, "micro_batch_size": size, "tolerance": tolerance,
+            "ds_streams": report.get("ds_streams"), "costs": costs.to_dict(), "variants": rows, "skipped": skipped,
+            "max_abs_relative_error": worst, "within_tolerance": worst <= tolerance}

@@ -265,19 +265,21 @@ def stage_costs(engine, data) -> dict:
 
     from petra_ds.analysis.timeline import measure_stage_costs
 
+    from petra_ds.observe import Observer
+
     (stage_id,) = engine.local_stage_ids
     stage = engine.stages[stage_id]
-    seen = []
-    forward = stage.forward
 
-    def capture(m, x, labels=None):
-        seen.append((x, labels))
-        return forward(m, x, labels)
+    class Inputs(Observer):
+        seen: list = []
 
-    stage.forward = capture
+        def after_forward(self, engine, stage, micro_batch, x, labels):
+            self.seen.append((x, labels))
+
+    inputs = engine.observe(Inputs())
     engine.train_batch(data)
-    del stage.forward  # back to the class's method
-    x, labels = seen[0]
+    engine.observers.remove(inputs)
+    x, labels = inputs.seen[0]
     costs = measure_stage_costs(stage.run, x, [p for p in stage.params if p.requires_grad],
                                 loss_fn=stage.loss_fn if stage.is_last else None, labels=labels,
                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4), input_grad=stage_id > 0)
@@ -291,13 +293,13 @@ def message_seconds(engine) -> float:
     value on every rank."""
     from deepspeed import comm as dist
 
-    from petra_ds import messages
+    from petra_ds import keys, messages
     from petra_ds.analysis.timeline import measure_message_seconds
 
     if engine.num_stages < 2:
         return 0.0
     stage_rank = engine.transport.stage_rank
-    holder = [engine.transport.layouts.get(("act", 0, 1))]  # negotiated by stage 0 on its first send
+    holder = [engine.transport.layouts.get(keys.forward_channel(0))]  # negotiated by stage 0 on its first send
     dist.broadcast_object_list(holder, src=stage_rank(0))
     rank0, rank1 = stage_rank(0), stage_rank(1)
     median = [0.0]

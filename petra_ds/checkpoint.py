@@ -16,10 +16,17 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import asdict
+from typing import Any
 
 import torch
 
+from . import keys
+from .schedule import FeedLog, Timeline
+
 LATEST = "latest"
+#: ``petra`` keys that do not change training: a checkpoint resumes under other values
+DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible", "reconstruct_overlap")
 
 
 def partial_dir(save_dir: str, tag: str) -> str:
@@ -88,3 +95,77 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str, str]:
             return str(tag), aside
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     return str(tag), path
+
+
+# --- a PetraEngine's checkpoint (the engine's save_checkpoint / load_checkpoint) ---
+
+
+def save_engine(engine: Any, save_dir: str, tag: str, client_state: dict | None, save_latest: bool,
+                exclude_frozen_parameters: bool) -> str:
+    """Every rank: its layer files in DeepSpeed's layout and its PETRA state, then rank 0 commits."""
+    if engine.mid_clock:
+        raise RuntimeError("save_checkpoint() must be called between train_batch() calls")
+    if engine.global_rank == 0:
+        prepare(save_dir, tag)
+    engine.transport.barrier("save_checkpoint: the directory is prepared")
+    path = partial_dir(save_dir, tag)
+    engine.module.save_state_dict(path, checkpoint_engine=engine.checkpoint_engine,
+                                  exclude_frozen_params=exclude_frozen_parameters)
+    atomic_save(engine_state(engine, client_state), state_file(path, engine.stage_id, engine.grid.data_parallel_id))
+    engine.transport.barrier("save_checkpoint: every rank wrote its files")
+    final = os.path.join(save_dir, tag)
+    if engine.global_rank == 0:
+        final = commit(save_dir, tag, save_latest)
+    engine.transport.barrier("save_checkpoint: committed")
+    engine.transport.save_trace()
+    return final
+
+
+def layout_signature(engine: Any) -> dict:
+    """What a checkpoint must match to be resumed: the parallel layout, k, the training-relevant config."""
+    return {"pipe": engine.num_stages, "data": engine.grid.data_parallel_size,
+            "stages_per_rank": engine.stages_per_rank, "k": engine.micro_batches,
+            "petra": {k: v for k, v in asdict(engine.petra_config).items() if k not in DIAGNOSTIC_KEYS}}
+
+
+def engine_state(engine: Any, client_state: dict | None) -> dict:
+    """A rank's in-flight PETRA state between two ``train_batch`` calls."""
+    return {
+        "format": 1, "layout": layout_signature(engine), "clock": engine.timeline.clock,
+        "feed": engine.timeline.feed.intervals, "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples, "stage_steps": dict(engine.stage_steps),
+        "optimizers": [None if opt is None else opt.state_dict() for opt in engine.stage_optimizers],
+        "schedulers": [s.state_dict() if s is not None else None for s in engine.stage_schedulers],
+        "stages": {j: st.state_dict() for j, st in engine.stages.items()},
+        "inbox": {tuple(k): v for k, v in engine.inbox.items()},
+        "reader_tied_modules": engine.ties.reader_states(engine.stages),
+        "client_state": client_state or {},
+    }
+
+
+def load_engine(engine: Any, load_dir: str, tag: str | None, strict: bool, optimizer_states: bool,
+                scheduler_states: bool, module_only: bool) -> tuple[str, dict]:
+    """Load what :func:`save_engine` wrote; training continues exactly where it stopped."""
+    tag, path = resolve(load_dir, tag)
+    engine.module.load_state_dir(load_dir=path, checkpoint_engine=engine.checkpoint_engine, strict=strict)
+    if module_only:
+        return path, {}
+    state = torch.load(state_file(path, engine.stage_id, engine.grid.data_parallel_id), map_location=engine.device,
+                       weights_only=False)
+    if state["layout"] != layout_signature(engine):
+        raise ValueError(f"checkpoint {path} was written with {state['layout']}, this run has "
+                         f"{layout_signature(engine)}; resume with the same layout and petra config")
+    engine.timeline = Timeline(engine.num_petra_stages, state["clock"], FeedLog(tuple(map(tuple, state["feed"]))))
+    engine.global_steps, engine.global_samples = state["global_steps"], state["global_samples"]
+    engine.stage_steps = dict(state["stage_steps"])
+    pairs = [(engine.stage_optimizers, state["optimizers"], optimizer_states),
+             (engine.stage_schedulers, state["schedulers"], scheduler_states)]
+    for objects, states, wanted in pairs:
+        for obj, sd in zip(objects, states):
+            if wanted and obj is not None and sd is not None:
+                obj.load_state_dict(sd)
+    for j, st in engine.stages.items():
+        st.load_state_dict(state["stages"][j])
+    engine.inbox = {keys.Key(*k): v for k, v in state["inbox"].items()}
+    engine.ties.load_reader_states(engine.stages, state["reader_tied_modules"])
+    return path, state["client_state"]

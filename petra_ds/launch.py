@@ -98,7 +98,10 @@ def initialize(
                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                          config_class=config_class, petra_config=petra, bf16=bf16)
-    engine._configure_python_gc()
+    if petra.gradient_quality_every > 0:
+        from .analysis.gradient_quality import GradientQuality
+
+        engine.gradient_quality = engine.observe(GradientQuality(engine, petra.gradient_quality_every))
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

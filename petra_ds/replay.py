@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction
 
+from . import keys
 from .schedule import (
     AccumulateAndStep,
     CommitP2P,
@@ -132,8 +133,8 @@ class _Replay:
         self.queued_recvs: dict[int, list] = defaultdict(list)
         self.committing: set[int] = set()
         # (stage, kind, mb) -> clock at which the message was received (usable at clock + 1)
-        self.inbox: dict[tuple[int, str, int], int] = {}
-        self.outbox: dict[tuple[int, str, int], int] = {}  # produced, not yet sent
+        self.inbox: dict[keys.Key, int] = {}
+        self.outbox: dict[keys.Key, int] = {}  # produced, not yet sent (by the receiver's key)
         self.tape: dict[int, tuple[int, int]] = {}  # stage -> (mb, clock) of a reconstruction
         self.graph: dict[int, tuple[int, int]] = {}  # last stage's live graph
         self.done_this_clock: dict[int, int] = {}  # stage -> clock of its last step
@@ -223,7 +224,7 @@ class _Replay:
             j, m = cmd.stage, cmd.micro_batch
             if not self.reconstructs(j):
                 self.fail(rank, clock, cmd, "this stage cannot reconstruct its input")
-            self.take(rank, clock, cmd, (j, "grad", m))
+            self.take(rank, clock, cmd, keys.Key(j, keys.GRAD, m))
             self.tape[j] = (m, clock)
         elif isinstance(cmd, DelayedBackward):
             self.backward(rank, clock, cmd)
@@ -236,30 +237,35 @@ class _Replay:
             self.done_this_clock[j] = clock
             for key, (owner, readers) in self.ties.items():
                 if j in readers:
-                    self.outbox[(j, f"tied_grad:{key}", cmd.step)] = clock
+                    self.outbox[keys.tied_grad_key(owner, key, j, cmd.step)] = clock
                 if j == owner:
                     for reader in readers:
-                        self.take(rank, clock, cmd, (j, f"tied_grad:{key}:{reader}", cmd.step), any_earlier_clock=True)
-                        self.outbox[(j, f"tied_weight:{key}:{reader}", cmd.step)] = clock
+                        self.take(rank, clock, cmd, keys.tied_grad_key(j, key, reader, cmd.step), any_earlier_clock=True)
+                        self.outbox[keys.tied_weight_key(reader, key, cmd.step)] = clock
         elif isinstance(cmd, SendTiedGrad):
-            self.queue_tied(rank, clock, cmd, (cmd.stage, f"tied_grad:{cmd.key}", cmd.step),
-                            (f"tied_grad:{cmd.key}", cmd.stage, cmd.owner))
+            self.queue_tied(rank, clock, cmd, keys.tied_grad_key(cmd.owner, cmd.key, cmd.stage, cmd.step),
+                            keys.tied_grad_channel(cmd.key, cmd.stage, cmd.owner))
         elif isinstance(cmd, SendTiedWeight):
-            self.queue_tied(rank, clock, cmd, (cmd.stage, f"tied_weight:{cmd.key}:{cmd.reader}", cmd.step),
-                            (f"tied_weight:{cmd.key}", cmd.stage, cmd.reader))
+            self.queue_tied(rank, clock, cmd, keys.tied_weight_key(cmd.reader, cmd.key, cmd.step),
+                            keys.tied_weight_channel(cmd.key, cmd.stage, cmd.reader))
         elif isinstance(cmd, RecvTiedGrad):
-            self.queued_recvs[rank].append((f"tied_grad:{cmd.key}", cmd.reader, cmd.stage, cmd.step, False, cmd))
+            self.queued_recvs[rank].append((keys.tied_grad_channel(cmd.key, cmd.reader, cmd.stage),
+                                            keys.tied_grad_key(cmd.stage, cmd.key, cmd.reader, cmd.step), False, cmd))
         elif isinstance(cmd, RecvTiedWeight):
-            self.queued_recvs[rank].append((f"tied_weight:{cmd.key}", cmd.owner, cmd.stage, cmd.step, False, cmd))
+            self.queued_recvs[rank].append((keys.tied_weight_channel(cmd.key, cmd.owner, cmd.stage),
+                                            keys.tied_weight_key(cmd.stage, cmd.key, cmd.step), False, cmd))
         elif isinstance(cmd, SendActivation):
-            self.queue_send(rank, clock, cmd, "act", cmd.stage + 1, False)
+            self.queue_send(rank, clock, cmd, keys.forward_channel(cmd.stage),
+                            keys.forward_key(cmd.stage, cmd.micro_batch), False)
         elif isinstance(cmd, SendGrad):
-            self.queue_send(rank, clock, cmd, "grad", cmd.stage - 1, cmd.with_input)
+            self.queue_send(rank, clock, cmd, keys.backward_channel(cmd.stage),
+                            keys.backward_key(cmd.stage, cmd.micro_batch), cmd.with_input)
         elif isinstance(cmd, RecvActivation):
-            self.queued_recvs[rank].append(("act", cmd.stage - 1, cmd.stage, cmd.micro_batch, False, cmd))
+            self.queued_recvs[rank].append((keys.forward_channel(cmd.stage - 1),
+                                            keys.forward_key(cmd.stage - 1, cmd.micro_batch), False, cmd))
         elif isinstance(cmd, RecvGrad):
-            self.queued_recvs[rank].append(("grad", cmd.stage + 1, cmd.stage, cmd.micro_batch,
-                                            cmd.with_input, cmd))
+            self.queued_recvs[rank].append((keys.backward_channel(cmd.stage + 1),
+                                            keys.backward_key(cmd.stage + 1, cmd.micro_batch), cmd.with_input, cmd))
         elif isinstance(cmd, PostP2P):
             for channel, message in self.queued_sends.pop(rank, []):
                 self.channels[channel].append(message)
@@ -298,7 +304,7 @@ class _Replay:
             if m not in r.raw:
                 self.fail(rank, clock, cmd, "stage 0 forward before its micro-batch was loaded")
         else:
-            self.take(rank, clock, cmd, (j, "act", m))
+            self.take(rank, clock, cmd, keys.Key(j, keys.ACT, m))
         r.forward_clock[(j, m)] = clock
         if j == self.J - 1:
             self.graph[j] = (m, clock)
@@ -306,7 +312,7 @@ class _Replay:
             r.fifo[j].append(m)
             r.max_fifo[j] = max(r.max_fifo[j], len(r.fifo[j]))
         if j < self.J - 1:
-            self.outbox[(j, "act", m)] = clock
+            self.outbox[keys.forward_key(j, m)] = clock
 
     def backward(self, rank, clock, cmd):
         r = self.report
@@ -326,7 +332,7 @@ class _Replay:
             if self.tape.pop(j, None) != (m, clock):
                 self.fail(rank, clock, cmd, "reversible stage backward without its reconstruction")
         else:
-            self.take(rank, clock, cmd, (j, "grad", m))
+            self.take(rank, clock, cmd, keys.Key(j, keys.GRAD, m))
         if j == 0:
             if m not in r.raw:
                 self.fail(rank, clock, cmd, "stage 0 lost its raw micro-batch")
@@ -337,23 +343,22 @@ class _Replay:
             r.fifo[j].popleft()
         r.backward_clock[(j, m)] = clock
         if j > 0:
-            self.outbox[(j, "grad", m)] = clock
+            self.outbox[keys.backward_key(j, m)] = clock
 
-    def queue_send(self, rank, clock, cmd, kind, dst, with_input):
-        j, m = cmd.stage, cmd.micro_batch
-        if self.outbox.pop((j, kind, m), None) != clock:
+    def queue_send(self, rank, clock, cmd, channel: keys.Channel, key: keys.Key, with_input):
+        if self.outbox.pop(key, None) != clock:
             self.fail(rank, clock, cmd, "sends a message not produced at this clock")
-        if not 0 <= dst < self.J:
-            self.fail(rank, clock, cmd, f"no stage {dst} to send to")
-        if kind == "grad" and with_input != self.reconstructs(dst):
-            self.fail(rank, clock, cmd, f"with_input={with_input} but stage {dst} "
-                      f"{'needs' if self.reconstructs(dst) else 'does not need'} x~")
-        self.queued_sends[rank].append(((kind, j, dst), (m, clock, with_input)))
+        if not 0 <= channel.dst < self.J:
+            self.fail(rank, clock, cmd, f"no stage {channel.dst} to send to")
+        if channel.kind == keys.GRAD and with_input != self.reconstructs(channel.dst):
+            self.fail(rank, clock, cmd, f"with_input={with_input} but stage {channel.dst} "
+                      f"{'needs' if self.reconstructs(channel.dst) else 'does not need'} x~")
+        self.queued_sends[rank].append((channel, (key, clock, with_input)))
 
-    def queue_tied(self, rank, clock, cmd, produced, channel):
-        if self.outbox.pop(produced, None) != clock:
+    def queue_tied(self, rank, clock, cmd, key: keys.Key, channel: keys.Channel):
+        if self.outbox.pop(key, None) != clock:
             self.fail(rank, clock, cmd, "sends tied weights or gradients not produced by a step at this clock")
-        self.queued_sends[rank].append((channel, (cmd.step, clock, False)))
+        self.queued_sends[rank].append((channel, (key, clock, False)))
 
     def commit(self, rank, clock) -> bool:
         if rank not in self.committing:
@@ -361,24 +366,24 @@ class _Replay:
                 self.channels[channel].append(message)
             self.committing.add(rank)
         pending = self.queued_recvs[rank]
-        for kind, src, dst, m, _with_input, cmd in pending:
-            queue = self.channels[(kind, src, dst)]
+        for channel, key, _with_input, cmd in pending:
+            queue = self.channels[channel]
             if not queue:
                 return False
-            if queue[0][0] != m:
-                self.fail(rank, clock, cmd, f"expected micro-batch {m}, the channel delivers {queue[0][0]}")
-        for kind, src, dst, m, with_input, cmd in pending:
-            got_m, sent_clock, sent_with_input = self.channels[(kind, src, dst)].popleft()
+            if queue[0][0] != key:
+                self.fail(rank, clock, cmd, f"expected {key.kind} {key.index}, the channel delivers "
+                          f"{queue[0][0].kind} {queue[0][0].index}")
+        for channel, key, with_input, cmd in pending:
+            _key, sent_clock, sent_with_input = self.channels[channel].popleft()
             if sent_clock != clock:
                 self.fail(rank, clock, cmd, f"message sent at clock {sent_clock} received at {clock}")
             if sent_with_input != with_input:
                 self.fail(rank, clock, cmd, "sender and receiver disagree on the payload")
-            if kind.startswith("tied_weight:"):
-                self.report.tied_weights.setdefault((dst, kind.split(":", 1)[1]), []).append(m)
-            elif kind.startswith("tied_grad:"):
-                self.inbox[(dst, f"{kind}:{src}", m)] = clock
+            tie = keys.tie_of(channel.kind)
+            if tie is not None and tie[0] == keys.TIED_WEIGHT:
+                self.report.tied_weights.setdefault((channel.dst, tie[1]), []).append(key.index)
             else:
-                self.inbox[(dst, kind, m)] = clock
+                self.inbox[key] = clock
         self.queued_recvs[rank] = []
         self.committing.discard(rank)
         return True

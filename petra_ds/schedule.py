@@ -27,6 +27,8 @@ __all__ = [
     "AccumulateAndStep",
     "CommitP2P",
     "DelayedBackward",
+    "EvalForward",
+    "EvalSchedule",
     "FeedLog",
     "ForwardPass",
     "LoadMicroBatch",
@@ -143,6 +145,11 @@ class LoadMicroBatch(PetraInstruction):
 class ForwardPass(PetraInstruction):
     """x_j = F_j(x_{j-1}; theta_j). Non-reversible stages push their exact input on their FIFO; the
     last stage computes the loss and keeps its graph for the backward in the same clock."""
+
+
+class EvalForward(PetraInstruction):
+    """F_j(x) with the current parameters, no graph and no training state touched (``eval_batch``);
+    the last stage computes the loss and keeps the outputs when asked."""
 
 
 class ReverseReconstruct(PetraInstruction):
@@ -379,6 +386,46 @@ class PetraSchedule(PipeSchedule):
     def num_pipe_buffers(self) -> int:
         """The deepest input FIFO this rank can hold: tau_j + 1 micro-batches at its first stage."""
         return delay(self.local_stages[0], self.num_petra_stages) + 1
+
+
+class EvalSchedule(PipeSchedule):
+    """Forward-only clocks of ``eval_batch`` for pipeline rank ``stage_id``, as DeepSpeed's
+    ``InferenceSchedule`` is for its pipeline: evaluation micro-batch ``m`` runs at stage ``j`` at clock
+    ``m + j`` (the same equation as training), its activation goes on an ``"eval"`` channel and arrives
+    within the clock. Training micro-batches in flight are not touched."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, stages_per_rank: int = 1) -> None:
+        super().__init__(micro_batches, stages, stage_id)
+        self.num_petra_stages = stages * stages_per_rank
+        self.local_stages = range(stage_id * stages_per_rank, (stage_id + 1) * stages_per_rank)
+
+    def _micro_batch(self, clock: int, stage: int) -> int | None:
+        m = forward_micro_batch(clock, stage)
+        return m if 0 <= m < self.micro_batches else None
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        last = self.num_petra_stages - 1
+        for clock in range(self.micro_batches + last):
+            cmds: list[PipeInstruction] = []
+            for stage in self.local_stages:
+                m = self._micro_batch(clock, stage)
+                if m is None:
+                    continue
+                if stage == 0:
+                    cmds.append(LoadMicroBatch(stage=0, micro_batch=m))
+                cmds.append(EvalForward(stage=stage, micro_batch=m))
+                if stage < last:
+                    cmds.append(SendActivation(stage=stage, micro_batch=m, kind="eval"))
+            for stage in self.local_stages:
+                m = self._micro_batch(clock + 1, stage)
+                if m is not None and stage > 0:
+                    cmds.append(RecvActivation(stage=stage, micro_batch=m, kind="eval"))
+            if any(isinstance(c, (SendActivation, RecvActivation)) for c in cmds):
+                cmds += [PostP2P("eval"), CommitP2P()]
+            yield cmds
+
+    def num_pipe_buffers(self) -> int:
+        return 1
 
 
 # --- the state that survives between windows -----------------------------------------------------

@@ -126,6 +126,8 @@ class Stage:
         self._side_stream: torch.cuda.Stream | None = None
         self._swapped: list[Tensor] | None = None
         self.backwards = 0
+        #: backwards that ran block by block (``reconstruct_overlap``)
+        self.block_wise_backwards = 0
         self._truth: dict[int, Activation] = {}
         #: max |x~ - x| / max |x| per reconstructed micro-batch, with ``track_reconstruction``
         self.reconstruction_errors: list[float] = []
@@ -247,6 +249,7 @@ class Stage:
             raise RuntimeError(f"stage {self.index}: backward of micro-batch {m} without its reconstruction")
         _, y_tilde = self.deferred
         self.deferred = None
+        self.block_wise_backwards += 1
         self._use_forward_params(m)
         dtype = self.options.autocast_dtype
         no_autocast = ((lambda: torch.autocast(self.options.device_type, enabled=False)) if dtype is not None
@@ -256,6 +259,11 @@ class Stage:
                                              side_stream=self._stream_beside(y_tilde))
         self._note_reconstruction(m, x)
         return dx, x
+
+    @property
+    def side_stream(self) -> torch.cuda.Stream | None:
+        """The second CUDA stream ``reconstruct_overlap`` created (None before, and on CPU)."""
+        return self._side_stream
 
     def _stream_beside(self, y: Activation) -> torch.cuda.Stream | None:
         """The second CUDA stream of ``reconstruct_overlap`` (None on CPU: the same order, one stream)."""
@@ -296,14 +304,59 @@ class Stage:
         else:
             x_tilde = self._pop_input(m)
             self._use_forward_params(m)
-            with self.scope(m, update_bn=not self._bn_in_forward), torch.enable_grad():
-                leaf = detach_leaf(x_tilde)
-                y = self.run(leaf)
-            dx = GraphTape(leaf, y).backward(delta)
+            _, dx = self.vjp(m, x_tilde, delta, update_bn=not self._bn_in_forward)
         self._restore_params()
         self.backwards += 1
         self._account()
         return dx, x_tilde
+
+    def vjp(self, m: int, x: Activation, delta: Activation | None, labels: Any = None, *, update_bn: bool,
+            into_grad: bool = True) -> tuple[list[Tensor] | None, Activation]:
+        """Recompute F_j from input ``x`` under micro-batch ``m``'s keyed RNG and pull ``delta`` back
+        through it (``delta=None`` at the last stage: its loss for ``labels``). ``into_grad``: the
+        parameter gradients accumulate into ``.grad`` (training) and None is returned for them; otherwise
+        they are returned and ``.grad`` is left alone (the gradient-quality probe). Returns
+        ``(parameter gradients, input gradient)``."""
+        with self.scope(m, update_bn=update_bn), torch.enable_grad():
+            leaf = detach_leaf(x)
+            out = self.run(leaf)
+            if self.is_last:
+                out = self.loss_fn(out, labels)
+        if into_grad:
+            return None, GraphTape(leaf, out).backward(delta)
+        params = [p for p in self.params if p.requires_grad]
+        if self.is_last:
+            outs, grad_outs = [out], [None]
+        else:
+            pairs = [(o, g) for o, g in zip(as_tuple(out), as_tuple(delta)) if g is not None and o.requires_grad]
+            outs, grad_outs = [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]
+        leaves = [t for t in as_tuple(leaf) if t.requires_grad]
+        grads = list(torch.autograd.grad(outs, params + leaves, grad_outs, allow_unused=True)) if outs \
+            else [None] * (len(params) + len(leaves))
+        theta_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        leaf_grads = iter(grads[len(params):])
+        dx = [None if not t.requires_grad else (g if (g := next(leaf_grads)) is not None else torch.zeros_like(t))
+              for t in as_tuple(leaf)]
+        return theta_grads, like(leaf, dx)
+
+    @contextmanager
+    def swapped_params(self, values: Sequence[Tensor]) -> Iterator[None]:
+        """Run with ``values`` in place of the trainable parameters, put back afterwards."""
+        params = [p for p in self.params if p.requires_grad]
+        saved = self._swap_in(params, values)
+        try:
+            yield
+        finally:
+            self._swap_in(params, saved)
+
+    @staticmethod
+    def _swap_in(params: Sequence[Tensor], values: Sequence[Tensor]) -> list[Tensor]:
+        """Copy ``values`` into ``params``; return what they held."""
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in params]
+            for p, v in zip(params, values):
+                p.copy_(v)
+        return saved
 
     def _pop_input(self, m: int) -> Activation:
         if self.is_first:
@@ -322,18 +375,12 @@ class Stage:
         stashed = self.stash.pop(m, None)
         if stashed is None:  # the last stage's forward and backward share a clock
             return
-        with torch.no_grad():
-            self._swapped = [p.detach().clone() for p in self.params]
-            for p, s in zip(self.params, stashed):
-                p.copy_(s)
+        self._swapped = self._swap_in(self.params, stashed)
 
     def _restore_params(self) -> None:
-        if self._swapped is None:
-            return
-        with torch.no_grad():
-            for p, s in zip(self.params, self._swapped):
-                p.copy_(s)
-        self._swapped = None
+        if self._swapped is not None:
+            self._swap_in(self.params, self._swapped)
+            self._swapped = None
 
     # --- checkpoint ---
 
@@ -364,6 +411,15 @@ class Stage:
         self.compensation.load_state_dict(state.get("compensation", {}))
 
     # --- accounting ---
+
+    def held(self) -> dict[str, tuple]:
+        """What this stage keeps alive now, by ``petra_ds.observe.Holdings`` category (references)."""
+        return {
+            "data": tuple(self.raw.values()),
+            "inputs": tuple(x for _, x in self.fifo),
+            "outputs": tuple(x for x in (self.live, self.tape[:2] if self.tape is not None else None) if x is not None),
+            "param_stash": tuple(self.stash.values()),
+        }
 
     def input_buffer_bytes(self) -> int:
         return tensor_bytes([x for _, x in self.fifo])

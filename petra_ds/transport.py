@@ -43,9 +43,8 @@ from deepspeed import comm as dist
 from torch import Tensor
 
 from . import messages
+from .keys import Channel, channel_name
 
-#: (kind, source stage, destination stage); ``kind`` is "act", "grad", "tied_grad:<key>", ...
-Channel = tuple[str, int, int]
 
 #: the environment variable naming the directory the communication traces go to (a diagnostic for short
 #: runs: each rank rewrites its whole trace at the end of every window)
@@ -54,10 +53,6 @@ TRACE_ENV = "PETRA_DS_COMM_TRACE"
 
 class PeerLostError(RuntimeError):
     """A collective or message exchange failed: another rank died or stopped answering."""
-
-
-def channel_name(channel: Channel) -> str:
-    return f"{channel[0]}:{channel[1]}->{channel[2]}"
 
 
 def group_ranks(group: Any) -> list[int]:
@@ -111,7 +106,7 @@ class Transport:
         self._recvs: list[tuple[Channel, Any]] = []
         self._local: dict[Any, tuple] = {}
         self._posted: list[tuple[list[Any], int | None]] = []  # (works, trace event) per batch
-        self._buffers: list[tuple[Any, Channel, list[Tensor]]] = []
+        self._buffers: list[tuple[Any, Channel, messages.Layout, list[Tensor]]] = []
         self._keep_alive: list[Tensor] = []
         trace_dir = trace_dir if trace_dir is not None else os.environ.get(TRACE_ENV)
         self.recorder = Recorder(trace_dir, rank) if trace_dir else None
@@ -152,12 +147,13 @@ class Transport:
         if channel[1] not in self.local_stages:
             self._recvs.append((channel, key))
 
-    def post(self, what: str) -> None:
-        """Issue everything queued as one batch (with a header batch first on new channels)."""
+    def post(self, what: str, fresh_layouts: bool = False) -> None:
+        """Issue everything queued as one batch (with a header batch first on new channels; on every
+        channel with ``fresh_layouts``, for messages whose shapes may change from call to call)."""
         sends, recvs = self._sends, self._recvs
         self._sends, self._recvs = [], []
         if sends or recvs:
-            works, event, buffers, keep = self._issue(sends, recvs, self.layouts, what)
+            works, event, buffers, keep = self._issue(sends, recvs, {} if fresh_layouts else self.layouts, what)
             self._posted.append((works, event))
             self._buffers.extend(buffers)
             self._keep_alive.extend(keep)
@@ -167,7 +163,7 @@ class Transport:
         self.post(what)
         self._wait(self._posted, self._buffers)
         received = dict(self._local)
-        received.update(self._unflatten(self._buffers, self.layouts))
+        received.update(self._unflatten(self._buffers))
         self._local, self._posted, self._buffers, self._keep_alive = {}, [], [], []
         return received
 
@@ -179,7 +175,7 @@ class Transport:
         layouts: dict[Channel, messages.Layout] = {}
         works, event, buffers, _keep = self._issue(list(sends), list(recvs), layouts, what)
         self._wait([(works, event)], buffers)
-        return self._unflatten(buffers, layouts)
+        return self._unflatten(buffers)
 
     def _issue(self, sends: list, recvs: list, layouts: dict, what: str) -> tuple[list, int | None, list, list]:
         """One ``batch_isend_irecv`` of ``sends`` and ``recvs``, each side sorted by channel so that both ends
@@ -200,14 +196,14 @@ class Transport:
             tensors = messages.allocate(layouts[channel], self.device)
             ops.extend(dist.P2POp(dist.irecv, t, peer) for t in tensors)
             info.extend(("recv", peer, t, channel) for t in tensors)
-            buffers.append((key, channel, tensors))
+            buffers.append((key, channel, layouts[channel], tensors))
         event = self._record_batch(info, what)
         with self.guard(f"posting {what}"):
             works = dist.batch_isend_irecv(ops) if ops else []
         return works, event, buffers, keep
 
     def _wait(self, posted: list[tuple[list[Any], int | None]], buffers: list) -> None:
-        peers = sorted({self.stage_rank(c[1]) for _, c, _ in buffers})
+        peers = sorted({self.stage_rank(c[1]) for _, c, _, _ in buffers})
         with self.guard(f"the message exchange with ranks {peers}"):
             for works, event in posted:
                 for work in works:
@@ -216,8 +212,8 @@ class Transport:
                     self.recorder.wait(event)
 
     @staticmethod
-    def _unflatten(buffers: list, layouts: dict) -> dict[Any, tuple]:
-        return {key: messages.unflatten(tensors, layouts[channel]) for key, channel, tensors in buffers}
+    def _unflatten(buffers: list) -> dict[Any, tuple]:
+        return {key: messages.unflatten(tensors, layout) for key, _channel, layout, tensors in buffers}
 
     def _negotiate(self, sends: list, recvs: list, layouts: dict, what: str) -> None:
         """Check each send against its channel's layout; a channel's first message sends the layout first,

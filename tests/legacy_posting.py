@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from petra_ds import keys
+from petra_ds.keys import channel_name
 from petra_ds.replay import streams_for
 from petra_ds.schedule import CommitP2P, RecvActivation, RecvGrad, SendActivation, SendGrad, Timeline, Window
 
@@ -46,12 +48,8 @@ def message_of(cmd: Any) -> tuple[str, int, int] | None:
     s = getattr(cmd, "stage", None)
     if s is None:
         return None
-    return {SendActivation: ("act", s, s + 1), RecvActivation: ("act", s - 1, s),
-            SendGrad: ("grad", s, s - 1), RecvGrad: ("grad", s + 1, s)}.get(type(cmd))
-
-
-def channel_name(channel: tuple[str, int, int]) -> str:
-    return f"{channel[0]}:{channel[1]}->{channel[2]}"
+    return {SendActivation: keys.forward_channel(s), RecvActivation: keys.forward_channel(s - 1),
+            SendGrad: keys.backward_channel(s), RecvGrad: keys.backward_channel(s + 1)}.get(type(cmd))
 
 
 class _Lowering:

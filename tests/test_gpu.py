@@ -102,7 +102,7 @@ def _run(spec: dict) -> dict:
     engine = seen.pop("engine")
     result["device"] = str(engine.device)
     result["backend"] = torch.distributed.get_backend()
-    result["side_streams"] = {j: st._side_stream is not None for j, st in engine.stages.items()}
+    result["side_streams"] = {j: st.side_stream is not None for j, st in engine.stages.items()}
     return _cpu(result)
 
 

@@ -14,9 +14,9 @@ import torch
 
 from petra_ds.analysis.held import (
     HeldTracker,
+    StepObserved,
     activations,
     launch,
-    observe_pipeline_steps,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,7 +71,7 @@ def test_tracker_counts_a_storage_once_in_the_first_category_that_holds_it():
 
 
 def test_observed_schedule_reports_after_each_step_has_run():
-    class FakeEngine:
+    class FakePipelineEngine:
         def __init__(self):
             self.log = []
 
@@ -79,6 +79,9 @@ def test_observed_schedule_reports_after_each_step_has_run():
             self.log.append(("buffers", schedule.num_pipe_buffers()))
             for cmds in schedule:
                 self.log.extend(cmds)
+
+    class FakeEngine(StepObserved, FakePipelineEngine):
+        pass
 
     class Schedule:
         def num_pipe_buffers(self):
@@ -88,7 +91,7 @@ def test_observed_schedule_reports_after_each_step_has_run():
             return iter([["load", "forward"], [], ["backward"]])
 
     engine = FakeEngine()
-    observe_pipeline_steps(engine, lambda eng, step: eng.log.append(("observed", step)))
+    engine.pipeline_step_observers = [lambda eng, step: eng.log.append(("observed", step))]
     engine._exec_schedule(Schedule())
     engine._exec_schedule(Schedule())
     assert engine.log[:6] == [("buffers", 2), "load", "forward", ("observed", 0), ("observed", 1), "backward"]

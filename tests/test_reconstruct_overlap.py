@@ -320,20 +320,15 @@ def _with_option(spec):
         wanted = engine.petra_config.reconstruct_overlap
         seen["passed"] = all(st.options.reconstruct_overlap == wanted for st in engine.stages.values())
         seen["reconstructing"] = [j for j, st in engine.stages.items() if st.reconstructs]
+        seen["stages"] = list(engine.stages.values())
         return out
 
-    block_wise = Stage._reconstruct_and_backward
-    seen["block_wise_backwards"] = 0
-
-    def counted(self, m, delta):
-        seen["block_wise_backwards"] += 1
-        return block_wise(self, m, delta)
-
-    petra_ds.initialize, Stage._reconstruct_and_backward = initialize_and_note, counted
+    petra_ds.initialize = initialize_and_note
     try:
         result = run_rank(spec)
     finally:
-        petra_ds.initialize, Stage._reconstruct_and_backward = initialize, block_wise
+        petra_ds.initialize = initialize
+    seen["block_wise_backwards"] = sum(st.block_wise_backwards for st in seen.pop("stages"))
     return {**result, **seen}
 
 

@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..nn.reversible import Activation, as_tuple, detach_leaf, like
-from ..schedule import backward_micro_batch, delay
+from .. import keys
+from ..nn.reversible import Activation, as_tuple
+from ..observe import Observer
+from ..schedule import Window, backward_micro_batch, delay
 
 if TYPE_CHECKING:
     from ..engine import PetraEngine
@@ -86,8 +88,9 @@ class _Probe:
     reconstruction: dict[int, float] = field(default_factory=dict)
 
 
-class GradientQuality:
-    """Attached to a :class:`PetraEngine` when ``petra.gradient_quality_every`` > 0.
+class GradientQuality(Observer):
+    """Observes a :class:`PetraEngine` when ``petra.gradient_quality_every`` > 0 (``petra_ds.initialize``
+    attaches it as ``engine.gradient_quality``).
 
     ``records`` (on every rank) holds one dict per followed micro-batch and stage, averaged over the
     data-parallel replicas; with ``keep_vectors`` the raw gradients of this rank's stages are kept in
@@ -103,42 +106,42 @@ class GradientQuality:
         self.records: list[dict[str, Any]] = []
         self.vectors: dict[tuple[int, int], dict[str, list[Tensor]]] = {}
 
-    # --- hooks called by the engine ---
+    # --- the observer's hooks ---
 
-    def start_window(self, first_clock: int, feeds: bool) -> None:
+    def window_start(self, engine: "PetraEngine", window: Window) -> None:
         """A ``train_batch`` call begins: follow its first micro-batch every ``every`` steps."""
-        if feeds and self.engine.global_steps % self.every == 0:
-            self.open[first_clock] = _Probe(first_clock, self.engine.global_steps, self.engine.global_samples)
+        if window.micro_batches > 0 and engine.global_steps % self.every == 0:
+            self.open[window.start_clock] = _Probe(window.start_clock, engine.global_steps, engine.global_samples)
 
-    def on_forward(self, stage: int, m: int, x: Activation, labels: Any) -> None:
+    def after_forward(self, engine: "PetraEngine", stage: int, m: int, x: Activation, labels: Any) -> None:
         probe = self.open.get(m)
         if probe is None:
             return
-        st = self.engine.stages[stage]
-        with st.compensation.forward_weights():  # the weights the forward runs with (predicted, if it predicts)
+        st = engine.stages[stage]
+        with st.compensation.forward_weights():  # the weights the forward ran with (predicted, if it predicts)
             theta = [p.detach().clone() for p in self._params(st)]
         probe.forward[stage] = (x, labels, theta)
 
-    def mid_clock(self, clock: int) -> None:
+    def forwards_done(self, engine: "PetraEngine", clock: int) -> None:
         """After the clock's forwards, before any backward or step: the end-to-end passes due now."""
         for probe in list(self.open.values()):
             due = [j for j in range(self.J) if backward_micro_batch(clock, j, self.J) == probe.m]
             if due:
                 self._end_to_end(probe, due)
 
-    def before_backward(self, stage: int, m: int, delta: Activation | None) -> None:
+    def before_backward(self, engine: "PetraEngine", stage: int, m: int, delta: Activation | None) -> None:
         probe = self.open.get(m)
         if probe is not None:
-            st = self.engine.stages[stage]
+            st = engine.stages[stage]
             probe.before[stage] = (delta, [None if p.grad is None else p.grad.detach().clone()
                                            for p in self._params(st)])
 
-    def after_backward(self, stage: int, m: int, x_tilde: Activation) -> None:
+    def after_backward(self, engine: "PetraEngine", stage: int, m: int, x_tilde: Activation) -> None:
         probe = self.open.get(m)
         if probe is None:
             return
-        st = self.engine.stages[stage]
-        k = self.engine.micro_batches  # the engine scales the loss by 1/k
+        st = engine.stages[stage]
+        k = engine.micro_batches  # the engine scales the loss by 1/k
         delta, before = probe.before.pop(stage)
         params = self._params(st)
         probe.grads.setdefault(stage, {})["petra"] = [
@@ -149,17 +152,16 @@ class GradientQuality:
                                          for g in self._delayed(st, m, x, labels, theta, delta)]
         probe.reconstruction[stage] = relative_error(x_tilde, x) if st.reconstructs else 0.0  # else: exact
 
-    def end_window(self) -> list[dict[str, Any]]:
+    def window_end(self, engine: "PetraEngine", window: Window) -> list[dict[str, Any]]:
         """After a window, when every rank is here: gather the followed micro-batches that finished."""
-        done = [m for m in self.open if m + delay(0, self.J) < self.engine.timeline.clock]  # stage 0's backward ran
+        done = [m for m in self.open if m + delay(0, self.J) < engine.clock]  # stage 0's backward ran
         if not done:
             return []
         local = [self._local_records(self.open.pop(m)) for m in done]
-        gathered = self.engine.transport.all_gather_object([r for rows in local for r in rows],
-                                                           "the gradient-quality records")
+        gathered = engine.transport.all_gather_object([r for rows in local for r in rows],
+                                                      "the gradient-quality records")
         new = average_replicas([row for rows in gathered for row in rows])
         self.records.extend(new)
-        engine = self.engine
         if engine.global_rank == 0 and engine.monitor.enabled:
             engine.monitor.write_events([
                 (f"GradientQuality/stage_{row['stage']}/{key}", row[key], row["samples"])
@@ -176,42 +178,15 @@ class GradientQuality:
                  delta: Activation | None) -> list[Tensor]:
         """The same delta through the exact input and the forward's parameters (swapped in, then back:
         PETRA's graph of this micro-batch is spent and no step ran yet)."""
-        params = self._params(st)
-        current = [p.detach().clone() for p in params]
-        try:
-            with torch.no_grad():
-                for p, t in zip(params, theta):
-                    p.copy_(t)
+        with st.swapped_params(theta):
             return self._vjp(st, m, x, labels, delta)[0]
-        finally:
-            with torch.no_grad():
-                for p, c in zip(params, current):
-                    p.copy_(c)
 
-    def _vjp(self, st, m: int, x: Activation, labels: Any,
-             delta: Activation | None) -> tuple[list[Tensor], Activation]:
+    @staticmethod
+    def _vjp(st, m: int, x: Activation, labels: Any, delta: Activation | None) -> tuple[list[Tensor], Activation]:
         """(parameter gradients, input gradient) of stage ``st`` for micro-batch ``m`` (``delta=None``:
-        the last stage's loss), with the training forward's keyed RNG and the batch-norm running
-        statistics left alone."""
-        params = self._params(st)
-        with st.scope(m, update_bn=False), torch.enable_grad():
-            leaf = detach_leaf(x)
-            out = st.run(leaf)
-            if st.is_last:
-                out = st.loss_fn(out, labels)
-        if st.is_last:
-            outs, grad_outs = [out], [None]
-        else:
-            pairs = [(o, g) for o, g in zip(as_tuple(out), as_tuple(delta)) if g is not None and o.requires_grad]
-            outs, grad_outs = [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]
-        leaves = [t for t in as_tuple(leaf) if t.requires_grad]
-        grads = list(torch.autograd.grad(outs, params + leaves, grad_outs, allow_unused=True)) if outs \
-            else [None] * (len(params) + len(leaves))
-        theta_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-        leaf_grads = iter(grads[len(params):])
-        dx = [None if not t.requires_grad else (g if (g := next(leaf_grads)) is not None else torch.zeros_like(t))
-              for t in as_tuple(leaf)]
-        return theta_grads, like(leaf, dx)
+        the last stage's loss): the stage's own VJP, with the training forward's keyed RNG, ``.grad``
+        and the batch-norm running statistics left alone."""
+        return st.vjp(m, x, delta, labels, update_bn=False, into_grad=False)
 
     def _end_to_end(self, probe: _Probe, due: list[int]) -> None:
         """Synchronous backprop of the followed micro-batch through every stage, now; the gradients of
@@ -223,8 +198,9 @@ class GradientQuality:
         carry: Any = probe.forward[0][:2] if 0 in probe.forward else None
         for j in local:  # forward through this rank's stages, in pipeline order
             if j > 0 and j == local[0]:
-                key = (j, "gq_act", m)
-                carry = engine.transport.exchange([], [(("gq_act", j - 1, j), key)], "the probe's forward")[key]
+                key = keys.forward_key(j - 1, m, keys.PROBE_ACT)
+                carry = engine.transport.exchange([], [(keys.forward_channel(j - 1, keys.PROBE_ACT), key)],
+                                                  "the probe's forward")[key]
             inputs[j] = carry
             st = engine.stages[j]
             if st.is_last:
@@ -233,19 +209,20 @@ class GradientQuality:
             with st.scope(m, update_bn=False), torch.no_grad():
                 carry = (st.run(x), labels)
             if j == local[-1]:
-                engine.transport.exchange([(("gq_act", j, j + 1), carry)], [], "the probe's forward")
+                engine.transport.exchange([(keys.forward_channel(j, keys.PROBE_ACT), carry)], [], "the probe's forward")
         dy: Any = None
         for j in reversed(local):  # backward: each stage's graph recomputed from its input of this pass
             st = engine.stages[j]
             if not st.is_last and j == local[-1]:
-                key = (j, "gq_grad", m)
-                dy = engine.transport.exchange([], [(("gq_grad", j + 1, j), key)], "the probe's backward")[key]
+                key = keys.backward_key(j + 1, m, keys.PROBE_GRAD)
+                dy = engine.transport.exchange([], [(keys.backward_channel(j + 1, keys.PROBE_GRAD), key)],
+                                               "the probe's backward")[key]
             x, labels = inputs[j]
             grads, dy = self._vjp(st, m, x, labels, None if st.is_last else dy)
             if j in due:
                 probe.grads.setdefault(j, {})["e2e"] = grads
             if j > 0 and j == local[0]:
-                engine.transport.exchange([(("gq_grad", j, j - 1), dy)], [], "the probe's backward")
+                engine.transport.exchange([(keys.backward_channel(j, keys.PROBE_GRAD), dy)], [], "the probe's backward")
 
     # --- results ---
 

@@ -10,7 +10,8 @@ reference, so it sees exactly those a live graph still holds. :meth:`HeldTracker
 of the distinct storages (a storage shared by several views or several categories counts once, in the
 first category that names it; parameters never count), at any point the caller picks: the end of every
 PETRA clock (``engine.clock_observers``) or after every step of DeepSpeed's schedule
-(:func:`observe_pipeline_steps`).
+(:class:`StepObserved`). Both engines' buffers are read through views they offer: PETRA's
+``engine.holdings(stage)``, the one its memory ledger counts, and :meth:`StepObserved.held_buffers`.
 
 :func:`run_rank` / :func:`launch` run PETRA, its two delayed-gradient ablations and DeepSpeed's 1F1B on
 the same RevGPT layers, one stage per process, and return every stage's trace; ``benchmarks/memory.py``
@@ -155,33 +156,41 @@ def activations(measured: dict[str, int]) -> int:
 # --- what each engine keeps between clocks ---
 
 def petra_buffers(engine: Any, stage: int) -> dict[str, Any]:
-    """PETRA stage ``stage``'s buffers by category (engine's own dicts, read, not copied)."""
-    st = engine.stages[stage]
-    mine = [v for key, v in list(engine.inbox.items()) + list(engine.produced.items()) if key[0] == stage]
-    in_clock = [st.live, st.tape[:2] if st.tape is not None else None]  # both None between clocks
-    return {
-        "data": [st.raw, list(engine._loaded.values())],
-        "inputs": [x for _, x in st.fifo],
-        "outputs": in_clock,
-        "param_stash": st.stash,
-        "messages": [mine, engine._pending_delta.get(stage)],
-    }
+    """PETRA stage ``stage``'s buffers by category: the engine's read-only view, the one its memory
+    ledger counts too."""
+    return engine.holdings(stage).categories()
 
 
-def pipeline_buffers(engine: Any) -> dict[str, Any]:
-    """DeepSpeed PipelineEngine's buffers by category: stage 0's ``inputs`` are data, the others' are
-    received activations kept for the backward (their ``.grad``, waiting for ``SendGrad``, is a message)."""
-    pb = engine.pipe_buffers
-    received = [] if engine.is_first_stage() else pb["inputs"]
-    input_grads = [t.grad for t in tensors_in(received) if t.grad is not None]
-    return {
-        "data": [pb["labels"], pb["inputs"] if engine.is_first_stage() else []],
-        "inputs": received,
-        "outputs": [pb["outputs"], pb["output_tensors"]],
-        "param_stash": [],
-        "messages": [engine.pipe_recv_buf, engine.grad_layer, engine._grad_layer_buf, engine.meta_buffer,
-                     input_grads],
-    }
+class StepObserved:
+    """A mixin for DeepSpeed's ``PipelineEngine``: after every step of every schedule it executes, each
+    of ``pipeline_step_observers`` is called as ``f(engine, step)`` (``step`` counts over the run)."""
+
+    def _exec_schedule(self, pipe_schedule: Any) -> None:
+        if not hasattr(self, "pipeline_step_observers"):
+            self.pipeline_step_observers: list[Callable[[Any, int], None]] = []
+        steps = self.__dict__.setdefault("_observed_steps", itertools.count())
+
+        def after_step() -> None:
+            step = next(steps)
+            for observe in self.pipeline_step_observers:
+                observe(self, step)
+
+        super()._exec_schedule(_ObservedSchedule(pipe_schedule, after_step))
+
+    def held_buffers(self) -> dict[str, Any]:
+        """DeepSpeed's pipeline buffers by category: stage 0's ``inputs`` are data, the others' are
+        received activations kept for the backward (their ``.grad``, waiting for ``SendGrad``, is a
+        message)."""
+        pb = self.pipe_buffers
+        received = [] if self.is_first_stage() else pb["inputs"]
+        input_grads = [t.grad for t in tensors_in(received) if t.grad is not None]
+        return {
+            "data": [pb["labels"], pb["inputs"] if self.is_first_stage() else []],
+            "inputs": received,
+            "outputs": [pb["outputs"], pb["output_tensors"]],
+            "param_stash": [],
+            "messages": [self.pipe_recv_buf, self.grad_layer, self._grad_layer_buf, self.meta_buffer, input_grads],
+        }
 
 
 class _ObservedSchedule:
@@ -200,16 +209,18 @@ class _ObservedSchedule:
         return getattr(self._schedule, name)
 
 
-def observe_pipeline_steps(engine: Any, observer: Callable[[Any, int], None]) -> None:
-    """Call ``observer(engine, step)`` after every step of every schedule DeepSpeed's pipeline engine
-    executes (``step`` counts over the run)."""
-    execute = engine._exec_schedule
-    steps = itertools.count()
+def observed_pipeline_engine(model: Any, config: dict[str, Any]) -> Any:
+    """DeepSpeed's 1F1B ``PipelineEngine`` for ``model``, with :class:`StepObserved`, built the way
+    ``deepspeed.initialize`` builds it."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    def exec_observed(pipe_schedule: Any) -> None:
-        execute(_ObservedSchedule(pipe_schedule, lambda: observer(engine, next(steps))))
+    class ObservedPipelineEngine(StepObserved, PipelineEngine):
+        pass
 
-    engine._exec_schedule = exec_observed
+    mpu = model.mpu()
+    return ObservedPipelineEngine(args=None, model=model, mpu=mpu, config=config,
+                                  config_class=DeepSpeedConfig(config, mpu))
 
 
 # --- the four methods on one RevGPT, one stage per process ---
@@ -260,10 +271,10 @@ def _engine(method: str, spec: dict[str, Any]) -> Any:
     if METHODS[method] is None:
         model = PipelineModule(layers, topology=topology, loss_fn=lm_loss, partition_method="uniform",
                                seed_layers=True, base_seed=spec["seed"])
-    else:
-        model = petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=lm_loss, stages_per_rank=1,
-                                             partition_method="uniform", base_seed=spec["seed"])
-        config["petra"] = {"stages_per_rank": 1, **METHODS[method]}
+        return observed_pipeline_engine(model, config)
+    model = petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=lm_loss, stages_per_rank=1,
+                                         partition_method="uniform", base_seed=spec["seed"])
+    config["petra"] = {"stages_per_rank": 1, **METHODS[method]}
     engine, *_ = petra_ds.initialize(model=model, config=config)
     return engine
 
@@ -293,7 +304,7 @@ def measure_method(method: str, spec: dict[str, Any]) -> dict[str, Any]:
                 if any(held[a] != ledger[b] for a, b in pairs):
                     ledger_mismatch.append(row)
         else:
-            row = {"at": at, **tracker.measure(pipeline_buffers(eng))}
+            row = {"at": at, **tracker.measure(eng.held_buffers())}
         row["activations"] = activations(row)
         row["graph_transient"] = tracker.reset_peak()  # the graph's high-water mark since the last observation
         trace.append(row)
@@ -301,7 +312,7 @@ def measure_method(method: str, spec: dict[str, Any]) -> dict[str, Any]:
     if petra:
         engine.clock_observers.append(observe)
     else:
-        observe_pipeline_steps(engine, observe)
+        engine.pipeline_step_observers = [observe]
     data = token_stream(spec)
     cuda = engine.device.type == "cuda"
     if cuda:  # the model, its gradients and optimizer state exist after a first batch (and a drain)

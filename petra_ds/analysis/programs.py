@@ -40,6 +40,7 @@ from typing import Iterator, Sequence
 
 from deepspeed.runtime.pipe import schedule as ds
 
+from .. import keys
 from ..replay import streams_for
 from ..schedule import (
     AccumulateAndStep,
@@ -117,7 +118,7 @@ def _endpoint(counts: tuple[dict, dict], stage: int, other: int, send: bool, gra
     """One end of the next message on its channel (act or grad, source -> destination): the n-th send
     and the n-th receive of a channel pair up, whichever rank posts first. ``counts``: (sent, received)."""
     src, dst = (stage, other) if send else (other, stage)
-    channel = ("grad" if grad else "act", src, dst)
+    channel = keys.Channel(keys.GRAD if grad else keys.ACT, src, dst)
     counter = counts[0] if send else counts[1]
     endpoint = Endpoint((channel, counter[channel]), send, stage, seconds)
     counter[channel] += 1

@@ -192,7 +192,7 @@ class PetraEngine(PipelineEngine):
         Micro-batches in flight in training are not touched. Returns the mean loss (the same on every
         rank); with ``return_logits`` also the last stage's outputs (``None`` on other ranks)."""
         n = self.micro_batches if num_micro_batches is None else num_micro_batches
-        was_training, data = self.module.training, self._data
+        was_training, data, clock = self.module.training, self._data, self.clock_now
         self.module.eval()
         self._eval = {"compute_loss": compute_loss, "return_logits": return_logits, "losses": [], "logits": []}
         self._data = data_iter
@@ -202,7 +202,7 @@ class PetraEngine(PipelineEngine):
             losses, logits = self._eval["losses"], self._eval["logits"]
         finally:
             self.module.train(was_training)
-            self._data, self._eval = data, None
+            self._data, self._eval, self.clock_now = data, None, clock
         loss = self._reduce_loss(losses) if (compute_loss and bcast_loss) else (
             torch.stack(losses).mean() if losses else None)
         self.transport.save_trace()

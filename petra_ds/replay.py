@@ -134,7 +134,8 @@ class _Replay:
         self.committing: set[int] = set()
         # (stage, kind, mb) -> clock at which the message was received (usable at clock + 1)
         self.inbox: dict[keys.Key, int] = {}
-        self.outbox: dict[keys.Key, int] = {}  # produced, not yet sent (by the receiver's key)
+        #: per producing stage, what it produced and has not sent yet (by the receiver's key) -> clock
+        self.outbox: dict[int, dict[keys.Key, int]] = defaultdict(dict)
         self.tape: dict[int, tuple[int, int]] = {}  # stage -> (mb, clock) of a reconstruction
         self.graph: dict[int, tuple[int, int]] = {}  # last stage's live graph
         self.done_this_clock: dict[int, int] = {}  # stage -> clock of its last step
@@ -163,7 +164,7 @@ class _Replay:
             if not progressed:
                 waiting = {r: self.waiting_for(r) for r in self.streams if not self.finished(r)}
                 raise ScheduleError(f"deadlock: {waiting}")
-        self.report.in_transit = sum(len(q) for q in self.channels.values()) + len(self.outbox)
+        self.report.in_transit = sum(len(q) for q in self.channels.values()) + sum(len(o) for o in self.outbox.values())
         self.report.in_transit += sum(len(v) for v in self.queued_sends.values()) + len(self.inbox)
         return self.report
 
@@ -202,7 +203,7 @@ class _Replay:
             if j in self.graph:
                 raise ScheduleError(f"last stage kept the graph of micro-batch {self.graph[j][0]} past "
                                     f"clock {clock}")
-            stale = [key for key, c in self.outbox.items() if key[0] == j and c <= clock]
+            stale = [key for key, c in self.outbox[j].items() if c <= clock]
             if stale:
                 raise ScheduleError(f"stage {j} produced {stale} at clock {clock} and never sent them")
 
@@ -237,11 +238,11 @@ class _Replay:
             self.done_this_clock[j] = clock
             for key, (owner, readers) in self.ties.items():
                 if j in readers:
-                    self.outbox[keys.tied_grad_key(owner, key, j, cmd.step)] = clock
+                    self.outbox[j][keys.tied_grad_key(owner, key, j, cmd.step)] = clock
                 if j == owner:
                     for reader in readers:
                         self.take(rank, clock, cmd, keys.tied_grad_key(j, key, reader, cmd.step), any_earlier_clock=True)
-                        self.outbox[keys.tied_weight_key(reader, key, cmd.step)] = clock
+                        self.outbox[j][keys.tied_weight_key(reader, key, cmd.step)] = clock
         elif isinstance(cmd, SendTiedGrad):
             self.queue_tied(rank, clock, cmd, keys.tied_grad_key(cmd.owner, cmd.key, cmd.stage, cmd.step),
                             keys.tied_grad_channel(cmd.key, cmd.stage, cmd.owner))
@@ -312,7 +313,7 @@ class _Replay:
             r.fifo[j].append(m)
             r.max_fifo[j] = max(r.max_fifo[j], len(r.fifo[j]))
         if j < self.J - 1:
-            self.outbox[keys.forward_key(j, m)] = clock
+            self.outbox[j][keys.forward_key(j, m)] = clock
 
     def backward(self, rank, clock, cmd):
         r = self.report
@@ -343,10 +344,10 @@ class _Replay:
             r.fifo[j].popleft()
         r.backward_clock[(j, m)] = clock
         if j > 0:
-            self.outbox[keys.backward_key(j, m)] = clock
+            self.outbox[j][keys.backward_key(j, m)] = clock
 
     def queue_send(self, rank, clock, cmd, channel: keys.Channel, key: keys.Key, with_input):
-        if self.outbox.pop(key, None) != clock:
+        if self.outbox[cmd.stage].pop(key, None) != clock:
             self.fail(rank, clock, cmd, "sends a message not produced at this clock")
         if not 0 <= channel.dst < self.J:
             self.fail(rank, clock, cmd, f"no stage {channel.dst} to send to")
@@ -356,7 +357,7 @@ class _Replay:
         self.queued_sends[rank].append((channel, (key, clock, with_input)))
 
     def queue_tied(self, rank, clock, cmd, key: keys.Key, channel: keys.Channel):
-        if self.outbox.pop(key, None) != clock:
+        if self.outbox[cmd.stage].pop(key, None) != clock:
             self.fail(rank, clock, cmd, "sends tied weights or gradients not produced by a step at this clock")
         self.queued_sends[rank].append((channel, (key, clock, False)))
 

@@ -333,7 +333,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, variant: str, argv: list[str]) -> dict:
     from petra_ds.launch import free_port
-    from petra_ds.testing import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
+    from petra_ds.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
 
     procs = 1 if variant == "single" else args.stages
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")

@@ -15,7 +15,7 @@ from torch import nn
 from torch.func import functional_call
 
 from petra_ds.nn import assign_rng_keys, is_reversible, micro_batch_rng
-from petra_ds.testing import toy_layer_specs
+from petra_ds.toy import toy_layer_specs
 
 LOSS = nn.CrossEntropyLoss()
 

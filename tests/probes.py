@@ -1,4 +1,4 @@
-"""Functions run inside an engine process at the end of ``petra_ds.testing.run_rank`` (spec["probe"])."""
+"""Functions run inside an engine process at the end of ``harness.run_rank`` (spec["probe"])."""
 
 
 def _scheduler_steps(scheduler):

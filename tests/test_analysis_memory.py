@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from petra_ds.analysis import memory
-from petra_ds.testing import launch, toy_layer_specs
+from petra_ds.toy import toy_layer_specs
+
+from harness import launch
 
 SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from petra_ds.testing import launch
+from harness import launch
 
 SPEC = dict(pipe=1, dp=2, stages_per_rank=4, k=2, micro_batch=4, train_batches=3, dropout=0.3, batchnorm=True,
             track_reconstruction=True, probe="probes:replica_view")

@@ -6,9 +6,10 @@ import torch
 
 from petra_ds.compensation import DelayCompensation, LrRescale, WeightPrediction
 from petra_ds.config import PetraConfig, PetraConfigError
-from petra_ds.testing import launch, merged_params, toy_data
+from petra_ds.toy import toy_data
 
 import oracle
+from harness import launch, merged_params
 from test_engine import SEED, SGD, SGD0, TOL, max_diff, run
 
 K, BATCHES = 2, 5

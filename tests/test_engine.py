@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from petra_ds.schedule import delay
-from petra_ds.testing import launch, merged_grads, merged_params, toy_data
+from petra_ds.toy import toy_data
 
 import oracle
+from harness import launch, merged_grads, merged_params
 
 TOL = 1e-10
 SEED = 0  # petra.seed default
@@ -140,7 +141,7 @@ def test_exact_resume_in_fresh_processes(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     first = launch({"pipe": 2, "stages_per_rank": 2, **common, "save_dir": ckpt, "save_after": 2, "save_tag": "c4"})
     assert max_diff(merged_params(first), whole) == 0.0
-    resumed = launch({"pipe": 2, "stages_per_rank": 2, **common, "load_dir": ckpt})
+    resumed = launch({"pipe": 2, "stages_per_rank": 2, **common, "load_dir": ckpt}, fresh=True)
     assert resumed[0]["clock"] == first[0]["clock"]
     assert max_diff(merged_params(resumed), whole) == 0.0
     assert sorted(p.name for p in (tmp_path / "ckpt" / "c4").iterdir()) == [
@@ -155,7 +156,7 @@ PLAIN_LOAD = """
 import sys, torch, petra_ds
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from petra_ds.testing import toy_layer_specs
+from petra_ds.toy import toy_layer_specs
 petra_ds.init_distributed(dist_backend="gloo")
 torch.set_default_dtype(torch.float64)
 module = PipelineModule(toy_layer_specs(0.1), num_stages=1, loss_fn=torch.nn.CrossEntropyLoss(),

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from petra_ds.messages import MessageLayoutError
-from petra_ds.testing import launch
+
+from harness import launch
 
 
 def run_probe(**spec):

@@ -33,9 +33,8 @@ import sys
 import pytest
 import torch
 
-from petra_ds.testing import launch, model_for, run_rank
-
 import oracle
+from harness import launch, model_for, run_rank
 
 pytestmark = [
     pytest.mark.gpu,
@@ -118,7 +117,8 @@ def _all_runs(_spec: dict) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def runs() -> dict:
-    (results,) = launch({}, world_size=1, target=_all_runs, timeout=900)
+    # fresh: the runs set process-wide CUDA flags (TF32 off, the device) that a pooled process would keep
+    (results,) = launch({}, world_size=1, target=_all_runs, timeout=900, fresh=True)
     return results
 
 

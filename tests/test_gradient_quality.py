@@ -9,9 +9,10 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 import petra_ds
 from petra_ds.analysis import gradient_quality as gq
 from petra_ds.schedule import delay
-from petra_ds.testing import launch, model_for, parameter_names, toy_data
+from petra_ds.toy import toy_data
 
 import oracle
+from harness import launch, model_for, parameter_names
 
 SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 SGD0 = {"type": "SGD", "params": {"lr": 0.0}}

@@ -10,8 +10,9 @@ The negative control (the old posting, reported as a hang) is in ``test_nccl_rep
 import pytest
 
 from petra_ds.nccl_replay import load_traces, main, replay_nccl
-from petra_ds.testing import launch
 from petra_ds.transport import TRACE_ENV
+
+from harness import launch
 
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 

@@ -15,7 +15,9 @@ from petra_ds.config import PetraConfig, PetraConfigError
 from petra_ds.nn import AdditiveCoupling, ReversibleSequential, SwapCoupling
 from petra_ds.nn.reversible import SequentialTape, reconstruct, reconstruct_and_backward
 from petra_ds.stage import Stage, StageOptions
-from petra_ds.testing import Additive, Swap, launch, run_rank
+from petra_ds.toy import Additive, Swap
+
+from harness import launch, run_rank
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -29,7 +31,7 @@ def _one_thread():
 
 
 BLOCKS = {"additive": [Additive] * 3, "swap": [Swap] * 3, "mixed": [Swap, Additive, Swap, Additive]}
-WIDTH = 4  # petra_ds.testing's stream width
+WIDTH = 4  # petra_ds.toy's stream width
 
 
 def stage_pair(blocks, dropout, batchnorm, **options):

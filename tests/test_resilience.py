@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from petra_ds import checkpoint
-from petra_ds.testing import launch, merged_params, run_processes
 
+from harness import launch, merged_params, run_processes
 from test_engine import SGD, run as engine_run
 
 #: test_engine's resume test trains this too: in a full run its uninterrupted result is already cached.

@@ -17,9 +17,10 @@ from petra_ds.models.reformer import (
 )
 from petra_ds.models.transformer import RevGPTBlock, RevGPTConfig, lm_loss, revgpt_layers
 from petra_ds.nn import ReversibleSequential, micro_batch_rng, reconstruction_error
-from petra_ds.testing import launch, merged_grads, revgpt_tiny_config, token_data
+from petra_ds.toy import revgpt_tiny_config, token_data
 
 import oracle
+from harness import launch, merged_grads
 
 
 def reformer_config(attn: str, dropout: float = 0.0, hash_seed=None) -> ReformerConfig:

@@ -22,7 +22,7 @@ from torch import nn
 
 import petra_ds
 from petra_ds.runs import run_layout
-from petra_ds.testing import toy_data, toy_layer_specs
+from petra_ds.toy import toy_data, toy_layer_specs
 
 
 def main() -> None:

@@ -370,6 +370,6 @@ def launch(spec: dict[str, Any], timeout: float = 600, grace: float = 10) -> lis
     """Run :func:`run_rank` in ``spec["J"]`` fresh processes (gloo unless ``spec["backend"]``); their
     results by rank (= stage). A rank that fails stops the others ``grace`` seconds later (they would
     otherwise wait for it until ``timeout``)."""
-    from ..testing import launch as launch_processes
+    from ..spawn import launch as launch_processes
 
     return launch_processes(spec, {**DEFAULT_SPEC, **spec}["J"], timeout, grace, target=run_rank)

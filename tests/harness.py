@@ -1,10 +1,14 @@
-"""A small mixed reversible / non-reversible model and a multi-process runner, for tests and demos.
+"""The test-suite's training run and fault injection, on :mod:`petra_ds.toy`'s models.
 
-``launch(spec, world_size)`` starts ``world_size`` CPU processes (gloo), trains the toy model with
-PetraEngine as ``spec`` says and returns what every rank recorded: the gradients each stage stepped
-with, the final parameters by global name, the losses and, on request, a memory report per clock.
-``run_processes`` does the same and reports each rank's exit, failed, killed or hung, for the tests where
-a rank dies on purpose (spec keys ``kill_rank``, ``kill_at_clock``, ``kill_in_save``, ``kill_signal``).
+:func:`run_rank` trains the toy model (or a tiny RevGPT) with PetraEngine, in a process launched as one
+rank, as ``spec`` says (keys and defaults: :data:`DEFAULT_SPEC`), and returns what the rank recorded: the
+gradients each stage stepped with, the final parameters by global name, the losses and, on request, a
+memory report per clock. :func:`launch` runs it (or another module-level ``target``) on every rank of a
+world: in the session's pool of rank processes (``tests/pool.py``) unless asked for fresh processes,
+which runs that kill a rank on purpose always get. :func:`run_processes` reports each rank's end,
+failed, killed or hung (spec keys ``kill_rank``, ``kill_at_clock``, ``kill_in_save``, ``kill_signal``,
+``kill_record``, ``dist_timeout``); ``nan_micro_batch``, ``bad_micro_batch`` and ``wrong_inverse_at``
+inject a NaN feature, a micro-batch of another size and a layer whose inverse is wrong.
 """
 
 from __future__ import annotations
@@ -14,60 +18,17 @@ import importlib
 import io
 import itertools
 import json
-import multiprocessing as mp
 import os
 import signal
-import tempfile
 import time
-import traceback
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .launch import free_port
-from .module import layer_module
-from .nn import AdditiveCoupling, SwapCoupling
-
-WIDTH = 4
-IN_FEATURES = 6
-CLASSES = 3
-
-
-def _mlp(dropout: float, batchnorm: bool = False) -> nn.Module:
-    norm = [nn.BatchNorm1d(2 * WIDTH)] if batchnorm else []
-    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), *norm, nn.Tanh(), nn.Dropout(dropout),
-                         nn.Linear(2 * WIDTH, WIDTH))
-
-
-class Stem(nn.Module):
-    """Non-reversible: features to a pair of streams."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(IN_FEATURES, 2 * WIDTH)
-
-    def forward(self, x):
-        y = torch.tanh(self.linear(x))
-        return y[:, :WIDTH], y[:, WIDTH:]
-
-
-class Mix(nn.Module):
-    """Non-reversible: mixes the two streams (a stand-in for a downsampling block)."""
-
-    def __init__(self, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.linear = nn.Linear(2 * WIDTH, 2 * WIDTH)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x):
-        y = self.dropout(torch.tanh(self.linear(torch.cat(x, dim=1))))
-        return y[:, :WIDTH], y[:, WIDTH:]
-
-
-class Additive(AdditiveCoupling):
-    def __init__(self, dropout: float = 0.0, batchnorm: bool = False) -> None:
-        super().__init__(_mlp(dropout, batchnorm), _mlp(dropout, batchnorm))
+from petra_ds import spawn
+from petra_ds.module import layer_module
+from petra_ds.toy import Additive, revgpt_tiny_config, toy_data, toy_layer_specs, token_data
 
 
 class WrongInverse(Additive):
@@ -78,73 +39,10 @@ class WrongInverse(Additive):
         return y1 - self.F(y2), y2
 
 
-class Swap(SwapCoupling):
-    def __init__(self, dropout: float = 0.0, batchnorm: bool = False) -> None:
-        super().__init__(_mlp(dropout, batchnorm))
-
-
-class Head(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(2 * WIDTH, CLASSES)
-
-    def forward(self, x):
-        return self.linear(torch.cat(x, dim=1))
-
-
-def toy_layer_specs(dropout: float = 0.0, batchnorm: bool = False) -> list:
-    """Stem, Additive, Mix, Swap, Additive, Swap, Mix, Additive, Head (9 layers); ``batchnorm`` puts a
-    BatchNorm1d inside every coupling's functions."""
-    from deepspeed.runtime.pipe.module import LayerSpec
-
-    bn = batchnorm
-    return [
-        LayerSpec(Stem), LayerSpec(Additive, dropout, bn), LayerSpec(Mix, dropout), LayerSpec(Swap, dropout, bn),
-        LayerSpec(Additive, dropout, bn), LayerSpec(Swap, dropout, bn), LayerSpec(Mix),
-        LayerSpec(Additive, dropout, bn), LayerSpec(Head),
-    ]
-
-
-def toy_data(num: int, micro_batch: int, seed: int = 0, dtype=torch.float64) -> list[tuple]:
-    """``num`` global micro-batches of ``micro_batch`` samples; the label is the argmax of the first
-    ``CLASSES`` features, so the toy model can learn it."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(num):
-        x = torch.randn(micro_batch, IN_FEATURES, generator=g, dtype=dtype)
-        out.append((x, x[:, :CLASSES].argmax(dim=1)))  # a learnable rule
-    return out
-
-
-VOCAB, SEQ_LEN = 11, 6
-
-
-def revgpt_tiny_config(dropout: float = 0.0, tie_embeddings: bool = False):
-    """A RevGPT small enough for float64 oracles: 4 blocks, 7 layers."""
-    from .models.transformer import RevGPTConfig
-
-    return RevGPTConfig(vocab_size=VOCAB, seq_len=SEQ_LEN, d_model=8, n_layers=4, n_heads=2, mlp_ratio=2,
-                        dropout=dropout, tie_embeddings=tie_embeddings)
-
-
-def token_data(num: int, micro_batch: int, seed: int = 0, dtype=None) -> list[tuple]:
-    """``num`` micro-batches of (ids, next ids) where the next token is the current one plus one
-    (mod ``VOCAB``) most of the time: learnable, with some noise."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(num):
-        start = torch.randint(0, VOCAB, (micro_batch, 1), generator=g)
-        ids = (start + torch.arange(SEQ_LEN + 1)) % VOCAB
-        noise = torch.rand(ids.shape, generator=g) < 0.1
-        ids = torch.where(noise, torch.randint(0, VOCAB, ids.shape, generator=g), ids)
-        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-    return out
-
-
 def model_for(spec: dict[str, Any]) -> tuple[list, Any, Any]:
     """(layer specs, loss_fn, data function) of the test model ``spec["model"]``: "toy" or "revgpt"."""
     if spec.get("model", "toy") == "revgpt":
-        from .models.transformer import lm_loss, revgpt_layers
+        from petra_ds.models.transformer import lm_loss, revgpt_layers
 
         config = revgpt_tiny_config(spec["dropout"], spec.get("tie_embeddings", False))
         return revgpt_layers(config), lm_loss, token_data
@@ -281,7 +179,7 @@ def _arm_kill(engine: Any, spec: dict[str, Any]) -> None:
     its ``save``-th ``save_checkpoint`` (``kill_in_save = {"save": n, "at": ...}``) with ``at``
     "state" (half of its PETRA state file written) or "commit:i" (rank 0, just before the i-th
     ``os.replace`` of ``checkpoint.commit``)."""
-    from . import checkpoint
+    from petra_ds import checkpoint
 
     if spec.get("kill_at_clock") is not None:
         def observe(eng: Any, clock: int) -> None:
@@ -330,107 +228,38 @@ def _arm_kill(engine: Any, spec: dict[str, Any]) -> None:
     checkpoint.commit = dying_commit
 
 
-SHM_DIR, SHM_PREFIX = "/dev/shm", "deepspeed_allreduce_buffer"
+#: spec keys that make a rank kill itself or change how long its peers wait: always fresh processes
+FAULT_KEYS = ("kill_rank", "dist_timeout")
 
 
-def deepspeed_shm_buffers() -> set[str]:
-    """Names of the shared-memory buffers DeepSpeed's CPU communication op has created (~66 MB each, one
-    per process and launch, never unlinked)."""
-    if not os.path.isdir(SHM_DIR):
-        return set()
-    return {name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIX)}
-
-
-def remove_deepspeed_shm_buffers(before: set[str]) -> None:
-    """Unlink the buffers created since ``before`` was taken that no live process maps: those of processes
-    that have exited. Hundreds of launches would otherwise fill the machine's memory. (Checking every
-    process, not only this one, leaves alone the buffers of another launch that is still running.)"""
-    left = deepspeed_shm_buffers() - before
-    if not left:
-        return
-    mapped = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/maps") as f:
-                    mapped.append(f.read())
-            except OSError:  # gone, or not ours to read
-                continue
-    maps = "".join(mapped)
-    for name in left:
-        if name not in maps:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except FileNotFoundError:
-                pass
-
-
-def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str, target: Callable | None = None) -> None:
-    os.environ.update(spec.get("env", {}))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        torch.save((target or run_rank)(spec), path)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, path)
-        raise
+def _world_size(spec: dict[str, Any], world_size: int | None, target: Callable | None) -> int:
+    if world_size is not None:
+        return world_size
+    if target is not None:
+        raise ValueError("a launch with a target needs world_size")
+    spec = {**DEFAULT_SPEC, **spec}
+    return spec["pipe"] * spec["dp"]
 
 
 def run_processes(spec: dict[str, Any], world_size: int | None = None, timeout: float = 300,
                   grace: float | None = None, target: Callable[[dict], Any] | None = None) -> list[dict]:
-    """Run ``run_rank(spec)`` (or ``target(spec)``, a module-level function, with ``world_size`` given)
-    in ``world_size`` fresh processes and report on each, failed or not: ``exitcode`` (negative: killed
-    by that signal; None: still running at the deadline, then killed), ``ended`` (wall-clock time its
-    exit was seen) and ``result`` or ``error`` (its traceback). The deadline is ``timeout``, or ``grace``
-    seconds after the first process that fails, if sooner. ``spec["env"]`` is set in every process."""
-    if target is None:
-        spec = {**DEFAULT_SPEC, **spec}
-        world = world_size or spec["pipe"] * spec["dp"]
-    elif world_size is None:
-        raise ValueError("run_processes with a target needs world_size")
-    else:
-        world = world_size
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_entry, args=(r, world, port, spec, out_dir, target)) for r in range(world)]
-        for p in procs:
-            p.start()
-        ended: dict[int, float] = {}
-        deadline = time.monotonic() + timeout
-        while len(ended) < world and time.monotonic() < deadline:
-            for r, p in enumerate(procs):
-                if r not in ended and not p.is_alive():
-                    ended[r] = time.time()
-                    if p.exitcode and grace is not None:
-                        deadline = min(deadline, time.monotonic() + grace)
-            time.sleep(0.05)
-        exitcodes = [p.exitcode for p in procs]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        outcomes = []
-        for r in range(world):
-            path = os.path.join(out_dir, f"rank{r}.pt")
-            saved = torch.load(path, weights_only=False) if os.path.exists(path) else {"error": "no result"}
-            outcome = {"rank": r, "exitcode": exitcodes[r], "ended": ended.get(r)}
-            outcome.update({"error": saved["error"]} if "error" in saved else {"result": saved})
-            outcomes.append(outcome)
-    return outcomes
+    """:func:`petra_ds.spawn.run_processes` of ``run_rank(spec)`` (or ``target(spec)``, ``world_size``
+    given) in fresh processes: each rank's exit, result or error."""
+    world_size = _world_size(spec, world_size, target)
+    return spawn.run_processes(spec, world_size, timeout, grace, target=target or run_rank)
 
 
 def launch(spec: dict[str, Any], world_size: int | None = None, timeout: float = 300, grace: float | None = None,
-           target: Callable[[dict], Any] | None = None) -> list[dict]:
-    """Run ``run_rank(spec)`` (or ``target(spec)``) in ``world_size`` fresh processes; return their
-    results by rank, or raise with every failed rank's traceback."""
-    outcomes = run_processes(spec, world_size, timeout, grace, target)
-    failed = [f"rank {o['rank']} failed:\n{o['error']}" for o in outcomes if "error" in o]
-    if failed:  # every rank's error: the first one to fail is not always rank 0
-        raise RuntimeError("\n".join(failed))
-    return [o["result"] for o in outcomes]
+           target: Callable[[dict], Any] | None = None, fresh: bool = False) -> list[Any]:
+    """Run ``run_rank(spec)`` (or ``target(spec)``, ``world_size`` given) on every rank; their results
+    by rank, or a RuntimeError with every failed rank's traceback. The ranks are the session's pooled
+    processes (:mod:`pool`) unless ``fresh`` or ``spec`` injects a fault (:data:`FAULT_KEYS`)."""
+    world_size = _world_size(spec, world_size, target)
+    if fresh or any(spec.get(key) is not None for key in FAULT_KEYS):
+        return spawn.launch(spec, world_size, timeout, grace, target=target or run_rank)
+    import pool
+
+    return pool.launch(spec, world_size, timeout, grace, target=target or run_rank)
 
 
 def merged_params(results: list[dict]) -> dict[str, torch.Tensor]:

@@ -68,9 +68,7 @@ class PetraEngine(PipelineEngine):
                           loss_fn=module.loss_fn if last else None)
             if stage.reversible != self.reversible[j]:
                 raise TypeError(f"stage {j}: its built layers and their specs disagree on reversibility")
-            #: the parameters its own step updates (a reader's tied copies follow the owner): what it clips
-            #: and what its delay compensation acts on
-            stage.stepped = [p for p in stage.params if p.requires_grad and id(p) not in self.ties.reader_ids(j)]
+            stage.stepped = [p for p in stage.stepped if id(p) not in self.ties.reader_ids(j)]
             stage.compensation = petra_config.delay_compensation.for_stage(
                 stage.stepped, delay(j, self.num_petra_stages) / self.micro_batches)
             self.stages[j] = stage

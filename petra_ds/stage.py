@@ -114,6 +114,9 @@ class Stage:
         for module in self.modules:  # keyed-RNG layer indices, unique inside the stage
             key = assign_rng_keys(module, key)
         self.params = self._unique_params()
+        #: what this stage's own step updates: what it clips and what delay compensation acts on (the engine
+        #: leaves out a reader's copies of tied weights, which follow their owner)
+        self.stepped = [p for p in self.params if p.requires_grad]
         self.norms = [bn for module in self.modules for bn in batch_norms(module)]
 
         self.fifo: deque[tuple[int, Activation]] = deque()  # exact inputs of a non-reversible stage

@@ -25,6 +25,7 @@ and the message time between neighbours, for the timeline model. Writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -52,8 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=4, help="k: micro-batches per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--partition", default=None,
-                        help="DeepSpeed partition_method for every pipelined variant (default: revgpt "
-                             "type:RevGPTBlock, the same number of blocks per stage; revnet uniform)")
+                        help="partition_method for every pipelined variant (default: revgpt type:RevGPTBlock, the "
+                             "same number of blocks per stage; revnet uniform); 'profile': cut by the layers' "
+                             "costs, measured once by this process (petra_ds.partition), for PETRA and DeepSpeed alike")
     parser.add_argument("--ds-pairs", action="store_true",
                         help="give DeepSpeed's pipeline the two streams as a pair of tensors, as they are (it then "
                              "runs one backward per tensor); default: stacked into one tensor (see Packed)")
@@ -78,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", default=None, help="JSON report (default benchmarks/results/...)")
     parser.add_argument("--seed", type=int, default=0)
     # one variant inside the launcher
+    parser.add_argument("--layer-costs", default=None, help=argparse.SUPPRESS)  # the driver's measurement
     parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -141,6 +144,22 @@ def layers_and_loss(args: argparse.Namespace, packed: bool = False) -> tuple[lis
 
 def partition(args: argparse.Namespace, blocks: str) -> str:
     return args.partition or (f"type:{blocks}" if args.model == "revgpt" else "uniform")
+
+
+def measure_costs(args: argparse.Namespace, path: str) -> list:
+    """``--partition profile``: every layer's costs, measured once in this (driver) process with the
+    workers' thread count, saved to ``path`` for every worker to cut the same stages from."""
+    from petra_ds.analysis.measure import measure_layer_costs
+    from petra_ds.partition import save_costs
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    specs, loss_fn, _ = layers_and_loss(args)
+    layers = [spec.build() for spec in specs]
+    x, labels = micro_batches(args, torch.device("cpu"), count=1)[0]
+    costs = measure_layer_costs(layers, x, loss_fn=loss_fn, labels=labels)
+    save_costs(costs, path)
+    return costs
 
 
 def micro_batches(args: argparse.Namespace, device: torch.device, count: int = 8) -> list[tuple]:
@@ -208,9 +227,10 @@ def run_pipeline(args: argparse.Namespace, variant: str, device: torch.device) -
     import petra_ds
 
     specs, loss_fn, blocks = layers_and_loss(args, packed=variant != "petra" and not args.ds_pairs)
+    costs = {"layer_costs": args.layer_costs} if partition(args, blocks) == "profile" else {}
     if variant == "petra":
         module = petra_ds.PetraPipelineModule(specs, num_stages=args.stages, loss_fn=loss_fn, stages_per_rank=1,
-                                              partition_method=partition(args, blocks), base_seed=args.seed)
+                                              partition_method=partition(args, blocks), base_seed=args.seed, **costs)
         engine, *_ = petra_ds.initialize(model=module, config=ds_config(args, variant),
                                          model_parameters=module.parameters())
     else:
@@ -218,8 +238,11 @@ def run_pipeline(args: argparse.Namespace, variant: str, device: torch.device) -
         # two) and its reentrant checkpoint frees what it saved after the first
         ckpt = {"activation_checkpoint_interval": 1, "checkpointable_layers": blocks.split("|"),
                 "activation_checkpoint_func": checkpointing.non_reentrant_checkpoint} if variant == "1f1b_ckpt" else {}
-        module = PipelineModule(specs, num_stages=args.stages, loss_fn=loss_fn, partition_method=partition(args, blocks),
-                                seed_layers=False, **ckpt)
+        # the profile partition through PetraPipelineModule at one stage per rank: a PipelineModule that
+        # DeepSpeed runs with its own schedule, cut where PETRA's stages are cut
+        cls = petra_ds.PetraPipelineModule if costs else PipelineModule
+        module = cls(specs, num_stages=args.stages, loss_fn=loss_fn, partition_method=partition(args, blocks),
+                     seed_layers=False, **ckpt, **costs)
         engine, *_ = deepspeed.initialize(model=module, config=ds_config(args, variant),
                                           model_parameters=module.parameters())
     data = itertools.cycle(micro_batches(args, engine.device))
@@ -370,6 +393,11 @@ def main(argv: list[str] | None = None) -> None:
         worker(args)
         return
     runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    layer_costs = None
+    if args.partition == "profile":
+        costs_path = os.path.join(tempfile.mkdtemp(), "layer_costs.json")
+        layer_costs = measure_costs(args, costs_path)
+        argv = [*argv, "--layer-costs", costs_path]
     for round_ in range(args.repeats):
         for variant in args.variants:
             result = launch(args, variant, argv)
@@ -397,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     if "petra" in variants and "costs" in variants["petra"]:
         report["costs"] = variants["petra"]["costs"]
+    if layer_costs is not None:
+        report["layer_costs"] = [dataclasses.asdict(c) for c in layer_costs]
     print(f"\n{args.model}, J={args.stages}, k={args.micro_batches}, micro-batch {args.micro_batch_size}, "
           f"{report['device']}")
     for v in variants:

@@ -19,6 +19,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSp
 from torch import nn
 
 from .nn.reversible import is_reversible
+from .partition import balanced_parts, load_costs
 
 
 def spec_is_reversible(spec: Any) -> bool:
@@ -62,11 +63,14 @@ class PetraPipelineModule(PipelineModule):
     """``PipelineModule`` with ``stages_per_rank`` PETRA stages per pipeline rank.
 
     Same arguments as ``PipelineModule`` plus ``stages_per_rank``; ``seed_layers`` defaults to True so
-    that initial weights depend only on the layer index.
+    that initial weights depend only on the layer index. ``partition_method="profile"`` cuts the layers by
+    their cost (``petra_ds.partition``): ``layer_costs`` gives one ``LayerCost`` (or dict, or a JSON file
+    of them) per layer spec.
     """
 
     def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, *,
-                 stages_per_rank: int = 1, seed_layers: bool = True, **kwargs) -> None:
+                 stages_per_rank: int = 1, seed_layers: bool = True, layer_costs=None, **kwargs) -> None:
+        self.layer_costs = None if layer_costs is None else load_costs(layer_costs)
         if not isinstance(stages_per_rank, int) or isinstance(stages_per_rank, bool) or stages_per_rank < 1:
             raise ValueError(f"stages_per_rank must be an integer >= 1 (PETRA stages per pipeline rank), "
                              f"got {stages_per_rank!r}")
@@ -85,7 +89,10 @@ class PetraPipelineModule(PipelineModule):
                 "ranks or a smaller stages_per_rank")
         self.num_stages = num_petra
         try:
-            super()._partition_layers(method)
+            if method.lower() == "profile":
+                self.parts = self._balanced_parts(num_petra)
+            else:
+                super()._partition_layers(method)
         finally:
             self.num_stages = ranks
         self.petra_parts = [int(p) for p in self.parts]  # "parameters" partitioning returns numpy ints
@@ -97,6 +104,16 @@ class PetraPipelineModule(PipelineModule):
         self._set_bounds(start=self.petra_parts[first], stop=self.petra_parts[first + self.stages_per_rank])
         # DeepSpeed's per-rank view (stage_owner, tied groups) keeps counting pipeline ranks
         self.parts = [self.petra_parts[r * self.stages_per_rank] for r in range(ranks + 1)]
+
+
+    def _balanced_parts(self, num_petra: int) -> list[int]:
+        if self.layer_costs is None:
+            raise ValueError('partition_method="profile" needs layer_costs=[...] (petra_ds.partition.LayerCost per '
+                             "layer spec, or a JSON file of them)")
+        if len(self.layer_costs) != len(self._layer_specs):
+            raise ValueError(f"layer_costs has {len(self.layer_costs)} entries for {len(self._layer_specs)} layer "
+                             "specs; give one per layer spec, in order")
+        return balanced_parts(self.layer_costs, num_petra)
 
 
 def petra_parts(module: PipelineModule) -> list[int]:

@@ -13,7 +13,7 @@ from torch import nn
 
 from .costs import Costs, StageCosts
 
-__all__ = ["measure_message_seconds", "measure_stage_costs", "revnet_costs"]
+__all__ = ["measure_layer_costs", "measure_message_seconds", "measure_stage_costs", "revnet_costs"]
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -137,6 +137,44 @@ def measure_stage_costs(stage: Callable | Sequence[Callable], x: Any, params: It
             for b, v in saved_buffers:
                 b.copy_(v)
     return {name: statistics.median(values) for name, values in timings.items()}
+
+
+def measure_layer_costs(layers: Sequence[Callable], x: Any, *, loss_fn: Callable | None = None, labels: Any = None,
+                        repeats: int = 5, warmup: int = 1) -> list:
+    """Per built layer, a :class:`petra_ds.partition.LayerCost` measured in this process on ``x`` passed
+    through the layers before it: :func:`measure_stage_costs`' forward, forward with a graph and backward
+    (through ``loss_fn`` at the last layer), and a reversible layer's reconstruction from its output
+    (median seconds). The model's state is left as it was."""
+    from ..nn.reversible import is_reversible, reconstruct
+    from ..partition import LayerCost
+
+    out = []
+    for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
+        c = measure_stage_costs(layer, x, loss_fn=loss_fn if last else None, labels=labels if last else None,
+                                input_grad=i > 0, split_backward=False, repeats=repeats, warmup=warmup)
+        buffers = [(b, b.detach().clone()) for m in _modules(layer) for b in m.buffers()]
+        with torch.no_grad():
+            y = layer(x)
+        rebuild = None
+        if isinstance(layer, nn.Module) and is_reversible(layer) and not last:
+            times = []
+            for r in range(warmup + repeats):
+                _sync(_tensors(y))
+                t0 = time.perf_counter()
+                with torch.enable_grad():
+                    _x, tape = reconstruct(layer, _leaves(y, False))
+                _sync(_tensors(y))
+                if r >= warmup:
+                    times.append(time.perf_counter() - t0)
+                del _x, tape
+            rebuild = statistics.median(times)
+        with torch.no_grad():  # the batch-norm statistics as they were
+            for b, saved in buffers:
+                b.copy_(saved)
+        out.append(LayerCost(c["forward"], c["forward_grad"], c["backward"], rebuild))
+        x = y
+    return out
 
 
 def measure_message_seconds(x: Any, peer: int, *, first: bool, repeats: int = 20, warmup: int = 1,

@@ -33,8 +33,10 @@ from .step import average_over_replicas, check_losses, gradients_finite
 from .ties import TiedWeights
 from .transport import Transport
 
-#: what a clock runs before its first backward (``Observer.forwards_done`` comes after these)
-_FORWARD_PHASE = (LoadMicroBatch, ForwardPass, SendActivation, RecvActivation)
+def _in_forward_phase(cmd: Any) -> bool:
+    """What a clock runs before its first backward (``Observer.forwards_done`` comes after it)."""
+    forward = isinstance(cmd, (LoadMicroBatch, ForwardPass, SendActivation, RecvActivation))
+    return forward or (isinstance(cmd, PostP2P) and cmd.phase == keys.ACT)
 
 
 class PetraEngine(PipelineEngine):
@@ -233,7 +235,7 @@ class PetraEngine(PipelineEngine):
             self.clock_now = clock
             forwards = training
             for cmd in step_cmds:
-                if forwards and not (isinstance(cmd, _FORWARD_PHASE) or (isinstance(cmd, PostP2P) and cmd.phase == "act")):
+                if forwards and not _in_forward_phase(cmd):
                     self._notify("forwards_done", clock)
                     forwards = False
                 handler = self._INSTRUCTION_MAP.get(type(cmd))

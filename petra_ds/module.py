@@ -105,7 +105,6 @@ class PetraPipelineModule(PipelineModule):
         # DeepSpeed's per-rank view (stage_owner, tied groups) keeps counting pipeline ranks
         self.parts = [self.petra_parts[r * self.stages_per_rank] for r in range(ranks + 1)]
 
-
     def _balanced_parts(self, num_petra: int) -> list[int]:
         if self.layer_costs is None:
             raise ValueError('partition_method="profile" needs layer_costs=[...] (petra_ds.partition.LayerCost per '

@@ -164,7 +164,8 @@ class _Replay:
             if not progressed:
                 waiting = {r: self.waiting_for(r) for r in self.streams if not self.finished(r)}
                 raise ScheduleError(f"deadlock: {waiting}")
-        self.report.in_transit = sum(len(q) for q in self.channels.values()) + sum(len(o) for o in self.outbox.values())
+        self.report.in_transit = sum(len(q) for q in self.channels.values())
+        self.report.in_transit += sum(len(o) for o in self.outbox.values())
         self.report.in_transit += sum(len(v) for v in self.queued_sends.values()) + len(self.inbox)
         return self.report
 
@@ -241,7 +242,8 @@ class _Replay:
                     self.outbox[j][keys.tied_grad_key(owner, key, j, cmd.step)] = clock
                 if j == owner:
                     for reader in readers:
-                        self.take(rank, clock, cmd, keys.tied_grad_key(j, key, reader, cmd.step), any_earlier_clock=True)
+                        self.take(rank, clock, cmd, keys.tied_grad_key(j, key, reader, cmd.step),
+                                  any_earlier_clock=True)
                         self.outbox[j][keys.tied_weight_key(reader, key, cmd.step)] = clock
         elif isinstance(cmd, SendTiedGrad):
             self.queue_tied(rank, clock, cmd, keys.tied_grad_key(cmd.owner, cmd.key, cmd.stage, cmd.step),

@@ -23,6 +23,8 @@ from typing import Iterator, Sequence
 
 from deepspeed.runtime.pipe.schedule import CommitP2P, PipeInstruction, PipeSchedule
 
+from . import keys
+
 __all__ = [
     "AccumulateAndStep",
     "CommitP2P",
@@ -69,8 +71,8 @@ def delay(stage: int, num_stages: int) -> int:
 def reconstructs(stage: int, num_stages: int, reversible: bool, input_buffer: str = "non_reversible") -> bool:
     """Whether ``stage`` rebuilds its input by inversion instead of keeping it: a reversible middle
     stage, unless ``input_buffer="all"`` keeps every input. Stage 0 re-reads its data and the last stage
-    keeps its graph within the clock, so neither does. The schedule, the replay, the timeline, the stage
-    and the engine all ask this function."""
+    keeps its graph within the clock, so neither does. The schedule (and through it the engine), the
+    replay, the timeline, the partition and the stage all ask this function."""
     return 0 < stage < num_stages - 1 and reversible and input_buffer != "all"
 
 
@@ -353,7 +355,7 @@ class PetraSchedule(PipeSchedule):
             if m is not None and stage > 0:
                 cmds.append(RecvActivation(stage=stage, micro_batch=m))
         if any(isinstance(c, (SendActivation, RecvActivation)) for c in cmds):
-            cmds.append(PostP2P("act"))
+            cmds.append(PostP2P(keys.ACT))
             posts = True
         grads: list[PipeInstruction] = []
         for stage in reversed(local):
@@ -371,7 +373,7 @@ class PetraSchedule(PipeSchedule):
                 grads.append(RecvGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage)))
         cmds.extend(grads)
         if any(isinstance(c, (SendGrad, RecvGrad)) for c in grads):
-            cmds.append(PostP2P("grad"))
+            cmds.append(PostP2P(keys.GRAD))
             posts = True
         for stage in local:
             step = self.step_at(clock, stage)
@@ -415,13 +417,13 @@ class EvalSchedule(PipeSchedule):
                     cmds.append(LoadMicroBatch(stage=0, micro_batch=m))
                 cmds.append(EvalForward(stage=stage, micro_batch=m))
                 if stage < last:
-                    cmds.append(SendActivation(stage=stage, micro_batch=m, kind="eval"))
+                    cmds.append(SendActivation(stage=stage, micro_batch=m, kind=keys.EVAL))
             for stage in self.local_stages:
                 m = self._micro_batch(clock + 1, stage)
                 if m is not None and stage > 0:
-                    cmds.append(RecvActivation(stage=stage, micro_batch=m, kind="eval"))
+                    cmds.append(RecvActivation(stage=stage, micro_batch=m, kind=keys.EVAL))
             if any(isinstance(c, (SendActivation, RecvActivation)) for c in cmds):
-                cmds += [PostP2P("eval"), CommitP2P()]
+                cmds += [PostP2P(keys.EVAL), CommitP2P()]
             yield cmds
 
     def num_pipe_buffers(self) -> int:

@@ -73,10 +73,12 @@ class TiedWeights:
         """Weights received this clock replace the readers' copies before the next clock."""
         if not self.ties:  # every clock commits: no inbox scan for models without ties
             return
-        for key in [k for k in inbox if (keys.tie_of(k[1]) or ("",))[0] == keys.TIED_WEIGHT]:
-            stage, kind, _step = key
+        for key in list(inbox):
+            tie = keys.tie_of(key[1])
+            if tie is None or tie[0] != keys.TIED_WEIGHT:
+                continue
             with torch.no_grad():
-                for p, w in zip(self.tensors[(stage, keys.tie_of(kind)[1])], inbox.pop(key)):
+                for p, w in zip(self.tensors[(key[0], tie[1])], inbox.pop(key)):
                     p.copy_(w)
 
     def reader_module(self, stage: int, tie: Tie, modules: list[nn.Module]) -> nn.Module:

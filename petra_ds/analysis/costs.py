@@ -46,6 +46,13 @@ class Costs:
                 step: float = 0.0, message_s: float = 0.0) -> "Costs":
         return cls((StageCosts(forward, forward_grad, backward, step),) * num_stages, message_s)
 
+    def stretched(self, num_stages: int) -> "Costs":
+        """``num_stages`` stages made of the measured ones, each repeated in order (stage j of J takes
+        measured stage j * M // J): a deeper model cut like the measured one, to predict past the J a
+        benchmark ran. The first stage keeps the input's costs, the last the loss's."""
+        M = self.num_stages
+        return Costs(tuple(self.stages[j * M // num_stages] for j in range(num_stages)), self.message_s)
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Costs":
         """The ``"costs"`` entry of a benchmark report: ``{"stages": [{forward, forward_grad, backward,

@@ -9,17 +9,19 @@ from typing import Any, Mapping, Sequence
 
 from .costs import Costs
 from .programs import simulate_schedule
+from .torch_programs import TORCH_VARIANTS, UnsupportedMicroBatches
 
-__all__ = ["VARIANTS", "predict", "seconds_per_micro_batch", "validate"]
+__all__ = ["VARIANTS", "predict", "report_costs", "seconds_per_micro_batch", "validate"]
 
 #: what the simulator predicts; ``single`` is one process running every stage
 VARIANTS = ("single", "naive_mp", "naive_mp_ckpt", "naive_mp_rev", "gpipe", "gpipe_ckpt", "1f1b", "1f1b_ckpt",
-            "1f1b_rev", "petra")
+            "1f1b_rev", "petra") + TORCH_VARIANTS
 
 
 def seconds_per_micro_batch(variant: str, costs: Costs, micro_batches: int, *, stages_per_rank: int = 1,
                             reversible: Sequence[bool] | None = None) -> float:
-    """Steady-state seconds per micro-batch of ``variant`` (see ``VARIANTS``) with k = ``micro_batches``.
+    """Steady-state seconds per micro-batch of ``variant`` (see ``VARIANTS``) with k = ``micro_batches``;
+    :class:`UnsupportedMicroBatches` where torch's schedule refuses k.
 
     Pipelines flush every ``train_batch``: the time between the ends of consecutive batches / k. PETRA
     never flushes: its pace once the first micro-batch has gone all the way back, taken from the slowest
@@ -44,21 +46,33 @@ def seconds_per_micro_batch(variant: str, costs: Costs, micro_batches: int, *, s
 
 def predict(costs: Costs, micro_batches: int, variants: Sequence[str] = VARIANTS, *,
             reversible: Sequence[bool] | None = None) -> dict[str, float]:
-    """Seconds per micro-batch of each variant."""
-    return {v: seconds_per_micro_batch(v, costs, micro_batches, reversible=reversible) for v in variants}
+    """Seconds per micro-batch of each variant; torch's schedules that refuse k on J ranks are left out."""
+    out = {}
+    for v in variants:
+        try:
+            out[v] = seconds_per_micro_batch(v, costs, micro_batches, reversible=reversible)
+        except UnsupportedMicroBatches:
+            continue
+    return out
+
+
+def report_costs(report: Mapping[str, Any], costs: Costs | None = None) -> Costs:
+    """A throughput report's ``"costs"`` (or ``costs``, e.g. those of another run of the same model and
+    partition) as its DeepSpeed pipeline ran: ``"ds_streams": "stacked"`` says DeepSpeed got each stage's
+    pair of streams as one tensor, so its backward was one call and ``backward_split`` does not apply."""
+    costs = Costs.from_dict(report["costs"]) if costs is None else costs
+    if report.get("ds_streams") == "stacked":
+        costs = Costs(tuple(replace(s, backward_split=None) for s in costs.stages), costs.message_s)
+    return costs
 
 
 def validate(report: Mapping[str, Any], tolerance: float = 0.15, costs: Costs | None = None) -> dict[str, Any]:
     """Predicted vs measured samples/s of every variant of a throughput report.
 
-    The report holds ``"costs"`` (see :meth:`Costs.from_dict`; or pass ``costs``, e.g. those of another
-    run of the same model and partition), ``"variants": {name: {"samples_per_s"}}``, ``"micro_batch_size"``,
-    ``"micro_batches"`` (k) and ``"stages"`` (J). ``"ds_streams": "stacked"`` says DeepSpeed's pipeline
-    got each stage's pair of streams as one tensor, so its backward is one call: ``backward_split`` is
-    then not used. Variants this module does not model are listed under ``"skipped"``."""
-    costs = Costs.from_dict(report["costs"]) if costs is None else costs
-    if report.get("ds_streams") == "stacked":
-        costs = Costs(tuple(replace(s, backward_split=None) for s in costs.stages), costs.message_s)
+    The report holds ``"costs"`` (or pass ``costs``; see :func:`report_costs`), ``"variants": {name:
+    {"samples_per_s"}}``, ``"micro_batch_size"``, ``"micro_batches"`` (k) and ``"stages"`` (J). Variants
+    this module does not model, or does not run at that k, are listed under ``"skipped"``."""
+    costs = report_costs(report, costs)
     J, k, size = int(report["stages"]), int(report["micro_batches"]), int(report["micro_batch_size"])
     if costs.num_stages != J:
         raise ValueError(f"the report has {J} stages but costs for {costs.num_stages}")
@@ -68,7 +82,11 @@ def validate(report: Mapping[str, Any], tolerance: float = 0.15, costs: Costs | 
         if name not in VARIANTS or not measured.get("samples_per_s"):
             skipped.append(name)
             continue
-        seconds = seconds_per_micro_batch(name, costs, k)
+        try:
+            seconds = seconds_per_micro_batch(name, costs, k)
+        except UnsupportedMicroBatches:
+            skipped.append(name)
+            continue
         predicted = size / seconds
         got = float(measured["samples_per_s"])
         rows[name] = {"measured_samples_per_s": got, "predicted_samples_per_s": predicted,

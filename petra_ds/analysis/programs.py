@@ -9,6 +9,9 @@ Communication, as the engines do it:
   the reconstructed input x~ is two messages);
 - DeepSpeed: every ``Send*``/``Recv*`` is a blocking p2p call, matched in order on its channel;
 - both: ``train_batch`` ends with the loss broadcast from the last stage, which the others wait for.
+- torch.distributed.pipelining (``torch_programs``): sends and receives are posted (isend/irecv) where
+  the schedule says, a receive is waited for right before the compute that uses it, a send where the
+  schedule waits for it; ``step()`` ends without a collective.
 
 Cost of an instruction, per stage (``forward``: without a graph, ``forward_grad``: keeping the graph,
 ``backward``: through a kept graph, ``step``: optimizer step):
@@ -30,6 +33,16 @@ PETRA, last stage           ForwardPass = forward_grad (with the loss); DelayedB
 backprop)                   forward_grad + backward (they reconstruct their input); the plain variant
                             at the others (they store their activations)
 single process              forward_grad + backward of every stage per micro-batch, their steps / k
+``torch_*`` (torch's        one rank per stage (J ranks). The two-chunk schedules (interleaved 1F1B and
+pipelining)                 zero bubble, ZBV, DualPipeV) run 2J virtual stages: stage j's layers cut in
+                            halves, virtual stages 2j and 2j+1, each costing half of stage j's costs;
+                            interleaved: virtual v on rank v mod J, V-shaped: v and 2J-1-v on rank v.
+                            F = forward_grad (the last one's with the loss); full backward B = backward
+                            (one call over all outputs: never ``backward_split``); split backward: I
+                            (input gradient) = ``INPUT_GRAD_SHARE`` x backward, W (weight gradient) = the
+                            rest; step = the step of the rank's halves
+``torch_*_ckpt``            F = forward_grad (as ``*_ckpt`` above); a recompute (forward_grad) before
+                            each B or I, none before W (it reuses the graph I rebuilt)
 ==========================  =====================================================================
 """
 
@@ -59,6 +72,7 @@ from ..schedule import (
 )
 from .costs import Costs
 from .simulator import Compute, Endpoint, Mark, Op, Post, Simulation, Wait, simulate
+from .torch_programs import SCHEDULES, TORCH_VARIANTS, torch_programs
 
 __all__ = ["GPipeSchedule", "simulate_schedule"]
 
@@ -252,12 +266,17 @@ def simulate_schedule(schedule: str, costs: Costs, micro_batches: int, batches: 
 
     ``schedule``: ``petra``, ``1f1b``, ``gpipe`` or ``naive_mp`` (one micro-batch per ``train_batch``:
     ``micro_batches`` is then ignored), the last three optionally with ``_ckpt`` (every stage recomputes)
-    or ``_rev`` (the reversible stages recompute). ``drain`` (PETRA only) appends the clocks that finish
-    every fed micro-batch. ``reversible`` defaults to all stages.
+    or ``_rev`` (the reversible stages recompute), or one of torch's (``TORCH_VARIANTS``). ``drain``
+    (PETRA only) appends the clocks that finish every fed micro-batch. ``reversible`` defaults to all
+    stages.
     """
+    meta: dict[str, int] = {}
     if schedule == "petra":
         programs = _petra_programs(costs, micro_batches, batches, stages_per_rank=stages_per_rank,
                                    reversible=reversible, drain=drain)
+    elif schedule in TORCH_VARIANTS:
+        programs = torch_programs(schedule, costs, micro_batches, batches)
+        meta["stages_per_rank"] = SCHEDULES[schedule.removesuffix("_ckpt")][1]
     else:
         J = costs.num_stages
         base, _, mode = schedule.rpartition("_") if schedule.endswith(("_ckpt", "_rev")) else (schedule, "", "")
@@ -270,4 +289,4 @@ def simulate_schedule(schedule: str, costs: Costs, micro_batches: int, batches: 
         programs = _ds_programs(_PIPELINES[base], costs, micro_batches, batches, recompute,
                                 forward_keeps_graph=mode == "ckpt")
     events, rank_ends = simulate(programs)
-    return Simulation(events, rank_ends, costs.num_stages, micro_batches, schedule)
+    return Simulation(events, rank_ends, costs.num_stages, micro_batches, schedule, meta)

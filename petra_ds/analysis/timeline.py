@@ -2,9 +2,9 @@
 
 This module holds the command line and the charts; the model lives beside it: ``costs`` (a stage's
 measured primitives), ``programs`` (the schedules lowered into programs: what each instruction costs
-and how it communicates), ``simulator`` (the event simulator), ``predict`` (time per micro-batch,
-validation against a throughput report) and ``measure`` (timing with torch). Their public names are
-re-exported here.
+and how it communicates), ``torch_programs`` (torch.distributed.pipelining's schedules, lowered alike),
+``simulator`` (the event simulator), ``predict`` (time per micro-batch, validation against a throughput
+report) and ``measure`` (timing with torch). Their public names are re-exported here.
 
 ``naive_mp_rev`` is the paper's "Rev. backprop." baseline of Tab. 5: model parallelism without overlap,
 where the reversible stages rebuild their inputs in the backward instead of storing activations.
@@ -12,6 +12,7 @@ where the reversible stages rebuild their inputs in the backward instead of stor
     python -m petra_ds.analysis.timeline                     # Tab. 5 picture: RevNet18 (J=10), RevNet34 (J=18)
     python -m petra_ds.analysis.timeline --uniform --stages 4 --micro-batches 4
     python -m petra_ds.analysis.timeline --validate benchmarks/results/throughput_revgpt_cpu.json
+    python -m petra_ds.analysis.timeline --extrapolate benchmarks/results/throughput_revgpt_cpu_redesign.json
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from .costs import Costs, StageCosts
 from .measure import measure_message_seconds, measure_stage_costs, revnet_costs
-from .predict import VARIANTS, predict, seconds_per_micro_batch, validate
+from .predict import VARIANTS, predict, report_costs, seconds_per_micro_batch, validate
 from .programs import GPipeSchedule, simulate_schedule
 from .simulator import Simulation, simulate
+from .torch_programs import SCHEDULES
 
 __all__ = [
     "Costs",
@@ -58,9 +61,11 @@ RESULTS = os.path.join("benchmarks", "results")
 # --- Gantt charts -------------------------------------------------------------------------------
 
 COLORS = {"forward": "#4c78a8", "forward_grad": "#1f3f73", "reconstruct": "#f58518", "recompute": "#f2b25c",
-          "backward": "#54a24b", "step": "#7f7f7f", "message": "#e45756"}
+          "backward": "#54a24b", "backward_input": "#88d27a", "backward_weight": "#2e6b27", "step": "#7f7f7f",
+          "message": "#e45756"}
 LABELS = {"forward": "forward", "forward_grad": "forward with graph", "reconstruct": "reconstruct (inverse)",
-          "recompute": "recompute", "backward": "backward", "step": "optimizer step", "message": "transfer"}
+          "recompute": "recompute", "backward": "backward", "backward_input": "input gradient",
+          "backward_weight": "weight gradient", "step": "optimizer step", "message": "transfer"}
 
 
 def plot_gantt(simulations: Sequence[Simulation], path: str, title: str = "", time_unit: str = "ms") -> str:
@@ -128,7 +133,9 @@ def gantt_panels(costs: Costs, micro_batches: int, *, reversible: Sequence[bool]
             batches = math.ceil(span / (steady * per_batch)) + 1
         sim = simulate_schedule(name, costs, k, batches, reversible=reversible)
         sim.events = [e for e in sim.events if e.start < span]
-        done = len({e.micro_batch for e in sim.events if e.stage == 0 and e.op == "backward" and e.end <= span})
+        finished = Counter(e.micro_batch for e in sim.events
+                           if e.stage == 0 and e.op in ("backward", "backward_weight") and e.end <= span)
+        done = sum(n == sim.meta.get("stages_per_rank", 1) for n in finished.values())  # all of row 0's parts
         sim.name = (f"{_NAMES.get(name, name)}: {1e3 * steady:.3g} ms per micro-batch in steady state; "
                     f"{done} micro-batches done in this stretch")
         sim.meta["span"] = span
@@ -140,23 +147,30 @@ _NAMES = {"petra": "PETRA", "1f1b": "1F1B (DeepSpeed TrainSchedule)", "gpipe": "
           "naive_mp": "naive model parallelism", "naive_mp_ckpt": "naive MP + activation checkpointing",
           "naive_mp_rev": "naive MP, reversible backprop (paper's baseline)", "1f1b_rev": "1F1B, reversible backprop",
           "1f1b_ckpt": "1F1B + activation checkpointing", "gpipe_ckpt": "GPipe + activation checkpointing",
-          "single": "single process"}
+          "single": "single process",
+          **{name: f"torch {cls}" for name, (cls, _, _) in SCHEDULES.items()},
+          **{name + "_ckpt": f"torch {cls} + activation checkpointing" for name, (cls, _, _) in SCHEDULES.items()}}
 
 
 # --- command line -------------------------------------------------------------------------------
 
 
 def _table(predictions: Mapping[int, Mapping[str, float]], mbs: int) -> str:
+    """ms per micro-batch and samples/s of every variant at each k; n/a where torch's schedule refuses k."""
     ks = sorted(predictions)
-    head = f"{'variant':16s}" + "".join(f" {'k=' + str(k) + ' ms/mb':>12s} {'samples/s':>10s}" for k in ks)
+    names = list(dict.fromkeys([*VARIANTS, *(v for k in ks for v in predictions[k])]))
+    width = max(16, *map(len, names))
+    head = f"{'variant':{width}s}" + "".join(f" {'k=' + str(k) + ' ms/mb':>12s} {'samples/s':>10s}" for k in ks)
     lines = [head]
-    for v in predictions[ks[0]]:
-        lines.append(f"{v:16s}" + "".join(f" {1e3 * predictions[k][v]:12.2f} {mbs / predictions[k][v]:10.1f}"
-                                          for k in ks))
+    for v in names:
+        cells = [f" {1e3 * predictions[k][v]:12.2f} {mbs / predictions[k][v]:10.1f}" if v in predictions[k]
+                 else f" {'n/a':>12s} {'':10s}" for k in ks]
+        lines.append(f"{v:{width}s}" + "".join(cells).rstrip())
     return "\n".join(lines)
 
 
 def _revnet_report(args: argparse.Namespace) -> dict[str, Any]:
+    args.k = args.k or [1, 4, 16]
     saved: dict[str, Any] = {"models": {}}
     if args.costs_from:
         with open(args.costs_from) as f:
@@ -219,6 +233,41 @@ def _revnet_report(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+#: the panels of ``--extrapolate``'s Gantt chart, where the schedule runs that k
+EXTRAPOLATE_GANTT = ("petra", "1f1b", "torch_1f1b", "torch_interleaved_zb", "torch_zbv", "torch_dualpipev")
+
+
+def _extrapolate_report(args: argparse.Namespace) -> dict[str, Any]:
+    """Predictions at every J of ``--to-stages`` from a throughput report's stages repeated in order
+    (:meth:`Costs.stretched`): how the variants compare past the J the benchmark could run."""
+    with open(args.extrapolate) as f:
+        report = json.load(f)
+    measured = report_costs(report)
+    mbs = int(report["micro_batch_size"])
+    result: dict[str, Any] = {"command": args.command, "source": args.extrapolate, "micro_batch_size": mbs,
+                              "costs": measured.to_dict(), "ms_per_micro_batch": {}}
+    for J in args.to_stages:
+        costs = measured.stretched(J)
+        ks = args.k or [J, 2 * J, 4 * J]
+        preds = {k: predict(costs, k) for k in ks}
+        print(f"\n{os.path.basename(args.extrapolate)}: its {measured.num_stages} measured stages repeated to "
+              f"J = {J}, micro-batch {mbs}, message {1e3 * costs.message_s:.3g} ms")
+        print(_table(preds, mbs))
+        result["ms_per_micro_batch"][str(J)] = {str(k): {v: 1e3 * t for v, t in p.items()} for k, p in preds.items()}
+        if args.gantt and J == args.to_stages[0]:
+            png = os.path.join(args.out_dir, (args.name or _extrapolate_stem(args)) + "_gantt.png")
+            k = ks[0]
+            plot_gantt(gantt_panels(costs, k, schedules=[v for v in EXTRAPOLATE_GANTT if v in preds[k]]), png,
+                       f"{os.path.basename(args.extrapolate)} stages repeated to J={J}, k={k}")
+            result["gantt"] = png
+            print(f"wrote {png}")
+    return result
+
+
+def _extrapolate_stem(args: argparse.Namespace) -> str:
+    return "timeline_extrapolate_" + os.path.splitext(os.path.basename(args.extrapolate))[0]
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--validate", metavar="REPORT", help="compare predictions with a throughput report (JSON)")
@@ -232,7 +281,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--depths", type=int, nargs="+", default=[18, 34], help="RevNet depths")
     parser.add_argument("--micro-batch", type=int, default=32, help="RevNet micro-batch for the measurement")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--k", type=int, nargs="+", default=[1, 4, 16], help="micro-batches per step to predict")
+    parser.add_argument("--k", type=int, nargs="+", help="micro-batches per step to predict (default 1 4 16; "
+                        "with --extrapolate J 2J 4J)")
+    parser.add_argument("--extrapolate", metavar="REPORT", help="predict at every J of --to-stages from the "
+                        "per-stage costs of a throughput report (JSON), its stages repeated in order")
+    parser.add_argument("--to-stages", type=int, nargs="+", default=[8, 10, 18], help="J, with --extrapolate")
     parser.add_argument("--gantt-k", type=int, default=4)
     parser.add_argument("--message-s", type=float, default=0.0, help="seconds per message between stages")
     parser.add_argument("--costs-from", help="RevNet: reuse the costs of a previous timeline_revnet.json (no "
@@ -272,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                        "measured costs")
             result["gantt"] = png
             print(f"wrote {png}")
+    elif args.extrapolate:
+        result = _extrapolate_report(args)
+        stem = args.name or _extrapolate_stem(args)
     elif args.uniform:
         J, k = args.stages, args.micro_batches
         costs = Costs.uniform(J, args.forward / 1e3, args.forward_grad / 1e3, args.backward / 1e3, args.step / 1e3,

@@ -1,0 +1,132 @@
+"""torch.distributed.pipelining's schedules as PETRA's peers: the same layers cut into pipeline stages
+and run by torch's own ``PipelineStage`` and schedule classes (used by ``throughput.py`` and
+``time_to_loss.py``).
+
+A variant is a schedule name, plus ``_ckpt`` for torch's non-reentrant activation checkpointing of every
+block. The layers travel with their two streams stacked into one tensor (``throughput.Packed``), the
+form DeepSpeed's baselines get too. Schedules with two stages per rank cut the layers into 2J chunks,
+interleaved (chunk v on rank v mod J) or V-shaped (chunks r and 2J-1-r on rank r). Every cut balances
+the schedule's own cost: ``petra_ds.partition`` rule ``backprop`` or ``backprop_ckpt`` when layer costs
+are given, else DeepSpeed's rule named by ``partition_method`` over the chunks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+#: variant -> (torch schedule class, stages per rank, V-shaped placement)
+SCHEDULES: dict[str, tuple[str, int, bool]] = {
+    "torch_1f1b": ("Schedule1F1B", 1, False),
+    "torch_interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, False),
+    "torch_interleaved_zb": ("ScheduleInterleavedZeroBubble", 2, False),
+    "torch_zbv": ("ScheduleZBVZeroBubble", 2, True),
+    "torch_dualpipev": ("ScheduleDualPipeV", 2, True),
+}
+VARIANTS = tuple(name + suffix for name in SCHEDULES for suffix in ("", "_ckpt"))
+
+
+def schedule_of(variant: str) -> tuple[str, int, bool, bool]:
+    """(torch class name, stages per rank, V-shaped, checkpointed) of ``variant``."""
+    checkpointed = variant.endswith("_ckpt")
+    name = variant[: -len("_ckpt")] if checkpointed else variant
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown torch pipelining variant {variant!r}; use one of {', '.join(VARIANTS)}")
+    return (*SCHEDULES[name], checkpointed)
+
+
+def local_chunks(rank: int, ranks: int, per_rank: int, v_shape: bool) -> list[int]:
+    """The chunk (virtual stage) indices rank ``rank`` runs, in torch's placement."""
+    if per_rank == 1:
+        return [rank]
+    if v_shape:
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + i * ranks for i in range(per_rank)]
+
+
+def chunk_parts(num_layers: int, chunks: int, *, costs: Sequence | None, checkpointed: bool,
+                method: str, block_pattern: str, layer_names: Sequence[str]) -> list[int]:
+    """Layer boundaries of ``chunks`` contiguous chunks, balanced for a backprop schedule."""
+    from deepspeed.runtime import utils as ds_utils
+
+    from petra_ds.partition import balanced_parts
+
+    if costs is not None:
+        return balanced_parts(costs, chunks, rule="backprop_ckpt" if checkpointed else "backprop")
+    if method == "uniform":
+        return [int(p) for p in ds_utils.partition_uniform(num_layers, chunks)]
+
+    weights = [1 if re.search(block_pattern, name, re.IGNORECASE) else 0 for name in layer_names]
+    return [int(p) for p in ds_utils.partition_balanced(weights, chunks)]
+
+
+class Chunk(nn.Module):
+    """Consecutive layers of one pipeline stage; with ``checkpointed`` every block runs under torch's
+    non-reentrant checkpoint (it keeps only the block's input for the backward)."""
+
+    def __init__(self, layers: Sequence[nn.Module], blocks: Sequence[bool], checkpointed: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.checkpointed = [checkpointed and b for b in blocks]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, ckpt in zip(self.layers, self.checkpointed):
+            x = checkpoint(layer, x, use_reentrant=False) if ckpt else layer(x)
+        return x
+
+
+@dataclass
+class Peer:
+    """One rank's part of a torch pipeline: its schedule, chunk modules, every chunk's layer boundaries,
+    and whether it holds the first chunk (feeds the data) or the last (computes the loss)."""
+
+    schedule: Any
+    modules: list[nn.Module]
+    parts: list[int]
+    first: bool
+    last: bool
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters()]
+
+    def step(self, optimizer: torch.optim.Optimizer, x: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """One optimizer step over the schedule's micro-batches (``x`` and ``labels`` hold all of them);
+        the micro-batches' losses on the rank with the last chunk."""
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": labels, "losses": losses} if self.last else {}
+        self.schedule.step(*([x] if self.first else []), **kwargs)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return losses
+
+
+def build(variant: str, specs: Sequence, loss_fn: Callable, micro_batches: int, device: torch.device, *,
+          costs: Sequence | None, method: str, block_pattern: str, seed: int) -> Peer:
+    """This rank's :class:`Peer` for ``variant`` on the default process group, one pipeline rank per
+    process."""
+
+    from torch import distributed as dist
+    from torch.distributed import pipelining
+
+    cls_name, per_rank, v_shape, checkpointed = schedule_of(variant)
+    ranks, rank = dist.get_world_size(), dist.get_rank()
+    chunks = ranks * per_rank
+    names = [spec.typename.__name__ for spec in specs]
+    parts = chunk_parts(len(specs), chunks, costs=costs, checkpointed=checkpointed, method=method,
+                        block_pattern=block_pattern, layer_names=names)
+    local = local_chunks(rank, ranks, per_rank, v_shape)
+    modules, stages = [], []
+    for index in local:
+        torch.manual_seed(seed + index)
+        a, b = parts[index], parts[index + 1]
+        blocks = [bool(re.search(block_pattern, name)) for name in names[a:b]]
+        module = Chunk([spec.build(log=False) for spec in specs[a:b]], blocks, checkpointed).to(device)
+        modules.append(module)
+        stages.append(pipelining.PipelineStage(module, index, chunks, device))
+    schedule = getattr(pipelining, cls_name)(stages[0] if per_rank == 1 else stages, micro_batches, loss_fn=loss_fn)
+    return Peer(schedule, modules, parts, first=0 in local, last=chunks - 1 in local)

@@ -65,12 +65,17 @@ class PetraPipelineModule(PipelineModule):
     Same arguments as ``PipelineModule`` plus ``stages_per_rank``; ``seed_layers`` defaults to True so
     that initial weights depend only on the layer index. ``partition_method="profile"`` cuts the layers by
     their cost (``petra_ds.partition``): ``layer_costs`` gives one ``LayerCost`` (or dict, or a JSON file
-    of them) per layer spec.
+    of them) per layer spec, ``partition_rule`` which schedule's cost to balance (``"petra"``; a
+    backprop baseline built from this class passes ``"backprop"`` or ``"backprop_ckpt"``), and
+    ``input_buffer`` the engine's ``petra.input_buffer``, on which a reversible PETRA stage's cost depends.
     """
 
     def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, *,
-                 stages_per_rank: int = 1, seed_layers: bool = True, layer_costs=None, **kwargs) -> None:
+                 stages_per_rank: int = 1, seed_layers: bool = True, layer_costs=None, partition_rule: str = "petra",
+                 input_buffer: str = "non_reversible", **kwargs) -> None:
         self.layer_costs = None if layer_costs is None else load_costs(layer_costs)
+        self.partition_rule = partition_rule
+        self.partition_input_buffer = input_buffer
         if not isinstance(stages_per_rank, int) or isinstance(stages_per_rank, bool) or stages_per_rank < 1:
             raise ValueError(f"stages_per_rank must be an integer >= 1 (PETRA stages per pipeline rank), "
                              f"got {stages_per_rank!r}")
@@ -112,7 +117,7 @@ class PetraPipelineModule(PipelineModule):
         if len(self.layer_costs) != len(self._layer_specs):
             raise ValueError(f"layer_costs has {len(self.layer_costs)} entries for {len(self._layer_specs)} layer "
                              "specs; give one per layer spec, in order")
-        return balanced_parts(self.layer_costs, num_petra)
+        return balanced_parts(self.layer_costs, num_petra, self.partition_input_buffer, self.partition_rule)
 
 
 def petra_parts(module: PipelineModule) -> list[int]:

@@ -9,6 +9,11 @@ depends on its place and its layers:
   kept input, then runs the backward;
 - the last stage runs its forward with a graph and its backward in the same clock.
 
+A backprop pipeline (1F1B, GPipe, zero bubble) runs each micro-batch's forward with a graph and its
+backward on every stage (``rule="backprop"``); with activation checkpointing it also recomputes the
+forward (``rule="backprop_ckpt"``). A baseline cut by PETRA's rule would be handicapped (PETRA's last
+stage is cheaper per layer than its others), so each schedule is cut by its own rule.
+
 ``PetraPipelineModule(..., partition_method="profile", layer_costs=...)`` cuts the layers with
 :func:`balanced_parts`. The result depends only on the costs, so every rank that reads the same costs
 cuts the same way. ``petra_ds.analysis.measure.measure_layer_costs`` measures them.
@@ -20,6 +25,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from .checkpoint import write_text_atomic
 from .schedule import reconstructs
 
 
@@ -35,9 +41,19 @@ class LayerCost:
     reconstruct: float | None = None
 
 
-def stage_cost(costs: Sequence[LayerCost], stage: int, num_stages: int, input_buffer: str = "non_reversible") -> float:
-    """PETRA seconds per clock of stage ``stage`` made of the layers ``costs``."""
+#: what a stage runs per micro-batch: PETRA's clock, plain backprop, backprop with checkpointing
+RULES = ("petra", "backprop", "backprop_ckpt")
+
+
+def stage_cost(costs: Sequence[LayerCost], stage: int, num_stages: int, input_buffer: str = "non_reversible",
+               rule: str = "petra") -> float:
+    """Seconds per micro-batch of stage ``stage`` made of the layers ``costs`` under ``rule``."""
+    if rule not in RULES:
+        raise ValueError(f"unknown partition rule {rule!r}; use one of {', '.join(RULES)}")
     backward = sum(c.backward for c in costs)
+    if rule != "petra":
+        passes = 2 if rule == "backprop_ckpt" else 1  # a checkpointed forward also runs with autograd on
+        return passes * sum(c.forward_grad for c in costs) + backward
     if stage == num_stages - 1:
         return sum(c.forward_grad for c in costs) + backward
     forward = sum(c.forward for c in costs)
@@ -46,10 +62,11 @@ def stage_cost(costs: Sequence[LayerCost], stage: int, num_stages: int, input_bu
     return forward + sum(c.forward_grad for c in costs) + backward
 
 
-def balanced_parts(costs: Sequence[LayerCost], num_stages: int, input_buffer: str = "non_reversible") -> list[int]:
+def balanced_parts(costs: Sequence[LayerCost], num_stages: int, input_buffer: str = "non_reversible",
+                   rule: str = "petra") -> list[int]:
     """Layer boundaries ``[0, b_1, ..., len(costs)]`` of ``num_stages`` non-empty contiguous stages that
-    minimise the largest :func:`stage_cost` (exact, by dynamic programming; among optimal cuts the one
-    with the earliest boundaries)."""
+    minimise the largest :func:`stage_cost` under ``rule`` (exact, by dynamic programming; among optimal
+    cuts the one with the earliest boundaries)."""
     n = len(costs)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot cut {n} layers into {num_stages} non-empty stages")
@@ -63,7 +80,7 @@ def balanced_parts(costs: Sequence[LayerCost], num_stages: int, input_buffer: st
             for c in range(j - 1, i):
                 if best[j - 1][c] == inf:
                     continue
-                value = max(best[j - 1][c], stage_cost(costs[c:i], j - 1, num_stages, input_buffer))
+                value = max(best[j - 1][c], stage_cost(costs[c:i], j - 1, num_stages, input_buffer, rule))
                 if value < best[j][i]:
                     best[j][i], cut[j][i] = value, c
     parts = [n]
@@ -91,5 +108,6 @@ def load_costs(source: str | Sequence[LayerCost | dict]) -> list[LayerCost]:
 
 
 def save_costs(costs: Sequence[LayerCost], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump([asdict(c) for c in costs], f, indent=1)
+    """Write ``costs`` as JSON through a temporary file and a rename: other ranks read this file to cut
+    their stages, so they must find it whole or not at all."""
+    write_text_atomic(path, json.dumps([asdict(c) for c in costs], indent=1))

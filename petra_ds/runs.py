@@ -135,7 +135,8 @@ def run_layout(num_layers: int, stages: int | None = None, data_parallel: int | 
 
 
 def add_run_arguments(parser: Any) -> None:
-    """The options both example scripts share: checkpoints, resuming, the gradient-quality study."""
+    """The options both example scripts share: checkpoints, resuming, the gradient-quality study, the
+    partition."""
     parser.add_argument("--save-every", type=int, default=0,
                         help="checkpoint to <output-dir>/checkpoints every N train_batch calls (0: never)")
     parser.add_argument("--resume", action="store_true",
@@ -149,16 +150,26 @@ def add_run_arguments(parser: Any) -> None:
     parser.add_argument("--delay-compensation", default=None, metavar="METHOD",
                         help='PETRA: sets "petra": {"delay_compensation": ...}: none, weight_prediction, '
                              'lr_rescale, or a JSON object such as \'{"method": "weight_prediction", "beta": 0.5}\'')
+    parser.add_argument("--partition", default="auto", choices=("auto", "profile"),
+                        help="how the layers are cut into stages, for PETRA and the backprop baseline alike: auto, "
+                             "the script's own rule; profile, the cut that balances the stages' measured costs "
+                             "(rank 0 measures every layer once; <output-dir>/layer_costs.json)")
+    parser.add_argument("--layer-costs", default=None, metavar="FILE",
+                        help="--partition profile: cut from this costs file (an earlier run's layer_costs.json) "
+                             "instead of measuring")
 
 
 def apply_run_arguments(args: Any, config: dict) -> str:
     """Write --gradient-quality and --delay-compensation into a PETRA config's "petra" section; returns
-    the method ("petra" or "backprop"). Both are PETRA's: with a config without that section they exit."""
+    the method ("petra" or "backprop"). Both are PETRA's: with a config without that section they exit,
+    as --layer-costs does without --partition profile (it would be ignored)."""
     method = "petra" if "petra" in config else "backprop"
     wanted = [flag for flag, value in (("--gradient-quality", args.gradient_quality),
                                        ("--delay-compensation", args.delay_compensation)) if value]
     if wanted and method != "petra":
         raise SystemExit(f"{' and '.join(wanted)} configure PETRA: use a config that has a \"petra\" section")
+    if args.layer_costs and args.partition != "profile":
+        raise SystemExit("--layer-costs gives the costs --partition profile cuts from: add --partition profile")
     if args.gradient_quality:
         config["petra"]["gradient_quality_every"] = args.gradient_quality
     if args.delay_compensation:

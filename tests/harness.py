@@ -3,12 +3,13 @@
 :func:`run_rank` trains the toy model (or a tiny RevGPT) with PetraEngine, in a process launched as one
 rank, as ``spec`` says (keys and defaults: :data:`DEFAULT_SPEC`), and returns what the rank recorded: the
 gradients each stage stepped with, the final parameters by global name, the losses and, on request, a
-memory report per clock. :func:`launch` runs it (or another module-level ``target``) on every rank of a
-world: in the session's pool of rank processes (``tests/pool.py``) unless asked for fresh processes,
-which runs that kill a rank on purpose always get. :func:`run_processes` reports each rank's end,
-failed, killed or hung (spec keys ``kill_rank``, ``kill_at_clock``, ``kill_in_save``, ``kill_signal``,
-``kill_record``, ``dist_timeout``); ``nan_micro_batch``, ``bad_micro_batch`` and ``wrong_inverse_at``
-inject a NaN feature, a micro-batch of another size and a layer whose inverse is wrong.
+memory report per clock; :func:`run_example` runs an example script's ``main()`` in a rank instead.
+:func:`launch` runs it (or another module-level ``target``) on every rank of a world: in the session's
+pool of rank processes (``tests/pool.py``) unless asked for fresh processes, which runs that kill a
+rank on purpose always get. :func:`run_processes` reports each rank's end, failed, killed or hung (spec
+keys ``kill_rank``, ``kill_at_clock``, ``kill_in_save``, ``kill_signal``, ``kill_record``,
+``dist_timeout``); ``nan_micro_batch``, ``bad_micro_batch`` and ``wrong_inverse_at`` inject a NaN
+feature, a micro-batch of another size and a layer whose inverse is wrong.
 """
 
 from __future__ import annotations
@@ -163,6 +164,33 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "reconstructs": {j: st.reconstructs for j, st in engine.stages.items()},
         "reconstruction_errors": {j: list(st.reconstruction_errors) for j, st in engine.stages.items()},
     }
+
+
+def run_example(spec: dict[str, Any]) -> dict[str, Any]:
+    """``main()`` of ``examples/<spec["example"]>/train.py`` with the command line ``spec["argv"]``, in this
+    process (launched as one rank): what a launcher's process runs, without its seconds of imports when
+    the rank is pooled. Returns the rank, and with ``spec["return_error"]`` the message of the error that
+    ended ``main()`` instead of raising it (the pooled world survives a run expected to fail)."""
+    import importlib.util
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", spec["example"],
+                        "train.py")
+    module_spec = importlib.util.spec_from_file_location(f"example_{spec['example']}_train", path)
+    script = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(script)
+    argv = sys.argv
+    sys.argv = [path, *spec["argv"]]
+    error = None
+    try:
+        script.main()
+    except Exception as failure:
+        if not spec.get("return_error"):
+            raise
+        error = str(failure)
+    finally:
+        sys.argv = argv
+    return {"rank": int(os.environ["RANK"]), "error": error}
 
 
 def _die(spec: dict[str, Any], what: str) -> None:

@@ -66,3 +66,36 @@ def test_revgpt_two_processes_with_tied_embeddings(tmp_path, config, method):
     summary, rows = _run(cmd, out)
     assert summary["method"] == method and summary["world_size"] == 2
     assert rows[-1]["val_loss"] < rows[0]["val_loss"] + 1.0 and rows[-1]["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("config,rule", [("petra_lm.json", "petra"), ("backprop_lm.json", "backprop")])
+def test_profile_partition_cuts_petra_and_its_baseline_from_one_costs_file(tmp_path, config, rule):
+    """--partition profile on two pooled ranks, tied embeddings: every layer measured once into a whole
+    file; PETRA (J = 4 stages) and DeepSpeed's 1F1B (2 stages) each cut it by their own rule, as
+    recomputed here. A costs file for another model is refused before training."""
+    from harness import launch, run_example
+    from petra_ds.partition import balanced_parts, load_costs, save_costs
+
+    out = tmp_path / "run"
+    argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", config), "--model", "revgpt", "--tie-embeddings",
+            "--data-files", *_files(tmp_path), *SMALL, "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1",
+            "--partition", "profile", "--output-dir", str(out)]
+    launch({"example": "reformer", "argv": argv}, world_size=2, target=run_example)
+    summary = json.loads((out / "summary.json").read_text())
+    costs_file = out / "layer_costs.json"
+    costs = load_costs(str(costs_file))
+    assert [p.name for p in out.iterdir() if p.name.startswith("layer_costs")] == ["layer_costs.json"]
+    assert len(costs) == 5 and all(c.forward > 0 and c.forward_grad > 0 and c.backward > 0 for c in costs)
+    # embedding, two reversible blocks, final norm, tied head
+    assert [c.reconstruct is not None for c in costs] == [False, True, True, False, False]
+    stages = 4 if rule == "petra" else 2
+    assert summary["stages"] == stages
+    assert summary["partition"] == {"method": "profile", "layer_costs": str(costs_file),
+                                    "parts": balanced_parts(costs, stages, "non_reversible", rule=rule)}
+    if rule == "backprop":
+        return
+    save_costs(costs[:3], str(tmp_path / "short.json"))
+    failed = launch({"example": "reformer", "argv": [*argv, "--layer-costs", str(tmp_path / "short.json")],
+                     "return_error": True}, world_size=2, target=run_example)
+    assert [r["error"] for r in failed] == ["layer_costs has 3 entries for 5 layer specs; give one per layer spec, "
+                                            "in order"] * 2

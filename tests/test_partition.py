@@ -10,7 +10,7 @@ from torch import nn
 
 import petra_ds
 from petra_ds.module import spec_is_reversible
-from petra_ds.partition import LayerCost, balanced_parts, load_costs, stage_cost
+from petra_ds.partition import RULES, LayerCost, balanced_parts, load_costs, stage_cost
 from petra_ds.toy import toy_layer_specs
 
 
@@ -19,9 +19,9 @@ def all_partitions(n: int, J: int):
         yield [0, *cuts, n]
 
 
-def slowest(costs, parts):
+def slowest(costs, parts, rule="petra"):
     J = len(parts) - 1
-    return max(stage_cost(costs[a:b], j, J) for j, (a, b) in enumerate(zip(parts, parts[1:])))
+    return max(stage_cost(costs[a:b], j, J, rule=rule) for j, (a, b) in enumerate(zip(parts, parts[1:])))
 
 
 costs_strategy = st.lists(
@@ -34,10 +34,11 @@ costs_strategy = st.lists(
 @given(costs=costs_strategy, data=st.data())
 def test_balanced_parts_is_optimal_against_every_partition(costs, data):
     J = data.draw(st.integers(1, len(costs)))
-    parts = balanced_parts(costs, J)
+    rule = data.draw(st.sampled_from(RULES))
+    parts = balanced_parts(costs, J, rule=rule)
     assert parts[0] == 0 and parts[-1] == len(costs) and all(a < b for a, b in zip(parts, parts[1:]))
-    best = min(all_partitions(len(costs), J), key=lambda p: slowest(costs, p))
-    assert slowest(costs, parts) == pytest.approx(slowest(costs, best), rel=1e-12)
+    best = min(all_partitions(len(costs), J), key=lambda p: slowest(costs, p, rule))
+    assert slowest(costs, parts, rule) == pytest.approx(slowest(costs, best, rule), rel=1e-12)
 
 
 def test_stage_cost_follows_what_each_stage_runs_per_clock():
@@ -48,6 +49,19 @@ def test_stage_cost_follows_what_each_stage_runs_per_clock():
     assert stage_cost([rev], 0, 3) == 1 + 1.5 + 2  # stage 0 re-reads its data and recomputes
     assert stage_cost([rev], 2, 3) == 1.5 + 2  # the last stage: forward with a graph, backward, same clock
     assert stage_cost([rev, rev], 1, 3, input_buffer="all") == 2 + 3 + 4  # inputs kept: recompute
+    for stage in range(3):  # backprop: every stage's forward keeps its graph; checkpointing runs it twice
+        assert stage_cost([rev, plain], stage, 3, rule="backprop") == 3 + 4
+        assert stage_cost([rev, plain], stage, 3, rule="backprop_ckpt") == 3 + 3 + 4
+    with pytest.raises(ValueError, match="unknown partition rule 'gpipe'; use one of petra, backprop"):
+        stage_cost([rev], 0, 1, rule="gpipe")
+
+
+def test_each_schedule_is_cut_by_its_own_rule():
+    """PETRA's last stage is cheaper per layer (no recompute), so PETRA gives it more layers than a
+    backprop pipeline, whose stages all cost forward with a graph plus backward."""
+    costs = [LayerCost(1.0, 1.5, 2.0, 1.75) for _ in range(8)]
+    assert balanced_parts(costs, 2) == [0, 3, 8]
+    assert balanced_parts(costs, 2, rule="backprop") == [0, 4, 8]
 
 
 def test_an_expensive_first_layer_gets_a_stage_of_its_own():

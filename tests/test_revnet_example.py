@@ -40,3 +40,32 @@ def test_two_process_run_writes_a_valid_summary(tmp_path, config, method, stages
         assert (out / "gradient_quality.png").stat().st_size > 1000
     else:
         assert quality == [] and not (out / "gradient_quality.png").exists()
+
+
+def test_profile_partition_measures_once_and_every_rank_cuts_from_the_file(tmp_path):
+    """--partition profile on two pooled ranks: rank 0's costs file is whole (one cost per layer, a
+    reconstruction time exactly for the reversible middle layers) and the run's cut is the balanced cut
+    of that file, recomputed here (PETRA's rule, petra.json's input buffer, J = --stages)."""
+    from harness import launch, run_example
+    from petra_ds.data import INFO
+    from petra_ds.models.revnet import revnet_layers
+    from petra_ds.module import spec_is_reversible
+    from petra_ds.partition import balanced_parts, load_costs
+
+    out = tmp_path / "run"
+    argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra.json"), "--dataset", "digits", "--width", "8",
+            "--epochs", "1", "--max-steps", "1", "--workers", "0", "--stages", "4", "--partition", "profile",
+            "--output-dir", str(out)]
+    launch({"example": "revnet", "argv": argv}, world_size=2, target=run_example)
+    summary = json.loads((out / "summary.json").read_text())
+    costs_file = out / "layer_costs.json"
+    assert summary["partition"]["method"] == "profile" and summary["partition"]["layer_costs"] == str(costs_file)
+    assert [p.name for p in out.iterdir() if p.name.startswith("layer_costs")] == ["layer_costs.json"]
+    costs = load_costs(str(costs_file))
+    specs = revnet_layers(18, INFO["digits"].num_classes, INFO["digits"].cifar_stem, 8)
+    assert len(costs) == len(specs) == 10
+    assert all(c.forward > 0 and c.forward_grad > 0 and c.backward > 0 for c in costs)
+    assert [c.reconstruct is not None for c in costs] == [
+        spec_is_reversible(s) and i < len(specs) - 1 for i, s in enumerate(specs)]
+    assert summary["partition"]["parts"] == balanced_parts(costs, 4, "non_reversible", rule="petra")
+    assert summary["stages"] == 4

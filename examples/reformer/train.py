@@ -20,6 +20,12 @@ back as a ``ReformerModelWithLMHead`` (``save_pretrained``) with its tokenizer.
 
 ``--save-every N`` checkpoints to <output-dir>/checkpoints every N train_batch calls; ``--resume`` continues
 from the latest one: step count, optimizer and LR schedule, the data stream's position, metrics.jsonl.
+
+``--partition profile`` cuts the layers where the stages' measured costs balance instead of "uniform"
+(petra_ds.run_partition): rank 0 times every layer on one training micro-batch and writes
+<output-dir>/layer_costs.json, which every rank cuts from (``--layer-costs FILE`` reuses an earlier one);
+the 1F1B baseline is cut from the same costs, balanced for its own schedule. summary.json records the
+partition: method, layer boundaries, costs file.
 """
 
 from __future__ import annotations
@@ -34,12 +40,12 @@ from contextlib import contextmanager
 import deepspeed
 import torch
 from deepspeed import comm as dist
-from deepspeed.pipe import PipelineModule
 from tqdm import tqdm
 
 import petra_ds
 from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
+from petra_ds.run_partition import agreed_partition, baseline_module, shared_layer_costs
 from petra_ds.runs import RunFiles, add_run_arguments, apply_run_arguments, resume, run_layout, save
 
 
@@ -118,30 +124,32 @@ def reformer_model(args, vocab_size: int):
 ONE_F_ONE_B_DROPOUT_BASE = 1_000_003
 
 
-def build_model(args, config: dict, vocab_size: int):
-    """The pipeline module, its layout and (Reformer) its Hugging Face config; PETRA's partition is
-    "uniform": contiguous layers, one or two a stage when J is fitted to the processes, none empty."""
-    hf_config = None
+def build_layers(args, vocab_size: int) -> tuple[list, object]:
+    """The layer specs and (Reformer) their Hugging Face config."""
     if args.model == "reformer":
         hf_config, layers = reformer_model(args, vocab_size)
-    else:
-        layers = revgpt_layers(RevGPTConfig(vocab_size=vocab_size, seq_len=args.seq_len, d_model=args.d_model,
-                                            n_layers=args.layers, n_heads=args.heads, dropout=args.dropout,
-                                            tie_embeddings=args.tie_embeddings))
-    layout = run_layout(len(layers), args.stages, args.data_parallel, petra="petra" in config, name=args.model)
+        return layers, hf_config
+    return revgpt_layers(RevGPTConfig(vocab_size=vocab_size, seq_len=args.seq_len, d_model=args.d_model,
+                                      n_layers=args.layers, n_heads=args.heads, dropout=args.dropout,
+                                      tie_embeddings=args.tie_embeddings)), None
+
+
+def build_model(args, config: dict, layers: list, layout, method: str, costs=None):
+    """The pipeline module cut by ``method``: "uniform" (contiguous layers, one or two a stage when J is
+    fitted to the processes, none empty) or "profile" (``costs``: the layer costs)."""
     topology = layout.topology()
     if "petra" not in config:
-        module = PipelineModule(layers, topology=topology, loss_fn=lm_loss, partition_method="uniform",
-                                seed_layers=True, base_seed=args.seed)  # the same initial weights as PETRA's
+        module = baseline_module(layers, topology=topology, loss_fn=lm_loss, partition_method=method,
+                                 layer_costs=costs, seed_layers=True, base_seed=args.seed)  # PETRA's initial weights
         # DeepSpeed reseeds each layer's forward with base_seed * forward counter + layer index: with base 0
         # every micro-batch would draw the same dropout masks; a base above the layer count keeps them apart
         module.base_seed = ONE_F_ONE_B_DROPOUT_BASE + args.seed
-        return module, layout, hf_config
+        return module
     config["petra"]["stages_per_rank"] = layout.stages_per_rank
-    module = petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=lm_loss,
-                                          stages_per_rank=layout.stages_per_rank,
-                                          partition_method="uniform", base_seed=args.seed)
-    return module, layout, hf_config
+    input_buffer = petra_ds.PetraConfig.from_dict(config["petra"]).input_buffer  # a stage's cost depends on it
+    return petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=lm_loss,
+                                        stages_per_rank=layout.stages_per_rank, partition_method=method,
+                                        layer_costs=costs, input_buffer=input_buffer, base_seed=args.seed)
 
 
 def evaluate(engine, loader, batches: int) -> float:
@@ -186,9 +194,18 @@ def main() -> None:
         val_blocks = pack(raw["validation"], tokenizer, args.seq_len)
     vocab_size = len(tokenizer)
 
-    model, layout, hf_config = build_model(args, config, vocab_size)
+    layers, hf_config = build_layers(args, vocab_size)
+    layout = run_layout(len(layers), args.stages, args.data_parallel, petra="petra" in config, name=args.model)
     replicas = layout.data_parallel
     micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
+    costs, costs_file = None, None
+    if args.partition == "profile":  # the first training micro-batch of the stream
+        costs, costs_file = shared_layer_costs(
+            layers, lambda: next(iter(lm_stream(train_blocks, micro, seed=args.seed))), lm_loss, args.output_dir,
+            reuse=args.layer_costs, keep_existing=args.resume)
+    cut = "profile" if args.partition == "profile" else "uniform"
+    model = build_model(args, config, layers, layout, cut, costs)
+    partition = agreed_partition(model, cut, costs_file)
     if "optimizer" not in config:
         # on CPU, torch's AdamW: DeepSpeed's FusedAdam would first be JIT-compiled (about a minute)
         config["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01,
@@ -249,7 +266,7 @@ def main() -> None:
                    "final_val_perplexity": metrics[-1]["val_perplexity"], "tokens_per_s": metrics[-1]["tokens_per_s"],
                    "steps": args.max_steps, "world_size": dist.get_world_size(),
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
-                   "memory_rank0": memory,
+                   "partition": partition, "memory_rank0": memory,
                    "args": vars(args), "config": config}
         files.summary(summary)
         files.gradient_quality_plot(f"{method} {args.model}: gradient quality per stage")

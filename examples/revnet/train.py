@@ -20,6 +20,11 @@ is scikit-learn's bundled set (offline), imagenet32 / imagenet read the folders 
 
 --save-every N checkpoints to <output-dir>/checkpoints every N train_batch calls; --resume continues from
 the latest one: step count, optimizer and LR schedule, the data stream's position, metrics.jsonl.
+
+--partition profile cuts the layers where the stages' measured costs balance (petra_ds.run_partition): rank
+0 times every layer on one training micro-batch and writes <output-dir>/layer_costs.json, which every rank
+cuts from (--layer-costs FILE reuses an earlier one); the 1F1B baseline is cut from the same costs, balanced
+for its own schedule. summary.json records the partition: method, layer boundaries, costs file.
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ import time
 import deepspeed
 import torch
 from deepspeed import comm as dist
-from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.utils import set_random_seed
 from torch import nn
 from tqdm import tqdm
@@ -42,6 +46,7 @@ from petra_ds.data import INFO, build_dataset, make_loader
 from petra_ds.data.stream import resumable_loader
 from petra_ds.models.revnet import resnet_layers, revnet_layers
 from petra_ds.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
+from petra_ds.run_partition import agreed_partition, baseline_module, shared_layer_costs
 from petra_ds.runs import Layout, RunFiles, add_run_arguments, apply_run_arguments, resume, run_layout, save
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
@@ -92,22 +97,32 @@ def build_layers(args, info) -> list:
     return (revnet_layers if kind == "revnet" else resnet_layers)(depth, info.num_classes, info.cifar_stem, args.width)
 
 
-def build_model(args, config: dict, layers: list, layout: Layout, loss_fn: nn.Module):
-    """PETRA partitions the blocks into J stages: one per block when J equals their count, DeepSpeed's
-    "parameters" balance for an explicit smaller --stages, and "uniform" (contiguous, one or two blocks a
-    stage) for a J fitted to the processes, where balancing parameters would pile the many small
-    high-resolution blocks onto stage 0 (RevNet34 at J = 9: 8 of 18 blocks). Both leave no stage empty."""
+def partition_method(args, config: dict, layers: list, layout: Layout) -> str:
+    """How the layers are cut: "profile" when asked; otherwise "parameters" for DeepSpeed's 1F1B, and PETRA
+    partitions the blocks into J stages: one per block when J equals their count, "parameters" balance for
+    an explicit smaller --stages, and "uniform" (contiguous, one or two blocks a stage) for a J fitted to
+    the processes, where balancing parameters would pile the many small high-resolution blocks onto stage
+    0 (RevNet34 at J = 9: 8 of 18 blocks). Both leave no stage empty."""
+    if args.partition == "profile":
+        return "profile"
+    if "petra" not in config or args.stages is not None and layout.stages != len(layers):
+        return "parameters"
+    return "uniform"
+
+
+def build_model(args, config: dict, layers: list, layout: Layout, loss_fn: nn.Module, method: str, costs=None):
+    """The pipeline module cut by ``method`` (``costs``: the layer costs of "profile")."""
     topology = layout.topology()
     if "petra" not in config:
         # seed_fn: DeepSpeed's "parameters" partition yields numpy indices that random.seed rejects
-        return PipelineModule(layers, topology=topology, loss_fn=loss_fn, partition_method="parameters",
-                              seed_layers=True, seed_fn=lambda seed: set_random_seed(int(seed)),
-                              base_seed=args.seed, dynamic_shape=True)
+        return baseline_module(layers, topology=topology, loss_fn=loss_fn, partition_method=method,
+                               layer_costs=costs, seed_layers=True, seed_fn=lambda seed: set_random_seed(int(seed)),
+                               base_seed=args.seed, dynamic_shape=True)
     config["petra"]["stages_per_rank"] = layout.stages_per_rank
-    method = "parameters" if args.stages is not None and layout.stages != len(layers) else "uniform"
+    input_buffer = petra_ds.PetraConfig.from_dict(config["petra"]).input_buffer  # a stage's cost depends on it
     return petra_ds.PetraPipelineModule(layers, topology=topology, loss_fn=loss_fn,
-                                        stages_per_rank=layout.stages_per_rank,
-                                        partition_method=method, base_seed=args.seed)
+                                        stages_per_rank=layout.stages_per_rank, partition_method=method,
+                                        layer_costs=costs, input_buffer=input_buffer, base_seed=args.seed)
 
 
 def load_data(args) -> tuple:
@@ -147,9 +162,16 @@ def main() -> None:
     layout = run_layout(len(layers), args.stages, args.data_parallel, petra="petra" in config, name=args.arch)
     replicas = layout.data_parallel
     train_set, eval_set = load_data(args)
-    model = build_model(args, config, layers, layout, loss_fn)
-
     micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
+    costs, costs_file = None, None
+    if args.partition == "profile":  # the first training micro-batch of the stream
+        costs, costs_file = shared_layer_costs(
+            layers, lambda: next(iter(resumable_loader(train_set, micro, args.seed))), loss_fn, args.output_dir,
+            reuse=args.layer_costs, keep_existing=args.resume)
+    cut = partition_method(args, config, layers, layout)
+    model = build_model(args, config, layers, layout, loss_fn, cut, costs)
+    partition = agreed_partition(model, cut, costs_file)
+
     if replicas > 1:
         shard = dist.get_rank() % replicas  # PipeDataParallelTopology puts data innermost
         train_set = torch.utils.data.Subset(train_set, range(shard, len(train_set), replicas))
@@ -209,7 +231,7 @@ def main() -> None:
                    "best_eval_acc": best, "final_eval_loss": metrics[-1]["eval_loss"],
                    "samples_per_s": metrics[-1]["samples_per_s"], "steps": total_steps, "world_size": dist.get_world_size(),
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
-                   "args": vars(args), "config": config,
+                   "partition": partition, "args": vars(args), "config": config,
                    "recipe": vars(recipe) if extra else None}
         files.summary(summary)
         files.gradient_quality_plot(f"{method} {args.arch}: gradient quality per stage")

@@ -12,13 +12,20 @@ Variants, each in fresh processes under the deepspeed launcher, same layers, mic
     1f1b        DeepSpeed's TrainSchedule over k micro-batches (every activation stored)
     1f1b_ckpt   the same with DeepSpeed's activation checkpointing of every block (PETRA's arithmetic)
     petra       petra_ds, no activation or weight buffer for reversible stages, no flush
+    torch_*     torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B,
+                ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV, each also with
+                torch's activation checkpointing of every block (``_ckpt``); see torch_pipe.py
 
-Every pipelined variant uses the same partition (``--partition``; by default as many transformer blocks
-per stage for the RevGPT, DeepSpeed's ``uniform`` for the RevNet) and --stages processes. DeepSpeed's
+Every pipelined variant uses the same partition method (``--partition``; by default as many transformer
+blocks per stage for the RevGPT, DeepSpeed's ``uniform`` for the RevNet) and --stages processes; with
+``profile`` each schedule is cut by its own cost rule (``petra_ds.partition``), from one measurement. DeepSpeed's
 pipeline gets the two streams stacked into one tensor (``Packed``), which halves its backward on
 reversible models; ``--ds-pairs`` measures it on the plain pair.
 Each rank also times its own stage's primitives (``petra_ds.analysis.timeline.measure_stage_costs``)
-and the message time between neighbours, for the timeline model. Writes
+and the message time between neighbours, for the timeline model. After the timed calls one more call
+records each rank's peak bytes held for the backward: the most bytes autograd's saved tensors hold at
+once (``HeldTracker``, parameters excluded), plus for PETRA its buffers' largest size at a clock's end
+(an upper bound of its peak). Writes
 ``benchmarks/results/throughput_<model>_<device>.json`` and prints samples/s and ratios.
 """
 
@@ -40,10 +47,18 @@ import torch
 from torch.nn import functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("single", "naive_mp", "1f1b", "1f1b_ckpt", "petra")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch_pipe  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+VARIANTS = ("single", "naive_mp", "1f1b", "1f1b_ckpt", "petra", *torch_pipe.VARIANTS)
 #: the ratios the issue asks for: (numerator, denominator)
 RATIOS = (("petra", "single"), ("petra", "1f1b_ckpt"), ("petra", "1f1b"), ("petra", "naive_mp"),
+          *(("petra", v) for v in torch_pipe.VARIANTS),
           ("1f1b", "single"), ("1f1b_ckpt", "single"), ("naive_mp", "single"))
+#: the pipeline schedules PETRA is compared with, and those that keep no block's activations
+PEERS = tuple(v for v in VARIANTS if v not in ("single", "petra"))
+CHECKPOINTED = tuple(v for v in PEERS if v.endswith("_ckpt"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--dropout", type=float, default=0.0, help="revgpt: dropout (throughput does not depend on it)")
     # RevNet
     parser.add_argument("--depth", type=int, default=18, choices=[18, 34, 50])
     parser.add_argument("--width", type=int, default=16, help="revnet: base width (64 is the paper's)")
@@ -115,13 +131,11 @@ class PackedBlock(Packed):
 def layers_and_loss(args: argparse.Namespace, packed: bool = False) -> tuple[list, object, str]:
     """(layer specs, loss_fn, the class-name pattern of the blocks): the pattern partitions the stages
     (``type:<pattern>``, same number of blocks each) and picks the layers DeepSpeed checkpoints."""
-    from deepspeed.runtime.pipe.module import LayerSpec
-
     if args.model == "revgpt":
         from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
 
         config = RevGPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, d_model=args.d_model,
-                              n_layers=args.layers, n_heads=args.heads, dropout=0.0)
+                              n_layers=args.layers, n_heads=args.heads, dropout=args.dropout)
         specs, loss_fn, blocks = revgpt_layers(config), lm_loss, "RevGPTBlock"
     else:
         from petra_ds.models.revnet import revnet_layers
@@ -130,16 +144,24 @@ def layers_and_loss(args: argparse.Namespace, packed: bool = False) -> tuple[lis
         loss_fn, blocks = F.cross_entropy, "RevBlock|DownsampleBlock"
     if not packed:
         return specs, loss_fn, blocks
+    return pack_specs(specs, args.model), loss_fn, "PackedBlock"
+
+
+def pack_specs(specs: list, model: str) -> list:
+    """``specs`` (a RevGPT's or a RevNet's layers) as :class:`Packed` layers: the blocks, pair in and
+    pair out, become :class:`PackedBlock`."""
+    from deepspeed.runtime.pipe.module import LayerSpec
+
     last = len(specs) - 1  # stem: data in, pair out; blocks: pair in and out; revgpt's norm / revnet's head: pair in
     wrapped = []
     for i, spec in enumerate(specs):
-        if args.model == "revgpt":
+        if model == "revgpt":
             pair_in, pair_out = 0 < i < last, i < last - 1
         else:
             pair_in, pair_out = i > 0, i < last
         cls = PackedBlock if pair_in and pair_out else Packed
         wrapped.append(LayerSpec(cls, spec, pair_in, pair_out))
-    return wrapped, loss_fn, "PackedBlock"
+    return wrapped
 
 
 def partition(args: argparse.Namespace, blocks: str) -> str:
@@ -214,35 +236,46 @@ def run_single(args: argparse.Namespace, device: torch.device) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _time_calls(args, device, train_batch, micro_batches_per_call=k)
+    result = _time_calls(args, device, train_batch, micro_batches_per_call=k)
+    result["peak_held_bytes"] = peak_held_bytes(train_batch, layers.parameters())
+    return result
+
+
+def pipeline_module(args: argparse.Namespace, variant: str):
+    """The pipeline module of ``variant``: PETRA's (``petra``) or DeepSpeed's (naive_mp, 1f1b, 1f1b_ckpt),
+    each cut by its own schedule's cost with ``--partition profile``."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    import petra_ds
+    from petra_ds.run_partition import baseline_module
+
+    specs, loss_fn, blocks = layers_and_loss(args, packed=variant != "petra" and not args.ds_pairs)
+    method = partition(args, blocks)
+    costs = {"layer_costs": args.layer_costs} if method == "profile" else {}
+    if variant == "petra":
+        return petra_ds.PetraPipelineModule(specs, num_stages=args.stages, loss_fn=loss_fn, stages_per_rank=1,
+                                            partition_method=method, base_seed=args.seed, **costs)
+    # non-reentrant: DeepSpeed's pipeline calls backward once per output tensor (a reversible stage has
+    # two) and its reentrant checkpoint frees what it saved after the first
+    ckpt = {"activation_checkpoint_interval": 1, "checkpointable_layers": blocks.split("|"),
+            "activation_checkpoint_func": checkpointing.non_reentrant_checkpoint} if variant == "1f1b_ckpt" else {}
+    rule = {"partition_rule": "backprop_ckpt" if ckpt else "backprop"} if costs else {}
+    return baseline_module(specs, num_stages=args.stages, loss_fn=loss_fn, partition_method=method,
+                           seed_layers=False, **ckpt, **costs, **rule)
 
 
 def run_pipeline(args: argparse.Namespace, variant: str, device: torch.device) -> dict:
     """DeepSpeed's PipelineEngine (naive_mp, 1f1b, 1f1b_ckpt) or PetraEngine (petra), same layers."""
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.activation_checkpointing import checkpointing
 
     import petra_ds
 
-    specs, loss_fn, blocks = layers_and_loss(args, packed=variant != "petra" and not args.ds_pairs)
-    costs = {"layer_costs": args.layer_costs} if partition(args, blocks) == "profile" else {}
+    module = pipeline_module(args, variant)
     if variant == "petra":
-        module = petra_ds.PetraPipelineModule(specs, num_stages=args.stages, loss_fn=loss_fn, stages_per_rank=1,
-                                              partition_method=partition(args, blocks), base_seed=args.seed, **costs)
         engine, *_ = petra_ds.initialize(model=module, config=ds_config(args, variant),
                                          model_parameters=module.parameters())
     else:
-        # non-reentrant: DeepSpeed's pipeline calls backward once per output tensor (a reversible stage has
-        # two) and its reentrant checkpoint frees what it saved after the first
-        ckpt = {"activation_checkpoint_interval": 1, "checkpointable_layers": blocks.split("|"),
-                "activation_checkpoint_func": checkpointing.non_reentrant_checkpoint} if variant == "1f1b_ckpt" else {}
-        # the profile partition through PetraPipelineModule at one stage per rank: a PipelineModule that
-        # DeepSpeed runs with its own schedule, cut where PETRA's stages are cut
-        cls = petra_ds.PetraPipelineModule if costs else PipelineModule
-        module = cls(specs, num_stages=args.stages, loss_fn=loss_fn, partition_method=partition(args, blocks),
-                     seed_layers=False, **ckpt, **costs)
         engine, *_ = deepspeed.initialize(model=module, config=ds_config(args, variant),
                                           model_parameters=module.parameters())
     data = itertools.cycle(micro_batches(args, engine.device))
@@ -250,9 +283,81 @@ def run_pipeline(args: argparse.Namespace, variant: str, device: torch.device) -
     result = _time_calls(args, engine.device, lambda: engine.train_batch(data), micro_batches_per_call=k,
                          barrier=dist.barrier)
     result["parts"] = [int(p) for p in getattr(module, "petra_parts", module.parts)]
+    buffers = petra_buffer_peak(engine, module.parameters()) if variant == "petra" else None
+    result["peak_held_bytes"] = peak_held_bytes(lambda: engine.train_batch(data), module.parameters(), buffers)
     if variant == "petra" and args.costs:
         result["costs"] = stage_costs(engine, data)
     return result
+
+
+def torch_peer(args: argparse.Namespace, variant: str, device: torch.device) -> torch_pipe.Peer:
+    """This rank's part of torch pipelining's ``variant`` on the same (stacked-stream) layers."""
+    specs, loss_fn, blocks = layers_and_loss(args, packed=True)
+    costs = None
+    if partition(args, blocks) == "profile":
+        from petra_ds.partition import load_costs
+
+        costs = load_costs(args.layer_costs)
+    return torch_pipe.build(variant, specs, loss_fn, args.micro_batches, device, costs=costs,
+                            method=partition(args, blocks), block_pattern=blocks, seed=args.seed)
+
+
+def run_torch(args: argparse.Namespace, variant: str, device: torch.device) -> dict:
+    """One of torch.distributed.pipelining's schedules, timed."""
+    from torch import distributed as dist
+
+    peer = torch_peer(args, variant, device)
+    optimizer = torch.optim.Adam(peer.parameters(), lr=1e-4)
+    data, k = micro_batches(args, device), args.micro_batches
+    batches = itertools.cycle([tuple(torch.cat(part) for part in zip(*data[i:i + k]))
+                               for i in range(0, len(data) - k + 1, k)])
+
+    def train_batch() -> None:
+        peer.step(optimizer, *next(batches))
+
+    result = _time_calls(args, device, train_batch, micro_batches_per_call=k, barrier=dist.barrier)
+    result["parts"] = peer.parts
+    result["peak_held_bytes"] = peak_held_bytes(train_batch, peer.parameters())
+    return result
+
+
+def peak_held_bytes(train_batch, params, buffers=None) -> list[int]:
+    """Every rank's peak bytes held for the backward during one more call: the most bytes autograd's saved
+    tensors hold at once, plus (``buffers``, PETRA) the largest its buffers reach at a clock's end."""
+    from torch import distributed as dist
+
+    from petra_ds.analysis.held import HeldTracker
+
+    tracker = HeldTracker(exclude=list(params))
+    with tracker.recording():
+        train_batch()
+    mine = tracker.peak_bytes + (buffers.stop() if buffers is not None else 0)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return [int(b) for b in gathered]
+
+
+def petra_buffer_peak(engine, params):
+    """An observer of PETRA's buffers (input FIFO, raw micro-batches, messages): the most bytes they
+    hold at a clock's end; ``stop()`` detaches it and returns that maximum."""
+    from petra_ds.analysis.held import BUFFER_CATEGORIES, HeldTracker, petra_buffers
+    from petra_ds.observe import Observer
+
+    exclude = list(params)
+
+    class BufferPeak(Observer):
+        most = 0
+
+        def clock_end(self, engine, clock):
+            for stage in engine.local_stage_ids:
+                held = HeldTracker().measure(petra_buffers(engine, stage), exclude=exclude)
+                self.most = max(self.most, sum(held[c] for c in BUFFER_CATEGORIES))
+
+        def stop(self) -> int:
+            engine.observers.remove(self)
+            return self.most
+
+    return engine.observe(BufferPeak())
 
 
 def _time_calls(args: argparse.Namespace, device: torch.device, train_batch, micro_batches_per_call: int,
@@ -345,6 +450,8 @@ def worker(args: argparse.Namespace) -> None:
         device = torch.device("cpu")
     if args.worker == "single":
         result = run_single(args, device)
+    elif args.worker in torch_pipe.VARIANTS:
+        result = run_torch(args, args.worker, device)
     else:
         result = run_pipeline(args, args.worker, device)
     if int(os.environ.get("RANK", 0)) == 0:
@@ -374,6 +481,27 @@ def launch(args: argparse.Namespace, variant: str, argv: list[str]) -> dict:
             remove_deepspeed_shm_buffers(before)  # DeepSpeed's CPU comm op never unlinks them
         with open(result) as f:
             return json.load(f)
+
+
+def versus_fastest_peers(variants: dict) -> dict:
+    """PETRA against the fastest pipeline schedule measured (by median samples/s): of all, of the
+    checkpointed ones, and of those whose measured peak held bytes (largest stage) are within PETRA's."""
+    def largest(v: str) -> int:
+        return max(variants[v].get("peak_held_bytes") or [0])
+
+    groups = {"overall": [v for v in PEERS if v in variants],
+              "checkpointed": [v for v in CHECKPOINTED if v in variants],
+              "within_petra_memory": [v for v in PEERS if v in variants and largest(v) <= largest("petra")]}
+    out = {}
+    for group, names in groups.items():
+        if not names:
+            out[group] = None
+            continue
+        peer = max(names, key=lambda v: variants[v]["median_samples_per_s"])
+        out[group] = {"peer": peer,
+                      "median_ratio": variants["petra"]["median_samples_per_s"] / variants[peer]["median_samples_per_s"],
+                      "best_ratio": variants["petra"]["samples_per_s"] / variants[peer]["samples_per_s"]}
+    return out
 
 
 def device_name() -> str:
@@ -423,6 +551,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.model == "revgpt" else {k: getattr(args, k) for k in ("depth", "width", "image_size")},
         "variants": variants, "ratios": ratios, "median_ratios": median_ratios,
     }
+    if "petra" in variants:
+        report["petra_vs_fastest_peer"] = versus_fastest_peers(variants)
     if "petra" in variants and "costs" in variants["petra"]:
         report["costs"] = variants["petra"]["costs"]
     if layer_costs is not None:
@@ -433,13 +563,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {v:10s} {variants[v]['samples_per_s']:8.2f} samples/s (best round), "
               f"{variants[v]['median_samples_per_s']:8.2f} (median)")
     for name, value in ratios.items():
-        print(f"  {name:20s} {value:6.3f}x (best), {median_ratios[name]:6.3f}x (median)")
+        print(f"  {name:28s} {value:6.3f}x (best), {median_ratios[name]:6.3f}x (median)")
+    for v in variants:
+        held = variants[v].get("peak_held_bytes")
+        if held:
+            print(f"  {v:24s} peak held per stage (MiB): {', '.join(f'{b / 2**20:.1f}' for b in held)}")
+    for group, entry in report.get("petra_vs_fastest_peer", {}).items():
+        if entry:
+            print(f"  PETRA / fastest {group} peer ({entry['peer']}): {entry['median_ratio']:.3f}x (medians)")
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     output = args.output or os.path.join("benchmarks", "results", f"throughput_{args.model}_{tag}{'_dspairs' if args.ds_pairs else ''}.json")
     path = os.path.join(ROOT, output)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:
         json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)  # never a half-written report
     print(f"saved {output}")
 
 

@@ -20,33 +20,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-#: variant -> (torch schedule class, stages per rank, V-shaped placement)
-SCHEDULES: dict[str, tuple[str, int, bool]] = {
-    "torch_1f1b": ("Schedule1F1B", 1, False),
-    "torch_interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, False),
-    "torch_interleaved_zb": ("ScheduleInterleavedZeroBubble", 2, False),
-    "torch_zbv": ("ScheduleZBVZeroBubble", 2, True),
-    "torch_dualpipev": ("ScheduleDualPipeV", 2, True),
-}
-VARIANTS = tuple(name + suffix for name in SCHEDULES for suffix in ("", "_ckpt"))
+from petra_ds.analysis.torch_programs import placement, schedule_of
+from petra_ds.analysis.torch_programs import TORCH_VARIANTS
+
+#: the benchmark's names for torch's schedules: the timeline model's
+VARIANTS = TORCH_VARIANTS
 
 
-def schedule_of(variant: str) -> tuple[str, int, bool, bool]:
-    """(torch class name, stages per rank, V-shaped, checkpointed) of ``variant``."""
-    checkpointed = variant.endswith("_ckpt")
-    name = variant[: -len("_ckpt")] if checkpointed else variant
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown torch pipelining variant {variant!r}; use one of {', '.join(VARIANTS)}")
-    return (*SCHEDULES[name], checkpointed)
-
-
-def local_chunks(rank: int, ranks: int, per_rank: int, v_shape: bool) -> list[int]:
-    """The chunk (virtual stage) indices rank ``rank`` runs, in torch's placement."""
-    if per_rank == 1:
-        return [rank]
-    if v_shape:
-        return [rank, 2 * ranks - 1 - rank]
-    return [rank + i * ranks for i in range(per_rank)]
+def local_chunks(variant: str, rank: int, ranks: int) -> list[int]:
+    """The chunk (virtual stage) indices rank ``rank`` runs, in torch's placement (named once, with the
+    schedules: ``petra_ds.analysis.torch_programs``, the timeline model of the same schedules)."""
+    return [v for v, r in sorted(placement(variant, ranks).items()) if r == rank]
 
 
 def chunk_parts(num_layers: int, chunks: int, *, costs: Sequence | None, checkpointed: bool,
@@ -82,11 +66,13 @@ class Chunk(nn.Module):
 
 @dataclass
 class Peer:
-    """One rank's part of a torch pipeline: its schedule, chunk modules, every chunk's layer boundaries,
-    and whether it holds the first chunk (feeds the data) or the last (computes the loss)."""
+    """One rank's part of a torch pipeline: its schedule, its chunk modules and their indices, every
+    chunk's layer boundaries, and whether it holds the first chunk (feeds the data) or the last (computes
+    the loss)."""
 
     schedule: Any
     modules: list[nn.Module]
+    chunks: list[int]
     parts: list[int]
     first: bool
     last: bool
@@ -113,13 +99,13 @@ def build(variant: str, specs: Sequence, loss_fn: Callable, micro_batches: int, 
     from torch import distributed as dist
     from torch.distributed import pipelining
 
-    cls_name, per_rank, v_shape, checkpointed = schedule_of(variant)
+    cls_name, per_rank, _, checkpointed = schedule_of(variant)
     ranks, rank = dist.get_world_size(), dist.get_rank()
     chunks = ranks * per_rank
     names = [spec.typename.__name__ for spec in specs]
     parts = chunk_parts(len(specs), chunks, costs=costs, checkpointed=checkpointed, method=method,
                         block_pattern=block_pattern, layer_names=names)
-    local = local_chunks(rank, ranks, per_rank, v_shape)
+    local = local_chunks(variant, rank, ranks)
     modules, stages = [], []
     for index in local:
         torch.manual_seed(seed + index)
@@ -129,4 +115,4 @@ def build(variant: str, specs: Sequence, loss_fn: Callable, micro_batches: int, 
         modules.append(module)
         stages.append(pipelining.PipelineStage(module, index, chunks, device))
     schedule = getattr(pipelining, cls_name)(stages[0] if per_rank == 1 else stages, micro_batches, loss_fn=loss_fn)
-    return Peer(schedule, modules, parts, first=0 in local, last=chunks - 1 in local)
+    return Peer(schedule, modules, local, parts, first=0 in local, last=chunks - 1 in local)

@@ -59,21 +59,89 @@ def test_packed_layers_compute_what_the_plain_layers_compute(model):
 
 @pytest.mark.slow
 def test_every_variant_runs_on_the_same_partition_and_the_report_validates(tmp_path):
-    """All five variants under the deepspeed launcher (2 CPU processes), a report with samples/s,
-    ratios and the per-stage costs that petra_ds.analysis.timeline.validate reads."""
+    """DeepSpeed's, PETRA's and two torch variants under the deepspeed launcher (2 CPU processes), a
+    report with samples/s, peak held bytes, ratios, the fastest peers and the per-stage costs that
+    petra_ds.analysis.timeline.validate reads."""
     from petra_ds.analysis.timeline import validate
 
     bench = load_benchmark()
     out = tmp_path / "report.json"
-    bench.main(["--model", "revgpt", "--stages", "2", "--calls", "1", "--warmup", "1", *TINY, "--output", str(out)])
+    names = ["single", "naive_mp", "1f1b", "1f1b_ckpt", "petra", "torch_1f1b", "torch_zbv_ckpt"]
+    bench.main(["--model", "revgpt", "--stages", "2", "--calls", "1", "--warmup", "1", *TINY, "--output", str(out),
+                "--variants", *names])
     report = json.loads(out.read_text())
     variants = report["variants"]
-    assert set(variants) == set(bench.VARIANTS)
+    assert set(variants) == set(names)
     assert all(v["samples_per_s"] > 0 for v in variants.values())
-    parts = {name: tuple(v["parts"]) for name, v in variants.items() if name != "single"}
-    assert len(set(parts.values())) == 1, parts
+    assert all(len(v["peak_held_bytes"]) == (1 if name == "single" else 2) for name, v in variants.items())
+    one_per_rank = {name: tuple(v["parts"]) for name, v in variants.items() if name not in ("single", "torch_zbv_ckpt")}
+    assert len(set(one_per_rank.values())) == 1, one_per_rank
+    assert len(variants["torch_zbv_ckpt"]["parts"]) == 5  # 2 chunks per rank
+    fastest = report["petra_vs_fastest_peer"]
+    assert fastest["checkpointed"]["peer"] in ("1f1b_ckpt", "torch_zbv_ckpt")
+    peers = [n for n in names if n not in ("single", "petra")]
+    assert fastest["overall"]["peer"] == max(peers, key=lambda n: variants[n]["median_samples_per_s"])
     assert report["ratios"]["petra/single"] == pytest.approx(
         variants["petra"]["samples_per_s"] / variants["single"]["samples_per_s"])
     assert len(report["costs"]["stages"]) == 2 and report["costs"]["message_s"] > 0
     checked = validate(report)
-    assert set(checked["variants"]) == set(bench.VARIANTS)
+    assert set(checked["variants"]) == set(names)
+
+
+def _torch_peer_step(spec: dict) -> dict:
+    """One optimizer step (SGD, lr 1) of a torch pipelining peer on this rank: its chunks' weights before
+    and after, and the micro-batch losses where the last chunk runs."""
+    import petra_ds
+
+    petra_ds.init_distributed(dist_backend="gloo")
+    bench = load_benchmark()
+    args = bench.parse_args(["--model", "revgpt", *TINY, "--layers", "4"])
+    specs, loss_fn, blocks = bench.layers_and_loss(args, packed=True)
+    peer = bench.torch_pipe.build(spec["variant"], specs, loss_fn, args.micro_batches, torch.device("cpu"),
+                                  costs=None, method=bench.partition(args, blocks), block_pattern=blocks, seed=0)
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in peer.modules]
+    x, labels = (torch.cat(t) for t in zip(*bench.micro_batches(args, torch.device("cpu"), count=args.micro_batches)))
+    losses = peer.step(torch.optim.SGD(peer.parameters(), lr=1.0), x, labels)
+    return {"parts": peer.parts, "chunks": peer.chunks, "before": before,
+            "after": [m.state_dict() for m in peer.modules], "losses": [float(loss) for loss in losses]}
+
+
+@pytest.mark.parametrize("variant", ["torch_1f1b", "torch_interleaved_zb", "torch_zbv", "torch_dualpipev", "torch_zbv_ckpt",
+                                     pytest.param("torch_interleaved_1f1b", marks=pytest.mark.slow),
+                                     pytest.param("torch_1f1b_ckpt", marks=pytest.mark.slow)])
+def test_torch_pipelining_peers_train_the_model_plain_backprop_trains(variant):
+    """Each torch schedule, as the benchmark builds it on 2 processes, takes the step plain backprop of
+    the whole model takes from the same weights (mean of the micro-batch losses): the chunks' placement,
+    partition, loss and weight-gradient split (zero bubble) are right, so the peer's speed is that of a
+    correct run."""
+    from harness import launch
+
+    bench = load_benchmark()
+    results = launch({"variant": variant}, 2, target=_torch_peer_step)
+    parts = results[0]["parts"]
+    assert all(r["parts"] == parts for r in results)
+    chunks = {c: (r["before"][i], r["after"][i]) for r in results for i, c in enumerate(r["chunks"])}
+    assert sorted(chunks) == list(range(len(parts) - 1))
+    args = bench.parse_args(["--model", "revgpt", *TINY, "--layers", "4"])
+    specs, loss_fn, _ = bench.layers_and_loss(args, packed=True)
+    oracle = torch.nn.ModuleList()
+    for c in sorted(chunks):
+        layers = torch.nn.Sequential(*[s.build(log=False) for s in specs[parts[c]:parts[c + 1]]])
+        layers.load_state_dict({k.replace("layers.", "", 1): v for k, v in chunks[c][0].items()})
+        oracle.append(layers)
+    data = bench.micro_batches(args, torch.device("cpu"), count=args.micro_batches)
+    losses = []
+    for x, labels in data:
+        for chunk in oracle:
+            x = chunk(x)
+        loss = loss_fn(x, labels)
+        (loss / len(data)).backward()
+        losses.append(loss.item())
+    torch.optim.SGD(oracle.parameters(), lr=1.0).step()
+    (last,) = [r["losses"] for r in results if r["losses"]]
+    assert last == pytest.approx(losses, rel=1e-5)
+    for c, chunk in zip(sorted(chunks), oracle):
+        after = {k.replace("layers.", "", 1): v for k, v in chunks[c][1].items()}
+        for name, value in chunk.state_dict().items():
+            assert torch.allclose(after[name], value, rtol=1e-4, atol=1e-6), (c, name)
+        assert any(not torch.equal(after[k], chunks[c][0]["layers." + k]) for k in after)  # the step moved it

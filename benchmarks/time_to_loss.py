@@ -1,0 +1,315 @@
+"""Time to quality: the wall time PETRA and the fastest pipeline peer need to reach the validation loss
+that backprop reaches at step N, on the same processes, model, text and optimizer.
+
+    OMP_NUM_THREADS=1 python benchmarks/time_to_loss.py --peer 1f1b --steps 320
+
+The peer is a backprop pipeline (DeepSpeed's ``1f1b``, ``1f1b_ckpt``, ``naive_mp`` or one of torch's
+``torch_*`` schedules, as in throughput.py); its gradients are backprop's, so the target is the peer's own
+validation loss at step N. PETRA (``--compensation``, default its best: weight prediction) then trains
+until its validation loss reaches that target, at most ``--max-steps``. Both use AdamW with DeepSpeed's
+warm-up + cosine schedule over ``--max-steps``, so the peer's step N is not the end of its schedule and
+PETRA has the same learning rates to catch up with. A RevGPT with the LM example's defaults (8 blocks,
+d = 256, seq 128, dropout 0.1, BPE 4096, micro-batch 4, k = 4, lr 3e-4) on this Python's standard-library
+docstrings (``lm_accuracy.stdlib_corpus``).
+
+Wall time counts the training calls only: every ``--eval-every`` steps the ranks meet, the slowest rank's
+training seconds so far are recorded, and the validation loss (the same ``--eval-batches`` held-out
+micro-batches for both, dropout off) is measured off the clock. The time to the target is interpolated
+linearly between the two evaluations around it. Writes ``benchmarks/results/time_to_loss_<device>.json``
+and a PNG of both curves against wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import throughput  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+from lm_accuracy import stdlib_corpus  # noqa: E402
+
+ROOT = throughput.ROOT
+PEERS = throughput.PEERS
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peer", choices=PEERS, required=True,
+                   help="the backprop pipeline to race (the fastest in throughput.py's report)")
+    p.add_argument("--compensation", default="weight_prediction", help="PETRA's delay_compensation")
+    p.add_argument("--steps", type=int, default=320, help="N: the target is the peer's validation loss here")
+    p.add_argument("--max-steps", type=int, default=480, help="the LR schedule's length and PETRA's limit")
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-batches", type=int, default=32, help="held-out micro-batches (a multiple of k)")
+    p.add_argument("--stages", type=int, default=2, help="processes, one pipeline rank each")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--micro-batches", type=int, default=4, help="k")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--corpus-chars", type=int, default=3_000_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--target", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.eval_batches % args.micro_batches:
+        p.error(f"--eval-batches {args.eval_batches} must be a multiple of --micro-batches {args.micro_batches}")
+    if not args.steps <= args.max_steps or args.steps % args.eval_every:
+        p.error("--steps must be a multiple of --eval-every and at most --max-steps")
+    return args
+
+
+def model_args(args: argparse.Namespace, vocab: int) -> argparse.Namespace:
+    """throughput.py's arguments for the same RevGPT, so both scripts build it one way."""
+    return throughput.parse_args([
+        "--model", "revgpt", "--stages", str(args.stages), "--micro-batches", str(args.micro_batches),
+        "--micro-batch-size", str(args.micro_batch_size), "--layers", str(args.layers),
+        "--d-model", str(args.d_model), "--heads", str(args.heads), "--seq-len", str(args.seq_len),
+        "--vocab-size", str(vocab), "--dropout", str(args.dropout), "--seed", str(args.seed)])
+
+
+def optimizer_config(args: argparse.Namespace) -> dict:
+    return {"optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01,
+                                                      "torch_adam": True}},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": args.max_steps,
+                                                               "warmup_num_steps": args.warmup_steps}}}
+
+
+# --- one method, inside the launched processes ---
+
+def data(args: argparse.Namespace):
+    """(tokenizer vocabulary size, endless training micro-batches, the held-out micro-batches)."""
+    from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
+
+    tokenizer = build_tokenizer(os.path.join(args.data_dir, "tokenizer"))
+    raw = load_text([os.path.join(args.data_dir, name) for name in ("train.txt", "valid.txt")], seed=args.seed)
+    train = iter(lm_stream(pack(raw["train"], tokenizer, args.seq_len), args.micro_batch_size, seed=args.seed))
+    val = list(lm_loader(pack(raw["validation"], tokenizer, args.seq_len), args.micro_batch_size, train=False))
+    if len(val) < args.eval_batches:
+        raise ValueError(f"{len(val)} held-out micro-batches, fewer than --eval-batches {args.eval_batches}")
+    return len(tokenizer), train, val[: args.eval_batches]
+
+
+def engine_method(args: argparse.Namespace, margs: argparse.Namespace, train, val):
+    """(train one step, validation loss) of PETRA or a DeepSpeed pipeline."""
+    import deepspeed
+
+    import petra_ds
+
+    config = {**throughput.ds_config(margs, args.worker), **optimizer_config(args)}
+    module = throughput.pipeline_module(margs, args.worker)
+    if args.worker == "petra":
+        config["petra"]["delay_compensation"] = args.compensation
+        engine, *_ = petra_ds.initialize(model=module, config=config, model_parameters=module.parameters())
+    else:
+        engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=module.parameters())
+    return (lambda: engine.train_batch(train),
+            lambda: float(engine.eval_batch(iter(val), num_micro_batches=len(val))))
+
+
+def torch_method(args: argparse.Namespace, margs: argparse.Namespace, train, val):
+    """(train one step, validation loss) of a torch pipelining schedule, with the same optimizer and LR
+    schedule DeepSpeed builds from the config."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+    from torch import distributed as dist
+
+    peer = throughput.torch_peer(margs, args.worker, torch.device("cpu"))
+    params = optimizer_config(args)
+    optimizer = torch.optim.AdamW(peer.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    scheduler = WarmupCosineLR(optimizer, **params["scheduler"]["params"])
+    k = args.micro_batches
+
+    def batch(micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.cat(t) for t in zip(*micro_batches))
+
+    def step() -> None:
+        peer.step(optimizer, *batch([next(train) for _ in range(k)]))
+        scheduler.step()
+
+    def evaluate() -> float:
+        # torch's own forward-only schedule (``schedule.eval``) fails on the V-shaped schedules (a chunk
+        # waits for a backward that eval never runs), so rank 0 evaluates every chunk's weights in order
+        states = {i: {k: v.detach().clone() for k, v in m.state_dict().items()} for i, m in zip(peer.chunks, peer.modules)}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, states)
+        mean = [0.0]
+        if dist.get_rank() == 0:
+            mean = [whole_model_loss(margs, peer.parts, {i: s for g in gathered for i, s in g.items()}, val)]
+        dist.broadcast_object_list(mean, src=0)
+        return float(mean[0])
+
+    return step, evaluate
+
+
+def whole_model_loss(margs: argparse.Namespace, parts: list[int], states: dict, val) -> float:
+    """Mean loss over ``val`` of the chunks ``parts`` cut, with weights ``states`` (by chunk), dropout off."""
+    specs, loss_fn, blocks = throughput.layers_and_loss(margs, packed=True)
+    chunks = []
+    for i in range(len(parts) - 1):
+        chunk = throughput.torch_pipe.Chunk([s.build(log=False) for s in specs[parts[i]:parts[i + 1]]],
+                                            [False] * (parts[i + 1] - parts[i]), checkpointed=False)
+        chunk.load_state_dict(states[i])
+        chunks.append(chunk.eval())
+    losses = []
+    with torch.no_grad():
+        for x, labels in val:
+            for chunk in chunks:
+                x = chunk(x)
+            losses.append(float(loss_fn(x, labels)))
+    return sum(losses) / len(losses)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import deepspeed
+    from torch import distributed as dist
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed()
+    torch.manual_seed(args.seed)
+    vocab, train, val = data(args)
+    margs = model_args(args, vocab)
+    build = torch_method if args.worker.startswith("torch_") else engine_method
+    step, evaluate = build(args, margs, train, val)
+    steps = args.steps if args.target is None else args.max_steps
+    curve, trained = [], 0.0
+    for n in range(1, steps + 1):
+        start = time.perf_counter()
+        step()
+        trained += time.perf_counter() - start
+        if n % args.eval_every == 0:
+            slowest = torch.tensor([trained], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            curve.append({"step": n, "train_s": float(slowest), "val_loss": evaluate()})
+            if args.target is not None and curve[-1]["val_loss"] <= args.target:
+                break
+    if dist.get_rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump(curve, f)
+
+
+# --- the driver ---
+
+def prepare(args: argparse.Namespace, data_dir: str) -> int:
+    """The corpus and one tokenizer trained on it, for every worker to load; returns the vocabulary size."""
+    from petra_ds.data.text import build_tokenizer, load_text
+
+    files = stdlib_corpus(data_dir, args.corpus_chars)
+    raw = load_text(files, seed=args.seed)
+    tokenizer = build_tokenizer("bpe", raw["train"], args.vocab_size)
+    tokenizer.save_pretrained(os.path.join(data_dir, "tokenizer"))
+    return len(tokenizer)
+
+
+def launch(args: argparse.Namespace, method: str, argv: list[str], data_dir: str, target: float | None) -> list[dict]:
+    from petra_ds.launch import free_port
+    from petra_ds.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
+
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    result = os.path.join(data_dir, f"{method}.json")
+    cmd = [deepspeed, "--num_gpus", str(args.stages), "--master_port", str(free_port()), os.path.abspath(__file__),
+           *argv, "--worker", method, "--data-dir", data_dir, "--result", result]
+    if target is not None:
+        cmd += ["--target", repr(target)]
+    before = deepspeed_shm_buffers()
+    try:
+        subprocess_run(cmd)
+    finally:
+        remove_deepspeed_shm_buffers(before)
+    with open(result) as f:
+        return json.load(f)
+
+
+def subprocess_run(cmd: list[str]) -> None:
+    import subprocess
+
+    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
+
+
+def time_to(curve: list[dict], target: float) -> float | None:
+    """Training seconds at which ``curve`` first reaches ``target`` (linear between evaluations), or None."""
+    previous = {"train_s": 0.0, "val_loss": float("inf")}
+    for point in curve:
+        if point["val_loss"] <= target:
+            if previous["val_loss"] == float("inf"):
+                return point["train_s"]
+            share = (previous["val_loss"] - target) / (previous["val_loss"] - point["val_loss"])
+            return previous["train_s"] + share * (point["train_s"] - previous["train_s"])
+        previous = point
+    return None
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, run in report["runs"].items():
+        ax.plot([p["train_s"] for p in run["curve"]], [p["val_loss"] for p in run["curve"]], marker=".",
+                label=f"{name}: {run['seconds_to_target']:.0f} s" if run["seconds_to_target"] else f"{name}: not reached")
+    ax.axhline(report["target_val_loss"], color="gray", linestyle="--",
+               label=f"backprop's loss at step {report['args']['steps']}")
+    ax.set_xlabel("training wall time (s)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"RevGPT, {report['args']['stages']} processes: time to backprop's step-{report['args']['steps']} loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker(args)
+        return None
+    with tempfile.TemporaryDirectory() as data_dir:
+        prepare(args, data_dir)
+        peer = launch(args, args.peer, argv, data_dir, target=None)
+        target = next(p["val_loss"] for p in peer if p["step"] == args.steps)
+        petra = launch(args, "petra", argv, data_dir, target=target)
+    runs = {args.peer: {"curve": peer}, f"petra ({args.compensation})": {"curve": petra}}
+    for run in runs.values():
+        run["seconds_to_target"] = time_to(run["curve"], target)
+        reached = [p["step"] for p in run["curve"] if p["val_loss"] <= target]
+        run["steps_to_target"] = reached[0] if reached else None
+    petra_s, peer_s = runs[f"petra ({args.compensation})"]["seconds_to_target"], runs[args.peer]["seconds_to_target"]
+    report = {"command": "python benchmarks/time_to_loss.py " + " ".join(argv), "device": throughput.device_name(),
+              "torch": torch.__version__, "args": vars(args), "target_val_loss": target, "runs": runs,
+              "petra_time_over_peer": None if petra_s is None else petra_s / peer_s}
+    tag = "gpu" if torch.cuda.is_available() else "cpu"
+    output = args.output or os.path.join("benchmarks", "results", f"time_to_loss_{tag}.json")
+    path = os.path.join(ROOT, output)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)
+    plot(report, os.path.splitext(path)[0] + ".png")
+    for name, run in runs.items():
+        print(f"{name:28s} steps to target {run['steps_to_target']}, seconds {run['seconds_to_target']}")
+    ratio = report["petra_time_over_peer"]
+    print(f"target (peer's val loss at step {args.steps}): {target:.4f}; PETRA time / peer time: "
+          + ("not reached" if ratio is None else f"{ratio:.3f}x"))
+    print(f"saved {output}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

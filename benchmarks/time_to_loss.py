@@ -201,6 +201,7 @@ def worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
             json.dump(curve, f)
+    throughput.shutdown()
 
 
 # --- the driver ---

@@ -1,0 +1,73 @@
+"""benchmarks/time_to_loss.py: the time a curve needs to reach a loss, the argument checks, and (slow) one
+tiny race under the deepspeed launcher whose report holds what the table reads. The race's speed is
+measured by the benchmark, never asserted here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("time_to_loss_benchmark",
+                                                  os.path.join(ROOT, "benchmarks", "time_to_loss.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_time_to_a_loss_is_interpolated_between_evaluations():
+    bench = load_benchmark()
+    curve = [{"step": 20, "train_s": 10.0, "val_loss": 6.0}, {"step": 40, "train_s": 20.0, "val_loss": 5.0},
+             {"step": 60, "train_s": 32.0, "val_loss": 4.0}]
+    assert bench.time_to(curve, 4.5) == pytest.approx(26.0)  # halfway from 5.0 to 4.0
+    assert bench.time_to(curve, 5.0) == pytest.approx(20.0)
+    assert bench.time_to(curve, 7.0) == pytest.approx(10.0)  # reached at the first evaluation
+    assert bench.time_to(curve, 3.9) is None
+    bumpy = [{"step": 20, "train_s": 10.0, "val_loss": 5.0}, {"step": 40, "train_s": 20.0, "val_loss": 5.5},
+             {"step": 60, "train_s": 30.0, "val_loss": 4.5}]
+    assert bench.time_to(bumpy, 4.75) == pytest.approx(27.5)  # from the evaluation just before, not the best
+
+
+def test_arguments_that_cannot_give_a_target_are_refused(capsys):
+    bench = load_benchmark()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--peer", "1f1b", "--eval-batches", "10"])
+    assert "--eval-batches 10 must be a multiple of --micro-batches 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--peer", "1f1b", "--steps", "500", "--max-steps", "480"])
+    assert "--steps must be a multiple of --eval-every and at most --max-steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--peer", "petra"])  # PETRA races a peer, not itself
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer", ["torch_zbv", "1f1b"])
+def test_a_tiny_race_reports_both_curves_and_the_time_ratio(tmp_path, peer):
+    bench = load_benchmark()
+    out = tmp_path / "ttl.json"
+    report = bench.main(["--peer", peer, "--steps", "4", "--max-steps", "8", "--eval-every", "2", "--eval-batches", "4",
+                         "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--vocab-size", "300",
+                         "--corpus-chars", "200000", "--warmup-steps", "2", "--output", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert (tmp_path / "ttl.png").stat().st_size > 0
+    runs = report["runs"]
+    peer_curve = runs[peer]["curve"]
+    assert [p["step"] for p in peer_curve] == [2, 4]
+    assert report["target_val_loss"] == peer_curve[-1]["val_loss"]
+    assert runs[peer]["steps_to_target"] <= 4
+    petra = runs["petra (weight_prediction)"]
+    steps = [p["step"] for p in petra["curve"]]
+    assert steps == list(range(2, steps[-1] + 1, 2)) and steps[-1] <= 8
+    reached = [p for p in petra["curve"] if p["val_loss"] <= report["target_val_loss"]]
+    assert (petra["steps_to_target"] is None) == (not reached)
+    assert reached in ([], [petra["curve"][-1]])  # it stops at the first evaluation that reaches the target
+    if petra["seconds_to_target"] is not None:
+        assert report["petra_time_over_peer"] == pytest.approx(petra["seconds_to_target"] /
+                                                               runs[peer]["seconds_to_target"])
+    assert all(p["train_s"] > 0 for run in runs.values() for p in run["curve"])

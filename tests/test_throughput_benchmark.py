@@ -81,6 +81,8 @@ def test_every_variant_runs_on_the_same_partition_and_the_report_validates(tmp_p
     assert fastest["checkpointed"]["peer"] in ("1f1b_ckpt", "torch_zbv_ckpt")
     peers = [n for n in names if n not in ("single", "petra")]
     assert fastest["overall"]["peer"] == max(peers, key=lambda n: variants[n]["median_samples_per_s"])
+    assert fastest["overall"]["median_ratio"] == pytest.approx(
+        variants["petra"]["median_samples_per_s"] / variants[fastest["overall"]["peer"]]["median_samples_per_s"])
     assert report["ratios"]["petra/single"] == pytest.approx(
         variants["petra"]["samples_per_s"] / variants["single"]["samples_per_s"])
     assert len(report["costs"]["stages"]) == 2 and report["costs"]["message_s"] > 0

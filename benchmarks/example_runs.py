@@ -48,8 +48,12 @@ def run_example(cmd: list[str], output_dir: str) -> tuple[dict, list[dict], floa
     return (*read_run(output_dir), wall)
 
 
-def save_report(output: str, report: dict) -> None:
+def save_report(output: str, report: dict) -> str:
+    """Write ``report`` as JSON to ``output`` (relative to the repository root) through a temporary file
+    and a rename, so a stopped benchmark never leaves half a report; returns the path."""
     path = os.path.join(ROOT, output)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:
         json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path

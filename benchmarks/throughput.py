@@ -52,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch_pipe  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+from example_runs import save_report  # noqa: E402
 
 VARIANTS = ("single", "naive_mp", "1f1b", "1f1b_ckpt", "petra", *torch_pipe.VARIANTS)
 #: the ratios the issue asks for: (numerator, denominator)
@@ -589,11 +590,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  PETRA / fastest {group} peer ({entry['peer']}): {entry['median_ratio']:.3f}x (medians)")
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     output = args.output or os.path.join("benchmarks", "results", f"throughput_{args.model}_{tag}{'_dspairs' if args.ds_pairs else ''}.json")
-    path = os.path.join(ROOT, output)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(path + ".tmp", path)  # never a half-written report
+    save_report(output, report)
     print(f"saved {output}")
 
 

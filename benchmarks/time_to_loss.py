@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import throughput  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+from example_runs import save_report  # noqa: E402
 from lm_accuracy import stdlib_corpus  # noqa: E402
 
 ROOT = throughput.ROOT
@@ -297,11 +298,7 @@ def main(argv: list[str] | None = None) -> dict | None:
               "petra_time_over_peer": None if petra_s is None else petra_s / peer_s}
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     output = args.output or os.path.join("benchmarks", "results", f"time_to_loss_{tag}.json")
-    path = os.path.join(ROOT, output)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(path + ".tmp", path)
+    path = save_report(output, report)
     plot(report, os.path.splitext(path)[0] + ".png")
     for name, run in runs.items():
         print(f"{name:28s} steps to target {run['steps_to_target']}, seconds {run['seconds_to_target']}")

@@ -64,8 +64,16 @@ class KeyedSamples(Dataset):
             return self.dataset[index]
 
 
+def worker_context(workers: int) -> str | None:
+    """How loader workers start: from a fork server, never by forking this process. A rank runs
+    threads (gloo's, a loader's queue feeders); a fork copies their locks held, and a worker forked
+    mid-training once hung inside ``os.fork`` (two-process RevNet example, after 2 steps)."""
+    return "forkserver" if workers > 0 else None
+
+
 def resumable_loader(dataset: Dataset, batch_size: int, seed: int, start: int = 0, workers: int = 0) -> DataLoader:
     """An endless training ``DataLoader`` whose first micro-batch is micro-batch ``start`` of the stream
     that ``start=0`` gives; iterate it with ``iter()`` (it has no length)."""
     return DataLoader(KeyedSamples(dataset, seed), batch_sampler=EpochBatches(len(dataset), batch_size, seed, start),
-                      num_workers=workers, persistent_workers=workers > 0, pin_memory=torch.cuda.is_available())
+                      num_workers=workers, persistent_workers=workers > 0, pin_memory=torch.cuda.is_available(),
+                      multiprocessing_context=worker_context(workers))

@@ -19,6 +19,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import datasets, transforms
 
+from .stream import worker_context
+
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DIGITS_MEAN, DIGITS_STD = (0.2, 0.2, 0.2), (0.3, 0.3, 0.3)
@@ -157,4 +159,5 @@ def make_loader(dataset: Dataset, batch_size: int, train: bool, workers: int = 2
     once), so the last partial batch is dropped in training."""
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_size=batch_size, shuffle=train, drop_last=train, num_workers=workers,
-                      persistent_workers=workers > 0, generator=generator, pin_memory=torch.cuda.is_available())
+                      persistent_workers=workers > 0, generator=generator, pin_memory=torch.cuda.is_available(),
+                      multiprocessing_context=worker_context(workers))

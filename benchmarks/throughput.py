@@ -174,15 +174,14 @@ def partition(args: argparse.Namespace, blocks: str) -> str:
 def measure_costs(args: argparse.Namespace, path: str) -> list:
     """``--partition profile``: every layer's costs, measured once in this (driver) process with the
     workers' thread count, saved to ``path`` for every worker to cut the same stages from."""
-    from petra_ds.analysis.measure import measure_layer_costs
     from petra_ds.partition import save_costs
+    from petra_ds.run_partition import measure_specs
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     specs, loss_fn, _ = layers_and_loss(args)
-    layers = [spec.build() for spec in specs]
-    x, labels = micro_batches(args, torch.device("cpu"), count=1)[0]
-    costs = measure_layer_costs(layers, x, loss_fn=loss_fn, labels=labels)
+    cpu = torch.device("cpu")
+    costs = measure_specs(specs, micro_batches(args, cpu, count=1)[0], loss_fn, cpu)
     save_costs(costs, path)
     return costs
 
@@ -481,25 +480,29 @@ def shutdown() -> None:
 # --- the driver ---
 
 def launch(args: argparse.Namespace, variant: str, argv: list[str]) -> dict:
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        run_launched(__file__, 1 if variant == "single" else args.stages,
+                     [*argv, "--worker", variant, "--result", result], env)
+        with open(result) as f:
+            return json.load(f)
+
+
+def run_launched(script: str, procs: int, argv: list[str], env: dict) -> None:
+    """``script argv`` on ``procs`` processes under the deepspeed launcher, from the repository root."""
     from petra_ds.launch import free_port
     from petra_ds.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
 
-    procs = 1 if variant == "single" else args.stages
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.json")
-        cmd = [deepspeed, "--num_gpus", str(procs), "--master_port", str(free_port()), os.path.abspath(__file__),
-               *argv, "--worker", variant, "--result", result]
-        env = dict(os.environ)
-        if not torch.cuda.is_available():
-            env["OMP_NUM_THREADS"] = str(args.threads)
-        before = deepspeed_shm_buffers()
-        try:
-            subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
-        finally:
-            remove_deepspeed_shm_buffers(before)  # DeepSpeed's CPU comm op never unlinks them
-        with open(result) as f:
-            return json.load(f)
+    cmd = [deepspeed, "--num_gpus", str(procs), "--master_port", str(free_port()), os.path.abspath(script), *argv]
+    before = deepspeed_shm_buffers()
+    try:
+        subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
+    finally:
+        remove_deepspeed_shm_buffers(before)  # DeepSpeed's CPU comm op never unlinks them
 
 
 def versus_fastest_peers(variants: dict) -> dict:

@@ -132,7 +132,9 @@ def torch_method(args: argparse.Namespace, margs: argparse.Namespace, train, val
 
     peer = throughput.torch_peer(margs, args.worker, torch.device("cpu"))
     params = optimizer_config(args)
-    optimizer = torch.optim.AdamW(peer.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    adamw = params["optimizer"]["params"]
+    optimizer = torch.optim.AdamW(peer.parameters(), lr=adamw["lr"], betas=tuple(adamw["betas"]),
+                                  weight_decay=adamw["weight_decay"])
     scheduler = WarmupCosineLR(optimizer, **params["scheduler"]["params"])
     k = args.micro_batches
 
@@ -219,28 +221,13 @@ def prepare(args: argparse.Namespace, data_dir: str) -> int:
 
 
 def launch(args: argparse.Namespace, method: str, argv: list[str], data_dir: str, target: float | None) -> list[dict]:
-    from petra_ds.launch import free_port
-    from petra_ds.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
-
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     result = os.path.join(data_dir, f"{method}.json")
-    cmd = [deepspeed, "--num_gpus", str(args.stages), "--master_port", str(free_port()), os.path.abspath(__file__),
-           *argv, "--worker", method, "--data-dir", data_dir, "--result", result]
-    if target is not None:
-        cmd += ["--target", repr(target)]
-    before = deepspeed_shm_buffers()
-    try:
-        subprocess_run(cmd)
-    finally:
-        remove_deepspeed_shm_buffers(before)
+    extra = [] if target is None else ["--target", repr(target)]
+    throughput.run_launched(__file__, args.stages, [*argv, "--worker", method, "--data-dir", data_dir,
+                                                    "--result", result, *extra],
+                            dict(os.environ, OMP_NUM_THREADS="1"))
     with open(result) as f:
         return json.load(f)
-
-
-def subprocess_run(cmd: list[str]) -> None:
-    import subprocess
-
-    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
 
 
 def time_to(curve: list[dict], target: float) -> float | None:

@@ -17,20 +17,26 @@ micro-batch in flight (no weight stash), at most one extra parameter-sized buffe
   ``lr * max(1, s_j) ** -p_t`` with ``p_t = max(0, 1 - (t - 1) / anneal_steps)`` at its step t: delayed stages
   start with a step size divided by their delay and reach the schedule's after ``anneal_steps``.
   No buffer at all.
+- ``"adaptive_momentum"`` (the delay-adaptive momentum of Ajanthan et al., ICML 2025, with their delay in
+  stages replaced by PETRA's delay in optimizer steps): stage j's first momentum coefficient (Adam's beta1,
+  SGD's momentum) becomes ``b + (beta1_max - b) * s_j / (s_0 + 1)``, ``b`` the configured one; the most
+  delayed stage averages over the longest horizon. Meant for a Nesterov optimizer such as NAdam, whose
+  gradient weight ``1 - beta1`` then shrinks where the gradient is stalest. No buffer at all.
 
-The last stage has s_j = 0: every method leaves it as it is.
+Methods combine as a list, ``["weight_prediction", "adaptive_momentum"]``: the first one's forward weights
+and step wrap the next one's. The last stage has s_j = 0: every method leaves it as it is.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-METHODS = ("none", "weight_prediction", "lr_rescale")
+METHODS = ("none", "weight_prediction", "lr_rescale", "adaptive_momentum")
 
 
 class DelayCompensationError(ValueError):
@@ -48,19 +54,23 @@ class DelayCompensation:
     beta: float = 0.0
     #: lr_rescale: optimizer steps over which a delayed stage's step size returns to the schedule's
     anneal_steps: int = 100
+    #: adaptive_momentum: the momentum coefficient a stage s_0 + 1 steps behind would get
+    beta1_max: float = 0.99
 
     @classmethod
-    def parse(cls, value: Any) -> "DelayCompensation":
-        if isinstance(value, DelayCompensation):
+    def parse(cls, value: Any) -> "DelayCompensation | Combined":
+        if isinstance(value, (DelayCompensation, Combined)):
             return value
         if value is None:
             return cls()
+        if isinstance(value, (list, tuple)):
+            return Combined.of([cls.parse(v) for v in value])
         if isinstance(value, str):
             value = {"method": value}
         if not isinstance(value, Mapping):
             raise DelayCompensationError(
-                f'"petra.delay_compensation" must be a method name {METHODS} or an object such as '
-                f'{{"method": "weight_prediction", "scale": 1.0}}, got {value!r}')
+                f'"petra.delay_compensation" must be a method name {METHODS}, an object such as '
+                f'{{"method": "weight_prediction", "scale": 1.0}} or a list of them, got {value!r}')
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -77,6 +87,9 @@ class DelayCompensation:
         if not _number(self.scale) or self.scale < 0:
             raise DelayCompensationError(
                 f'"petra.delay_compensation.scale" must be a number >= 0, got {self.scale!r}')
+        if not _number(self.beta1_max) or not 0 <= self.beta1_max < 1:
+            raise DelayCompensationError(
+                f'"petra.delay_compensation.beta1_max" must be in [0, 1), got {self.beta1_max!r}')
         if not _number(self.beta) or not 0 <= self.beta < 1:
             raise DelayCompensationError(
                 f'"petra.delay_compensation.beta" must be in [0, 1), got {self.beta!r}')
@@ -85,13 +98,43 @@ class DelayCompensation:
             raise DelayCompensationError(
                 f'"petra.delay_compensation.anneal_steps" must be an integer >= 1, got {steps!r}')
 
-    def for_stage(self, params: Sequence[Tensor], steps_behind: float) -> "StageCompensation":
-        """The per-stage object for a stage whose gradients are ``steps_behind`` optimizer steps late."""
+    def for_stage(self, params: Sequence[Tensor], steps_behind: float, most_behind: float) -> "StageCompensation":
+        """The per-stage object for a stage whose gradients are ``steps_behind`` optimizer steps late, in a
+        pipeline whose first stage is ``most_behind`` steps late."""
         if self.method == "weight_prediction" and steps_behind > 0:
             return WeightPrediction(params, self.scale * steps_behind, self.beta)
         if self.method == "lr_rescale" and steps_behind > 0:
             return LrRescale(steps_behind, self.anneal_steps)
+        if self.method == "adaptive_momentum" and steps_behind > 0:
+            return AdaptiveMomentum(steps_behind / (most_behind + 1), self.beta1_max)
         return StageCompensation()
+
+
+@dataclass(frozen=True)
+class Combined:
+    """Several methods at once, applied in the order given (``"delay_compensation": [a, b]``)."""
+
+    parts: tuple[DelayCompensation, ...]
+
+    @classmethod
+    def of(cls, parts: Sequence[DelayCompensation | "Combined"]) -> "DelayCompensation | Combined":
+        flat = [p for part in parts for p in (part.parts if isinstance(part, Combined) else (part,))]
+        flat = [p for p in flat if p.method != "none"]
+        names = [p.method for p in flat]
+        if len(set(names)) != len(names):
+            raise DelayCompensationError(
+                f'"petra.delay_compensation" names a method twice ({names}); give each method once, with all '
+                "its parameters in one object")
+        if len(flat) < 2:
+            return flat[0] if flat else DelayCompensation()
+        return cls(tuple(flat))
+
+    @property
+    def method(self) -> str:
+        return "+".join(p.method for p in self.parts)
+
+    def for_stage(self, params: Sequence[Tensor], steps_behind: float, most_behind: float) -> "StageCompensation":
+        return Chain([p.for_stage(params, steps_behind, most_behind) for p in self.parts])
 
 
 def _number(x: Any) -> bool:
@@ -187,3 +230,59 @@ class LrRescale(StageCompensation):
         finally:  # the scheduler owns the learning rate: give it back what it set
             for g, lr in zip(groups, scheduled):
                 g["lr"] = lr
+
+
+class AdaptiveMomentum(StageCompensation):
+    """The stage's first momentum coefficient moved ``fraction`` of the way from the configured one ``b`` to
+    ``beta1_max``: ``b + (beta1_max - b) * fraction``, ``fraction = s_j / (s_0 + 1)``.
+
+    ``b`` is kept in each parameter group (``"configured_beta1"``), so it is checkpointed with the
+    optimizer and a resumed run does not move an already moved coefficient again."""
+
+    def __init__(self, fraction: float, beta1_max: float) -> None:
+        self.fraction = fraction
+        self.beta1_max = beta1_max
+
+    def beta1(self, configured: float) -> float:
+        return configured + (self.beta1_max - configured) * self.fraction
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        for group in optimizer.param_groups:
+            if "betas" in group:
+                b = group.setdefault("configured_beta1", group["betas"][0])
+                group["betas"] = (self.beta1(b), *group["betas"][1:])
+            elif "momentum" in group:
+                b = group.setdefault("configured_beta1", group["momentum"])
+                group["momentum"] = self.beta1(b)
+            else:
+                raise DelayCompensationError(
+                    f'"adaptive_momentum" needs an optimizer with "betas" or "momentum", and '
+                    f"{type(optimizer).__name__} has neither; use another delay compensation")
+        optimizer_step()
+
+
+class Chain(StageCompensation):
+    """Several stage compensations: the first one's forward weights and step wrap the next one's."""
+
+    def __init__(self, parts: Sequence[StageCompensation]) -> None:
+        self.parts = list(parts)
+
+    @contextmanager
+    def forward_weights(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.forward_weights())
+            yield
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        take = optimizer_step
+        for part in reversed(self.parts):
+            take = (lambda part, inner: lambda: part.step(inner, optimizer, step))(part, take)
+        take()
+
+    def state_dict(self) -> dict:
+        return {"parts": [part.state_dict() for part in self.parts]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for part, s in zip(self.parts, state.get("parts", [{}] * len(self.parts))):
+            part.load_state_dict(s)

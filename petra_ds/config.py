@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from .compensation import DelayCompensation, DelayCompensationError
+from .compensation import Combined, DelayCompensation, DelayCompensationError
 
 INPUT_BUFFERS = ("non_reversible", "all")
 BN_RUNNING_STATS = ("backward", "forward")
@@ -43,7 +43,7 @@ class PetraConfig:
     reconstruct_overlap: bool = False
     #: what each stage does about its delay tau_j (``petra_ds.compensation``): "none" (the paper's PETRA),
     #: "weight_prediction" or "lr_rescale", or an object {"method": ..., its parameters}
-    delay_compensation: DelayCompensation = DelayCompensation()
+    delay_compensation: DelayCompensation | Combined = DelayCompensation()
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "PetraConfig":

@@ -72,7 +72,8 @@ class PetraEngine(PipelineEngine):
                 raise TypeError(f"stage {j}: its built layers and their specs disagree on reversibility")
             stage.stepped = [p for p in stage.stepped if id(p) not in self.ties.reader_ids(j)]
             stage.compensation = petra_config.delay_compensation.for_stage(
-                stage.stepped, delay(j, self.num_petra_stages) / self.micro_batches)
+                stage.stepped, delay(j, self.num_petra_stages) / self.micro_batches,
+                delay(0, self.num_petra_stages) / self.micro_batches)
             self.stages[j] = stage
         self.timeline = Timeline(self.num_petra_stages)
         self.stage_steps = {j: 0 for j in self.local_stage_ids}
@@ -351,6 +352,7 @@ class PetraEngine(PipelineEngine):
         self._notify("before_step", stage, step)
         if optimizer is not None and finite:
             st.compensation.step(optimizer.step, optimizer, step)
+        self._notify("after_step", stage, step)
         for p in params:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
             p.grad = None
         self.ties.weights(stage, step, self._outbox[stage])

@@ -7,7 +7,7 @@ their public attributes and the read-only :class:`Holdings` view, and talks to o
 clock meets them::
 
     window_start -> [after_forward ... forwards_done] -> [before_backward, after_backward ...]
-                 -> before_step ... -> clock_end -> ... -> window_end
+                 -> before_step, after_step ... -> clock_end -> ... -> window_end
 
 ``forwards_done`` comes once per clock after its forwards and the activations' batch, before any
 backward or parameter change (what the gradient-quality probe needs). Observers that change what the
@@ -45,6 +45,9 @@ class Observer:
     def before_step(self, engine: Any, stage: int, step: int) -> None:
         """``stage``'s gradients are reduced (data parallel, tied weights, clipped); its optimizer
         steps next."""
+
+    def after_step(self, engine: Any, stage: int, step: int) -> None:
+        """``stage``'s optimizer stepped (or skipped a non-finite step); its gradients are not yet cleared."""
 
     def clock_end(self, engine: Any, clock: int) -> None:
         """``clock`` finished: its messages arrived, every stage is between two clocks."""

@@ -96,20 +96,66 @@ class _Inverse(nn.Module):
         return self.layer.inverse(y)
 
 
+class ConstantMomentumNAdam:
+    """Nesterov Adam with a constant momentum coefficient (Dozat's form, decoupled weight decay), written
+    from its equations: m <- b1 m + (1 - b1) g, v <- b2 v + (1 - b2) g^2,
+    w <- w (1 - lr wd) - lr [b1 m / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)] / (sqrt(v / (1 - b2^t)) + eps)."""
+
+    def __init__(self, params, lr, betas, eps=1e-8, weight_decay=0.0):
+        self.params = list(params)
+        self.param_groups = [{"lr": lr}]
+        self.b1, self.b2 = betas
+        self.eps, self.wd, self.t = eps, weight_decay, 0
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def step(self):
+        lr, b1, b2 = self.param_groups[0]["lr"], self.b1, self.b2
+        self.t += 1
+        t = self.t
+        for p, m, v in zip(self.params, self.m, self.v):
+            g = p.grad
+            p.mul_(1 - lr * self.wd)
+            m.mul_(b1).add_((1 - b1) * g)
+            v.mul_(b2).add_((1 - b2) * g * g)
+            mixed = b1 * m / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1 ** t)
+            p.sub_(lr * mixed / ((v / (1 - b2 ** t)).sqrt() + self.eps))
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
 def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False, param_buffer=False,
-                     compensation=None, clip=0.0):
+                     compensation=None, clip=0.0, optimizer=None):
     """PETRA's clock in one loop. Returns (final params by name, grads per stage per step).
 
-    ``compensation`` ({"method": ..., its parameters}) and ``clip`` (per-stage gradient clipping) follow
-    their papers' rules written out here, not petra_ds.compensation: weight prediction runs the forward
-    through ``functional_call`` on w + scale * tau_j / k * d (d: the last update, or its average with
-    ``beta``); the LR rescaling multiplies SGD's lr by max(1, tau_j / k) ** -max(0, 1 - (t - 1) / anneal);
-    clipping scales the stage's gradient by C / (norm + 1e-6) when that is below 1."""
+    ``compensation`` ({"method": ..., its parameters}, or a list of them) and ``clip`` (per-stage gradient
+    clipping) follow their papers' rules written out here, not petra_ds.compensation: weight prediction
+    runs the forward through ``functional_call`` on w + scale * tau_j / k * d (d: the last update, or its
+    average with ``beta``); the LR rescaling multiplies SGD's lr by max(1, tau_j / k) ** -max(0, 1 - (t - 1)
+    / anneal); the adaptive momentum hands ``optimizer`` the coefficient b1 + (beta1_max - b1) * s_j /
+    (s_0 + 1), s_j = tau_j / k; clipping scales the stage's gradient by C / (norm + 1e-6) when that is below
+    1. ``optimizer(params, j, beta1_moved)`` builds stage j's optimizer (default: SGD with ``momentum``);
+    ``beta1_moved(b1)`` is stage j's adaptive coefficient (b1 itself without that method)."""
     J, M = len(stages), len(data)
-    comp = dict(compensation or {"method": "none"})
+    parts = compensation if isinstance(compensation, list) else [compensation or {"method": "none"}]
+    comp = {}
+    for part in parts:
+        comp.update(part)
+    methods = {part["method"] for part in parts}
     updates = [None] * J  # weight prediction's d per stage
     params = [named_params(s) for s in stages]
-    opts = [torch.optim.SGD(list(p.values()), lr=lr, momentum=momentum) for p in params]
+
+    def moved(j):
+        fraction = 2 * (J - 1 - j) / k / (2 * (J - 1) / k + 1)
+        return lambda b1: b1 + (comp.get("beta1_max", 0.99) - b1) * fraction if "adaptive_momentum" in methods else b1
+
+    if optimizer is None:
+        opts = [torch.optim.SGD(list(p.values()), lr=lr, momentum=moved(j)(momentum)) for j, p in enumerate(params)]
+    else:
+        opts = [optimizer(list(p.values()), j, moved(j)) for j, p in enumerate(params)]
     reconstructs = [0 < j < J - 1 and all(is_reversible(l) for _, l in s) and not input_buffer_all
                     for j, s in enumerate(stages)]
     inputs, stash, acts, grads_in = {}, {}, {}, {}
@@ -136,7 +182,7 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
                 x = data[m][0] if j == 0 else acts.pop((j, m))
                 ahead = comp.get("scale", 1.0) * 2 * (J - 1 - j) / k
                 predicted = None
-                if comp["method"] == "weight_prediction" and updates[j] is not None:
+                if "weight_prediction" in methods and updates[j] is not None:
                     predicted = {n: p.detach() + ahead * updates[j][n] for n, p in params[j].items()}
                 with torch.no_grad():
                     new_acts[(j + 1, m)] = call(j, m, x, predicted)
@@ -192,7 +238,7 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
                             p.grad = p.grad * coef
                 recorded[j].append({n: p.grad.clone() for n, p in params[j].items()})
                 factor = 1.0
-                if comp["method"] == "lr_rescale" and j < J - 1:
+                if "lr_rescale" in methods and j < J - 1:
                     power = max(0.0, 1.0 - (step - 1) / comp.get("anneal_steps", 100))
                     factor = max(1.0, 2 * (J - 1 - j) / k) ** -power
                 opts[j].param_groups[0]["lr"] = lr * factor

@@ -192,3 +192,89 @@ def test_the_memory_report_counts_the_averaged_update_weight_prediction_keeps():
     _, report = res[0]["memory"][-1]
     for j, entry in report.items():
         assert entry["delay_compensation"] == (entry["params"] if j < 3 else 0), (j, entry)
+
+
+# --- optimizer-level methods: Nesterov Adam with constant momentum, the delay-adaptive momentum ---
+
+#: torch's NAdam with its momentum warm-up switched off (0.96 ** (t * 1e9) is 0: mu_t = beta1 from step 1)
+NADAM = {"type": "NAdam", "params": {"lr": 0.01, "betas": [0.95, 0.999], "momentum_decay": 1e9,
+                                     "decoupled_weight_decay": True, "weight_decay": 0.01}}
+#: DeepSpeed clips every gradient at norm 1.0 when the config says nothing; the references do not clip
+NO_CLIP = {"gradient_clipping": 0.0}
+
+
+def nadam_reference(compensation=None, stages=4, batches=BATCHES):
+    def hand_written(params, j, moved):
+        return oracle.ConstantMomentumNAdam(params, 0.01, (moved(0.95), 0.999), eps=1e-8, weight_decay=0.01)
+    return oracle.delayed_training(oracle.build_stages(stages, 0.1), toy_data(K * batches, 4), K, 0.01, 0.0,
+                                   SEED, compensation=compensation, optimizer=hand_written)
+
+
+NADAM_METHODS = [None, {"method": "adaptive_momentum", "beta1_max": 0.99},
+                 [{"method": "weight_prediction"}, {"method": "adaptive_momentum", "beta1_max": 0.99}]]
+
+
+@pytest.mark.parametrize("compensation", NADAM_METHODS, ids=["nadam", "adaptive", "prediction+adaptive"])
+def test_constant_momentum_nadam_and_adaptive_momentum_equal_their_update_rules(compensation):
+    """J = 4 through the engine with torch's NAdam from the config equals the hand-written constant-momentum
+    Nesterov Adam (and the adaptive coefficient, and weight prediction before it) step for step."""
+    petra = {} if compensation is None else {"delay_compensation": compensation}
+    results = run(1, 4, k=K, train_batches=BATCHES, optimizer=NADAM, dropout=0.1, petra=petra, config=NO_CLIP)
+    final, grads = nadam_reference(compensation)
+    assert max_diff(results[0]["params"], final) < TOL
+    for j in range(4):
+        for got, want in zip(results[0]["grads"][j], grads[j]):
+            assert max_diff(got, want) < TOL
+    if compensation is not None:
+        plain, _ = nadam_reference()
+        assert max_diff(final, plain) > 1e-6
+
+
+def test_adaptive_momentum_with_sgd_equals_its_rule_and_is_checkpointed_with_the_optimizer(tmp_path):
+    """SGD's momentum moves as Adam's beta1 does; the configured value travels in the optimizer's groups,
+    so a resumed run continues bit for bit instead of moving the moved coefficient again."""
+    compensation = {"method": "adaptive_momentum", "beta1_max": 0.99}
+    results = run(1, 4, k=K, train_batches=BATCHES, optimizer=SGD, dropout=0.1,
+                  petra={"delay_compensation": compensation})
+    final, _ = reference(compensation)
+    assert max_diff(results[0]["params"], final) < TOL
+    common = dict(k=K, train_batches=4, optimizer=SGD, dropout=0.1, petra={"delay_compensation": compensation})
+    whole = merged_params(run(2, 2, **common))
+    ckpt = str(tmp_path / "ckpt")
+    launch({"pipe": 2, "stages_per_rank": 2, **common, "save_dir": ckpt, "save_after": 2, "save_tag": "mid"})
+    resumed = launch({"pipe": 2, "stages_per_rank": 2, **common, "load_dir": ckpt})
+    assert max_diff(merged_params(resumed), whole) == 0.0
+
+
+@pytest.mark.parametrize("compensation", NADAM_METHODS[1:], ids=["adaptive", "prediction+adaptive"])
+def test_a_single_stage_with_nadam_is_plain_nadam_training(compensation):
+    """J = 1: no delay, so every method is the identity and the run is the optimizer's own training."""
+    compensated = run(1, 1, k=K, train_batches=4, optimizer=NADAM, dropout=0.1,
+                      petra={"delay_compensation": compensation}, config=NO_CLIP)
+    plain = run(1, 1, k=K, train_batches=4, optimizer=NADAM, dropout=0.1, config=NO_CLIP)
+    assert max_diff(merged_params(compensated), merged_params(plain)) == 0.0
+    final, _ = nadam_reference(stages=1, batches=4)
+    assert max_diff(merged_params(plain), final) < TOL
+
+
+def test_combined_methods_parse_and_refuse_what_cannot_run():
+    parsed = PetraConfig.from_dict({"delay_compensation": ["weight_prediction", "adaptive_momentum"]})
+    assert parsed.delay_compensation.method == "weight_prediction+adaptive_momentum"
+    assert PetraConfig.from_dict({"delay_compensation": ["none", "lr_rescale"]}).delay_compensation == \
+        DelayCompensation("lr_rescale")
+    with pytest.raises(PetraConfigError, match="names a method twice"):
+        PetraConfig.from_dict({"delay_compensation": ["weight_prediction", {"method": "weight_prediction"}]})
+    with pytest.raises(PetraConfigError, match=r'"petra.delay_compensation.beta1_max" must be in \[0, 1\)'):
+        PetraConfig.from_dict({"delay_compensation": {"method": "adaptive_momentum", "beta1_max": 1.0}})
+    with pytest.raises(PetraConfigError, match="cannot be combined"):
+        PetraConfig.from_dict({"param_buffer": True, "delay_compensation": ["weight_prediction", "lr_rescale"]})
+
+
+def test_adaptive_momentum_names_an_optimizer_without_momentum():
+    w = torch.nn.Parameter(torch.zeros(2))
+    stage = DelayCompensation("adaptive_momentum").for_stage([w], steps_behind=1.0, most_behind=1.0)
+    assert stage.beta1(0.9) == pytest.approx(0.9 + 0.09 * 0.5)
+    opt = torch.optim.Adagrad([w], lr=0.1)
+    w.grad = torch.ones(2)
+    with pytest.raises(ValueError, match="Adagrad has neither"):
+        stage.step(opt.step, opt, 1)

@@ -65,7 +65,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-dir", default="runs/lm")
     p.add_argument("--seed", type=int, default=0)
     add_run_arguments(p)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, unless the config's optimizer sets one")
+    p.add_argument("--optimizer", default=None, metavar="JSON",
+                   help='replaces the config\'s "optimizer" section, e.g. \'{"type": "NAdam", "params": {"betas": '
+                        '[0.99, 0.95], "momentum_decay": 1e9, "decoupled_weight_decay": true}}\'')
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
@@ -177,6 +180,8 @@ def main() -> None:
     with open(args.deepspeed_config) as f:
         config = json.load(f)
     method = apply_run_arguments(args, config)
+    if args.optimizer:
+        config["optimizer"] = json.loads(args.optimizer)
     if args.export_hf and args.model != "reformer":
         raise SystemExit("--export-hf writes a Hugging Face Reformer: use it with --model reformer")
     os.makedirs(args.output_dir, exist_ok=True)
@@ -208,10 +213,11 @@ def main() -> None:
     partition = agreed_partition(model, cut, costs_file)
     if "optimizer" not in config:
         # on CPU, torch's AdamW: DeepSpeed's FusedAdam would first be JIT-compiled (about a minute)
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01,
+        config["optimizer"] = {"type": "AdamW", "params": {"betas": [0.9, 0.95], "weight_decay": 0.01,
                                                            "torch_adam": not torch.cuda.is_available()}}
-        config.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": args.max_steps, "warmup_num_steps": min(args.warmup_steps, args.max_steps // 2)}})
+    config["optimizer"].setdefault("params", {}).setdefault("lr", args.lr)  # a config's own lr wins over --lr
+    config.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": args.max_steps, "warmup_num_steps": min(args.warmup_steps, args.max_steps // 2)}})
     engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config)
 
     state = resume(engine, args.output_dir) if args.resume else None

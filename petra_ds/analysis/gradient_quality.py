@@ -13,7 +13,13 @@ respect to ``theta_j`` are compared, each for that micro-batch alone and the uns
   at that clock, after the forwards and before any parameter changes, so it sees the same weights).
 
 Per stage it reports cosine similarities and norm ratios between the three, and the reconstruction
-error ``||x~ - x|| / ||x||`` of the input (0 where the stage uses an exact input). All the extra work
+error ``||x~ - x|| / ||x||`` of the input (0 where the stage uses an exact input). Two more numbers say
+how the optimizer moves the stage: ``cos_update_prev``, the mean cosine between consecutive updates
+``u_t = w_t - w_{t-1}`` over the steps since the last record (near 1: a steady direction; near 0 or
+below: oscillation, which stale gradients under Adam at a high learning rate cause), and
+``cos_update_e2e``, the cosine between the stage's latest update and the end-to-end gradient's descent
+direction ``-g_e2e`` (with ``cos_update_petra`` the same for PETRA's gradient, its baseline: the update
+follows the optimizer's momentum and preconditioner, not one micro-batch's gradient). All the extra work
 happens at the chosen micro-batch's clocks only; the training math is not touched. The probe passes
 are p2p exchanges of every pipeline rank at the same clock, and the results are gathered at the end of
 a ``train_batch`` call, when every rank is there.
@@ -105,6 +111,9 @@ class GradientQuality(Observer):
         self.open: dict[int, _Probe] = {}
         self.records: list[dict[str, Any]] = []
         self.vectors: dict[tuple[int, int], dict[str, list[Tensor]]] = {}
+        self._before_step: dict[int, list[Tensor]] = {}
+        self._update: dict[int, list[Tensor]] = {}  # each local stage's latest update
+        self._update_cosines: dict[int, list[float]] = {}  # cos(u_t, u_{t-1}) since the stage's last record
 
     # --- the observer's hooks ---
 
@@ -151,6 +160,16 @@ class GradientQuality(Observer):
         probe.grads[stage]["delayed"] = [k * g if delta is not None else g
                                          for g in self._delayed(st, m, x, labels, theta, delta)]
         probe.reconstruction[stage] = relative_error(x_tilde, x) if st.reconstructs else 0.0  # else: exact
+
+    def before_step(self, engine: "PetraEngine", stage: int, step: int) -> None:
+        self._before_step[stage] = [p.detach().clone() for p in self._params(engine.stages[stage])]
+
+    def after_step(self, engine: "PetraEngine", stage: int, step: int) -> None:
+        before = self._before_step.pop(stage)
+        update = [p.detach() - w for p, w in zip(self._params(engine.stages[stage]), before)]
+        if stage in self._update:
+            self._update_cosines.setdefault(stage, []).append(cosine(update, self._update[stage]))
+        self._update[stage] = update
 
     def window_end(self, engine: "PetraEngine", window: Window) -> list[dict[str, Any]]:
         """After a window, when every rank is here: gather the followed micro-batches that finished."""
@@ -234,10 +253,21 @@ class GradientQuality(Observer):
                    "reconstruction_error": probe.reconstruction.get(j, math.nan)}
             if self._params(self.engine.stages[j]):
                 row.update(compare(grads))
+                row.update(self._update_record(j, grads))
             if self.keep_vectors:
                 self.vectors[(probe.m, j)] = grads
             rows.append(row)
         return rows
+
+    def _update_record(self, j: int, grads: dict[str, Sequence[Tensor]]) -> dict[str, float]:
+        """``cos_update_prev``, ``cos_update_e2e`` and ``cos_update_petra`` of stage ``j`` (NaN before its
+        first update)."""
+        cosines = self._update_cosines.pop(j, [])
+        update = self._update.get(j)
+        descent = {name: [-g for g in grads[name]] for name in ("e2e", "petra") if name in grads}
+        return {"cos_update_prev": sum(cosines) / len(cosines) if cosines else math.nan,
+                **{f"cos_update_{name}": cosine(update, d) if update is not None else math.nan
+                   for name, d in descent.items()}}
 
 
 def metric_keys(row: dict[str, Any]) -> list[str]:

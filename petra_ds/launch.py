@@ -13,10 +13,12 @@ import deepspeed
 import torch
 from deepspeed.constants import default_pg_timeout
 from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from .config import PetraConfigError, split_config
-from .module import stages_per_rank_of
+from .module import stages_per_rank_of, tag_muon_parameters
 
 
 def free_port() -> int:
@@ -77,10 +79,19 @@ def initialize(
                 f"the model was built with stages_per_rank={model.stages_per_rank} but the config has no "
                 '"petra" section, so DeepSpeed would run its own 1F1B schedule; add "petra": '
                 f'{{"stages_per_rank": {model.stages_per_rank}}} (or build a plain PipelineModule for 1F1B)')
-        return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                    model_parameters=model_parameters, training_data=training_data,
-                                    lr_scheduler=lr_scheduler, dist_init_required=dist_init_required,
-                                    collate_fn=collate_fn, config=raw, **kwargs)
+        if not (optimizer is None and _is_muon(raw) and isinstance(model, PipelineModule)
+                and not isinstance(model, DualPipeVModule) and not kwargs):
+            return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                        model_parameters=model_parameters, training_data=training_data,
+                                        lr_scheduler=lr_scheduler, dist_init_required=dist_init_required,
+                                        collate_fn=collate_fn, config=raw, **kwargs)
+        # deepspeed.initialize would re-tag Muon's parameters by name; build its pipeline engine as it does
+        tag_muon_parameters(model)
+        engine = PipelineEngine(args=args, model=model, optimizer=None, model_parameters=model_parameters,
+                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=model.mpu(),
+                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=raw,
+                                config_class=DeepSpeedConfig(raw, model.mpu()))
+        return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
     petra, ds_config, bf16 = split_config(raw)
     if not isinstance(model, PipelineModule):
         raise TypeError("PETRA needs a deepspeed.pipe.PipelineModule (or petra_ds.PetraPipelineModule); "
@@ -94,6 +105,8 @@ def initialize(
         raise PetraConfigError('PETRA needs an optimizer: add an "optimizer" section or pass optimizer=...')
     mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_config, mpu)
+    if _is_muon(ds_config):
+        tag_muon_parameters(model)
     engine = PetraEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
@@ -103,6 +116,11 @@ def initialize(
 
         engine.gradient_quality = engine.observe(GradientQuality(engine, petra.gradient_quality_every))
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _is_muon(config: dict) -> bool:
+    """Whether the config asks for DeepSpeed's Muon (hidden matrices) with AdamW for the other parameters."""
+    return str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
 
 
 #: the timeout given to :func:`init_distributed`, for the pipeline's process groups

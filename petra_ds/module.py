@@ -210,3 +210,19 @@ def give_readers_their_copy(module: PipelineModule, tie: Tie, local_stages: rang
             module.add_module(f"petra_tied_{tie.key}_stage{j}", twin)
         out[j] = twin
     return out
+
+
+def tag_muon_parameters(module: PipelineModule) -> None:
+    """Set ``use_muon`` on every parameter for DeepSpeed's ``"muon"`` optimizer: Muon for the hidden
+    matrices (2-D weights of ``nn.Linear`` modules in layers other than the first and the last), AdamW for
+    the rest (embeddings, the head, norms, biases, tied layers). DeepSpeed tags by name ("embed",
+    "lm_head"), which a pipeline's layer-indexed names do not carry: it would orthogonalize the embedding
+    and the head."""
+    last = len(module._layer_specs) - 1
+    hidden = set()
+    for name, sub in module.named_modules():
+        index = name.split(".", 1)[0]
+        if isinstance(sub, nn.Linear) and index.isdigit() and 0 < int(index) < last and sub.weight.ndim == 2:
+            hidden.add(id(sub.weight))
+    for p in module.parameters():
+        p.use_muon = id(p) in hidden

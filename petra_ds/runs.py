@@ -134,6 +134,43 @@ def run_layout(num_layers: int, stages: int | None = None, data_parallel: int | 
     return layout
 
 
+def split_global_batch(global_batch: int, replicas: int, stages: int, micro_batches: int | None = None) -> tuple[int, int]:
+    """(micro-batch size, micro-batches per step k) for ``global_batch`` samples per optimizer step over
+    ``replicas`` data-parallel replicas. ``micro_batches`` fixes k; without it, k is the smallest divisor of
+    the per-replica batch that keeps stage 0 at most one optimizer step behind (k >= 2(J - 1), the first
+    stage's delay 2(J - 1) / k in steps), or the whole per-replica batch as single samples if none does."""
+    _positive("--global-batch", global_batch)
+    if global_batch % replicas:
+        raise ValueError(f"--global-batch {global_batch} does not divide over {replicas} data-parallel replicas; "
+                         f"use a multiple of {replicas}")
+    per_replica = global_batch // replicas
+    if micro_batches is not None:
+        _positive("--micro-batches", micro_batches)
+        if per_replica % micro_batches:
+            raise ValueError(f"--micro-batches {micro_batches} does not divide the {per_replica} samples each "
+                             "replica takes per step; pick a divisor of it")
+        return per_replica // micro_batches, micro_batches
+    k = next((d for d in range(1, per_replica + 1) if per_replica % d == 0 and d >= 2 * (stages - 1)), per_replica)
+    return per_replica // k, k
+
+
+def apply_global_batch(args: Any, config: dict, layout: Layout) -> None:
+    """--global-batch / --micro-batches: write the micro-batch size and k into ``config`` (rank 0 says which)."""
+    if args.global_batch is None:
+        if args.micro_batches is not None:
+            raise SystemExit("--micro-batches splits --global-batch: give --global-batch too")
+        return
+    try:
+        micro, k = split_global_batch(args.global_batch, layout.data_parallel, layout.stages, args.micro_batches)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"] = micro, k
+    config.pop("train_batch_size", None)
+    if dist.get_rank() == 0:
+        print(f"global batch {args.global_batch} = {layout.data_parallel} replica(s) x micro-batch {micro} x k = {k} "
+              f"micro-batches per step", flush=True)
+
+
 def add_run_arguments(parser: Any) -> None:
     """The options both example scripts share: checkpoints, resuming, the gradient-quality study, the
     partition."""
@@ -149,7 +186,14 @@ def add_run_arguments(parser: Any) -> None:
                              "and the end-to-end one (metrics.jsonl, gradient_quality.png); 0: off")
     parser.add_argument("--delay-compensation", default=None, metavar="METHOD",
                         help='PETRA: sets "petra": {"delay_compensation": ...}: none, weight_prediction, '
-                             'lr_rescale, or a JSON object such as \'{"method": "weight_prediction", "beta": 0.5}\'')
+                             'lr_rescale, adaptive_momentum, a JSON object such as \'{"method": "weight_prediction", '
+                             '"beta": 0.5}\' or a JSON list of them')
+    parser.add_argument("--global-batch", type=int, default=None, metavar="N",
+                        help="samples per optimizer step over all replicas; the micro-batch size and k are chosen from "
+                             "it (k: the fewest micro-batches that keep PETRA's first stage at most one optimizer "
+                             "step behind) instead of read from the config")
+    parser.add_argument("--micro-batches", type=int, default=None, metavar="K",
+                        help="with --global-batch: exactly K micro-batches per step")
     parser.add_argument("--partition", default="auto", choices=("auto", "profile"),
                         help="how the layers are cut into stages, for PETRA and the backprop baseline alike: auto, "
                              "the script's own rule; profile, the cut that balances the stages' measured costs "
@@ -175,7 +219,7 @@ def apply_run_arguments(args: Any, config: dict) -> str:
     if args.delay_compensation:
         value = args.delay_compensation
         try:
-            config["petra"]["delay_compensation"] = json.loads(value) if value.lstrip().startswith("{") else value
+            config["petra"]["delay_compensation"] = json.loads(value) if value.lstrip()[:1] in "{[" else value
         except json.JSONDecodeError as error:
             raise SystemExit(f"--delay-compensation {value!r} is not valid JSON ({error}); give a method name "
                              "or an object such as '{\"method\": \"weight_prediction\"}'") from None

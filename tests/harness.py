@@ -110,6 +110,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         config.pop("optimizer")
         client = {"optimizer": lambda groups: torch.optim.SGD(groups, lr=lr),
                   "lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)}
+    if str(config.get("optimizer", {}).get("type", "")).lower() == "muon":
+        torch._dynamo.config.disable = True  # DeepSpeed compiles Muon's kernel: eager, as the reference runs it
     engine, *_ = petra_ds.initialize(model=model, config=config, model_parameters=model_parameters, **client)
     for stage in engine.stages.values():
         stage.options.track_reconstruction = spec["track_reconstruction"]

@@ -278,3 +278,59 @@ def test_adaptive_momentum_names_an_optimizer_without_momentum():
     w.grad = torch.ones(2)
     with pytest.raises(ValueError, match="Adagrad has neither"):
         stage.step(opt.step, opt, 1)
+
+
+# --- DeepSpeed's Muon per stage: hidden matrices orthogonalized, AdamW for the rest ---
+
+MUON = {"type": "muon", "params": {"lr": 0.01, "momentum": 0.95, "betas": [0.9, 0.95], "eps": 1e-8,
+                                   "weight_decay": 0.01, "torch_adam": True}}
+
+
+def muon_reference(compensation=None):
+    """Each stage's own DeepSpeed ``MuonWithAuxAdam`` (the library's update rule), its Muon half chosen here
+    from the layers: ``nn.Linear`` weights outside the first and the last layer."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    stages = oracle.build_stages(4, 0.1)
+    last = max(idx for stage in stages for idx, _ in stage)
+    hidden = {id(m.weight) for stage in stages for idx, layer in stage if 0 < idx < last
+              for m in layer.modules() if isinstance(m, torch.nn.Linear)}
+
+    def per_stage(params, j, moved):
+        muon = [p for p in params if id(p) in hidden]
+        adam = [p for p in params if id(p) not in hidden]
+        groups = [dict(params=muon, use_muon=True, lr=0.01, momentum=moved(0.95), weight_decay=0.01),
+                  dict(params=adam, use_muon=False, lr=0.01, betas=(moved(0.9), 0.95), eps=1e-8, weight_decay=0.01)]
+        return MuonWithAuxAdam([g for g in groups if g["params"]], adam_optimizer=torch.optim.AdamW)
+
+    torch._dynamo.config.disable = True
+    assert hidden, "the toy model must have hidden matrices for this test to mean anything"
+    return oracle.delayed_training(stages, toy_data(K * BATCHES, 4), K, 0.01, 0.0, SEED,
+                                   compensation=compensation, optimizer=per_stage)
+
+
+def test_muon_tags_the_hidden_matrices_of_a_pipeline(world_of_one):
+    """Embeddings, head, norms and biases go to AdamW; every block's linear weight to Muon."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    from petra_ds.models.transformer import RevGPTConfig, revgpt_layers
+    from petra_ds.module import tag_muon_parameters
+
+    model = PipelineModule(revgpt_layers(RevGPTConfig(vocab_size=50, seq_len=8, d_model=16, n_layers=2, n_heads=2)),
+                           num_stages=1, partition_method="uniform")
+    tag_muon_parameters(model)
+    muon = sorted(n for n, p in model.named_parameters() if p.use_muon)
+    assert muon == ["1.F.proj.weight", "1.F.qkv.weight", "1.G.net.1.weight", "1.G.net.3.weight",
+                    "2.F.proj.weight", "2.F.qkv.weight", "2.G.net.1.weight", "2.G.net.3.weight"]
+
+
+@pytest.mark.parametrize("compensation", [None, [{"method": "weight_prediction"}, {"method": "adaptive_momentum"}]],
+                         ids=["muon", "prediction+adaptive"])
+def test_muon_per_stage_equals_each_stage_stepping_its_own_muon(compensation):
+    petra = {} if compensation is None else {"delay_compensation": compensation}
+    results = run(1, 4, k=K, train_batches=BATCHES, optimizer=MUON, dropout=0.1, petra=petra, config=NO_CLIP)
+    final, grads = muon_reference(compensation)
+    assert max_diff(results[0]["params"], final) < TOL
+    for j in range(4):
+        for got, want in zip(results[0]["grads"][j], grads[j]):
+            assert max_diff(got, want) < TOL

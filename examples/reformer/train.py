@@ -46,7 +46,7 @@ import petra_ds
 from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
 from petra_ds.run_partition import agreed_partition, baseline_module, shared_layer_costs
-from petra_ds.runs import RunFiles, add_run_arguments, apply_run_arguments, resume, run_layout, save
+from petra_ds.runs import RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments, resume, run_layout, save
 
 
 def parse_args() -> argparse.Namespace:
@@ -201,6 +201,7 @@ def main() -> None:
 
     layers, hf_config = build_layers(args, vocab_size)
     layout = run_layout(len(layers), args.stages, args.data_parallel, petra="petra" in config, name=args.model)
+    apply_global_batch(args, config, layout)
     replicas = layout.data_parallel
     micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
     costs, costs_file = None, None

@@ -47,7 +47,7 @@ from petra_ds.data.stream import resumable_loader
 from petra_ds.models.revnet import resnet_layers, revnet_layers
 from petra_ds.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
 from petra_ds.run_partition import agreed_partition, baseline_module, shared_layer_costs
-from petra_ds.runs import Layout, RunFiles, add_run_arguments, apply_run_arguments, resume, run_layout, save
+from petra_ds.runs import Layout, RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments, resume, run_layout, save
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
 
@@ -160,6 +160,7 @@ def main() -> None:
     loss_fn = ClassificationLoss()
     layers = build_layers(args, info)
     layout = run_layout(len(layers), args.stages, args.data_parallel, petra="petra" in config, name=args.arch)
+    apply_global_batch(args, config, layout)
     replicas = layout.data_parallel
     train_set, eval_set = load_data(args)
     micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)

@@ -39,11 +39,11 @@ def read_run(output_dir: str) -> tuple[dict, list[dict]]:
     return summary, rows
 
 
-def run_example(cmd: list[str], output_dir: str) -> tuple[dict, list[dict], float]:
+def run_example(cmd: list[str], output_dir: str, env: dict | None = None) -> tuple[dict, list[dict], float]:
     """(summary.json, metrics.jsonl rows, wall seconds) of ``cmd`` run from the repository root with
-    one thread per process."""
+    one thread per process (and ``env`` added to the environment)."""
     start = time.time()
-    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     wall = time.time() - start
     return (*read_run(output_dir), wall)
 

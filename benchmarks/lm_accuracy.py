@@ -1,15 +1,20 @@
-"""PETRA (plain and with each delay compensation) against backprop on the same RevGPT, text, steps and
-seed, over a grid of Adam learning rates and pipeline depths J, on CPU.
+"""PETRA against backprop on the same RevGPT and text, best against best: each method (an optimizer and a
+delay compensation) at its own best learning rate, against backprop at the best learning rate of every
+optimizer offered, over pipeline depths J and micro-batches per step k at a fixed global batch.
 
-    OMP_NUM_THREADS=1 python benchmarks/lm_accuracy.py --lrs 2e-4 5e-4 1e-3 --stages 4 8 --steps 320 --jobs 2
+    # screening (about 500 steps), then confirming the winners at 1,500 steps with two seeds
+    OMP_NUM_THREADS=1 python benchmarks/lm_accuracy.py --steps 500 --lrs 5e-4 1e-3 2e-3 --stages 4 8 --k 4 \\
+        --recipes adamw+wp nadam95 nadam95+wp muon muon+wp --jobs 2
+    OMP_NUM_THREADS=1 python benchmarks/lm_accuracy.py --steps 1500 --lrs 1e-3 --stages 4 --k 4 \\
+        --recipes muon+wp --seeds 0 1
 
-The text is offline and reproducible: the docstrings of this Python's standard library, one paragraph
-per line, the last 5% of paragraphs held out. Every run is examples/reformer/train.py (AdamW, warm-up
-then cosine decay, dropout 0.1, k = 4); backprop is DeepSpeed's engine (1F1B with --procs > 1; with
---procs 1 a single stage: the same arithmetic), PETRA runs its J stages on --procs processes (the stages
-per process do not change PETRA's arithmetic: tests/test_engine.py::test_layout_invariance). A run
-whose summary.json exists is read back instead of run again, so a sweep can be continued. Prints the
-table of final validation losses and gaps to backprop, saves the JSON and one PNG of all the curves.
+The text is offline and reproducible: the docstrings of this Python's standard library, one paragraph per
+line, the last 5% of paragraphs held out. Every run is examples/reformer/train.py: warm-up over 5% of the
+steps then cosine decay, dropout 0.1, validation every 100 steps. Backprop is DeepSpeed's engine (1F1B with
+--procs > 1; with --procs 1 a single stage: the same arithmetic); PETRA runs its J stages on --procs
+processes (the placement does not change PETRA's arithmetic). A run whose summary.json exists is read back
+instead of run again, so a sweep can be continued, and reports of several invocations merge (--output is
+read first). Prints the best-against-best table, saves the JSON and one PNG of the winning curves.
 """
 
 from __future__ import annotations
@@ -17,11 +22,45 @@ from __future__ import annotations
 import argparse
 import ast
 import glob
+import json
 import os
+import statistics
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
-from example_runs import METHODS, ROOT, launcher, method_arguments, read_run, run_example, save_report
+from example_runs import ROOT, launcher, read_run, run_example, save_report
+
+#: steps from which a run counts as a confirming run rather than a screening one
+CONFIRM_STEPS = 1500
+
+
+def nadam(beta1: float) -> dict:
+    """torch's NAdam with a constant momentum: momentum_decay so large that mu_t = beta1 from step 1."""
+    return {"type": "NAdam", "params": {"betas": [beta1, 0.95], "momentum_decay": 1e9,
+                                        "decoupled_weight_decay": True, "weight_decay": 0.01}}
+
+
+def muon(lr: float) -> dict:
+    """DeepSpeed's Muon on the hidden matrices (its lr 20x the AdamW lr, Muon's usual ratio) and AdamW on the
+    embedding, norms and head."""
+    return {"type": "muon", "params": {"muon_lr": 20 * lr, "momentum": 0.95, "betas": [0.9, 0.95],
+                                       "weight_decay": 0.01, "torch_adam": True}}
+
+
+#: optimizer name -> its config section for a learning rate (None: the example's AdamW, betas 0.9 / 0.95)
+OPTIMIZERS = {"adamw": lambda lr: None, "nadam95": lambda lr: nadam(0.95), "nadam99": lambda lr: nadam(0.99),
+              "muon": muon}
+#: what a recipe's suffix turns on in "petra.delay_compensation"
+COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale"}
+
+
+def recipe_parts(recipe: str) -> tuple[str, list[str]]:
+    """("nadam95", ["weight_prediction", "adaptive_momentum"]) for "nadam95+wp+am"."""
+    name, *extras = recipe.split("+")
+    if name not in OPTIMIZERS or any(e not in COMPENSATIONS for e in extras):
+        raise SystemExit(f"unknown recipe {recipe!r}: an optimizer {sorted(OPTIMIZERS)} followed by +"
+                         f"{'/+'.join(COMPENSATIONS)} suffixes")
+    return name, [COMPENSATIONS[e] for e in extras]
 
 
 def stdlib_corpus(out_dir: str, max_chars: int) -> list[str]:
@@ -52,65 +91,140 @@ def stdlib_corpus(out_dir: str, max_chars: int) -> list[str]:
     return files
 
 
-def command(args: argparse.Namespace, files: list[str], method: str, lr: float, stages: int, out: str) -> list[str]:
-    config = args.backprop_config if method == "backprop" else args.petra_config
+def run_name(job: dict) -> str:
+    depth = "" if job["arm"] == "backprop" else f"-J{job['J']}-k{job['k']}"
+    return f"{job['arm']}-{job['recipe']}-lr{job['lr']:g}{depth}-s{job['seed']}-n{job['steps']}"
+
+
+def command(args: argparse.Namespace, files: list[str], job: dict, out: str) -> list[str]:
+    optimizer, compensation = recipe_parts(job["recipe"])
+    config = args.backprop_config if job["arm"] == "backprop" else args.petra_config
     cmd = launcher(args.procs) + [
         "examples/reformer/train.py", "--deepspeed_config", config, "--model", "revgpt", "--data-files", *files,
         "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers),
-        "--heads", str(args.heads), "--vocab-size", str(args.vocab_size), "--lr", str(lr),
-        "--warmup-steps", str(args.warmup_steps), "--max-steps", str(args.steps),
-        "--eval-every", str(max(1, args.steps // 8)), "--eval-batches", str(args.eval_batches),
-        "--seed", str(args.seed), "--output-dir", out]
-    if method != "backprop":
-        cmd += ["--stages", str(stages)]
-    return cmd + method_arguments(method)
+        "--heads", str(args.heads), "--vocab-size", str(args.vocab_size), "--lr", str(job["lr"]),
+        "--warmup-steps", str(max(1, round(args.warmup_frac * job["steps"]))), "--max-steps", str(job["steps"]),
+        "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--seed", str(job["seed"]),
+        "--global-batch", str(args.global_batch), "--micro-batches", str(job["k"]), "--output-dir", out]
+    section = OPTIMIZERS[optimizer](job["lr"])
+    if section is not None:
+        cmd += ["--optimizer", json.dumps(section)]
+    if job["arm"] == "petra":
+        methods = compensation[0] if len(compensation) == 1 else json.dumps(compensation) if compensation else "none"
+        cmd += ["--stages", str(job["J"]), "--delay-compensation", methods]
+        if args.gradient_quality:
+            cmd += ["--gradient-quality", str(args.gradient_quality)]
+    return cmd
 
 
-def run_one(args: argparse.Namespace, files: list[str], method: str, lr: float, stages: int) -> dict:
-    name = f"{method}_lr{lr:g}" + ("" if method == "backprop" else f"_J{stages}")
-    out = os.path.join(args.run_dir, name)
-    cmd = command(args, files, method, lr, stages, out)
+def run_one(args: argparse.Namespace, files: list[str], job: dict) -> dict:
+    out = os.path.join(args.run_dir, run_name(job))
+    cmd = command(args, files, job, out)
     if os.path.exists(os.path.join(ROOT, out, "summary.json")):
         (summary, rows), wall = read_run(out), None
     else:
-        summary, rows, wall = run_example(cmd, out)
-    print(f"{name}: {summary['final_val_loss']:.4f}", flush=True)
-    return {"method": method, "lr": lr, "stages": None if method == "backprop" else stages,
-            "final_val_loss": summary["final_val_loss"], "val_curve": [(r["step"], r["val_loss"]) for r in rows],
-            "wall_s": wall, "command": " ".join(cmd[1:] if args.procs > 1 else ["python"] + cmd[1:])}
+        summary, rows, wall = run_example(cmd, out, env={"TORCHDYNAMO_DISABLE": "1"})
+    print(f"{run_name(job)}: {summary['final_val_loss']:.4f}", flush=True)
+    quality = [r for r in rows if r.get("kind") == "gradient_quality"]
+    evals = [r for r in rows if "val_loss" in r]
+    return {**job, "final_val_loss": summary["final_val_loss"],
+            "best_val_loss": min(r["val_loss"] for r in evals),
+            "val_curve": [(r["step"], r["val_loss"]) for r in evals], "wall_s": wall,
+            "gradient_quality": quality, "command": " ".join(cmd[1:] if args.procs > 1 else ["python"] + cmd[1:])}
+
+
+def jobs(args: argparse.Namespace) -> list[dict]:
+    """Backprop once per optimizer the recipes use (and --backprop-optimizers), lr and seed, at --backprop-k
+    (its arithmetic does not depend on k); PETRA per recipe, lr, J, k and seed."""
+    base = {"steps": args.steps}
+    optimizers = list(dict.fromkeys(args.backprop_optimizers or [recipe_parts(r)[0] for r in args.recipes]))
+    out = [dict(base, arm="backprop", recipe=o, lr=lr, J=None, k=args.backprop_k, seed=s)
+           for o in optimizers for lr in args.lrs for s in args.seeds]
+    out += [dict(base, arm="petra", recipe=r, lr=lr, J=J, k=k, seed=s)
+            for r in args.recipes for J in args.stages for k in args.k for lr in args.lrs for s in args.seeds]
+    return out
+
+
+def cells(runs: list[dict]) -> dict:
+    """{(arm, recipe, J, k, steps): {lr: median final validation loss over seeds, "seeds": n}}."""
+    grouped: dict = {}
+    for r in runs:
+        grouped.setdefault((r["arm"], r["recipe"], r["J"], r["k"], r["steps"]), {}).setdefault(r["lr"], []).append(
+            r["final_val_loss"])
+    return {key: {lr: (statistics.median(v), len(v)) for lr, v in by_lr.items()} for key, by_lr in grouped.items()}
+
+
+def best_against_best(runs: list[dict]) -> list[dict]:
+    """Per (J, k, steps): every PETRA recipe's best lr against the best backprop (any optimizer) at the same
+    steps, and against backprop with the recipe's own optimizer."""
+    table = cells(runs)
+    rows = []
+    for (arm, recipe, J, k, steps), by_lr in table.items():
+        if arm != "petra":
+            continue
+        lr, (loss, seeds) = min(by_lr.items(), key=lambda item: item[1][0])
+        backprop = {key[1]: min(v.items(), key=lambda item: item[1][0]) for key, v in table.items()
+                    if key[0] == "backprop" and key[4] == steps}
+        if not backprop:
+            continue
+        best_name, (best_lr, (best_loss, _)) = min(backprop.items(), key=lambda item: item[1][1][0])
+        own = backprop.get(recipe_parts(recipe)[0])
+        lrs = sorted(by_lr)
+        rows.append({"recipe": recipe, "J": J, "k": k, "steps": steps, "lr": lr, "val_loss": loss, "seeds": seeds,
+                     "lr_at_grid_edge": len(lrs) > 1 and lr in (lrs[0], lrs[-1]),
+                     "backprop_best": {"optimizer": best_name, "lr": best_lr, "val_loss": best_loss},
+                     "gap_to_best_backprop": (loss - best_loss) / best_loss,
+                     "gap_to_own_optimizer": None if own is None else (loss - own[1][0]) / own[1][0],
+                     "screening": steps < CONFIRM_STEPS})
+    return sorted(rows, key=lambda r: (r["steps"], r["J"], r["k"], r["val_loss"]))
 
 
 def plot(report: dict, path: str) -> None:
+    """One panel per (J, k, steps): each recipe's curve at its best lr, backprop's best in black."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lrs, depths = report["args"]["lrs"], report["args"]["stages"]
-    fig, axes = plt.subplots(len(depths), len(lrs), figsize=(4.2 * len(lrs), 3.4 * len(depths)), squeeze=False)
-    for row, J in enumerate(depths):
-        for col, lr in enumerate(lrs):
-            ax = axes[row][col]
-            for r in report["runs"]:
-                if r["lr"] == lr and r["stages"] in (None, J):
-                    steps, losses = zip(*r["val_curve"])
-                    ax.plot(steps, losses, marker=".", label=r["method"],
-                            color="black" if r["method"] == "backprop" else None)
-            ax.set_title(f"Adam lr {lr:g}, J = {J}")
-            ax.set_xlabel("train_batch calls")
-            ax.set_ylabel("validation loss")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+    panels = sorted({(r["J"], r["k"], r["steps"]) for r in report["best"]})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), squeeze=False)
+    for ax, (J, k, steps) in zip(axes[0], panels):
+        rows = [r for r in report["best"] if (r["J"], r["k"], r["steps"]) == (J, k, steps)]
+        picks = [("petra", r["recipe"], r["lr"], J, k) for r in rows]
+        best = rows[0]["backprop_best"]
+        picks.append(("backprop", best["optimizer"], best["lr"], None, report["args"]["backprop_k"]))
+        for arm, recipe, lr, depth, kk in picks:
+            run = next(r for r in report["runs"] if (r["arm"], r["recipe"], r["lr"], r["J"], r["k"], r["steps"])
+                       == (arm, recipe, lr, depth, kk))
+            steps_, losses = zip(*run["val_curve"])
+            ax.plot(steps_, losses, marker=".", color="black" if arm == "backprop" else None,
+                    label=f"{'backprop ' if arm == 'backprop' else ''}{recipe} lr {lr:g}")
+        ax.set_title(f"J = {J}, k = {k}, {steps} steps")
+        ax.set_xlabel("optimizer steps")
+        ax.set_ylabel("validation loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lrs", type=float, nargs="+", default=[2e-4, 5e-4, 1e-3])
-    parser.add_argument("--stages", type=int, nargs="+", default=[4, 8], help="PETRA depths J")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--steps", type=int, default=320)
-    parser.add_argument("--warmup-steps", type=int, default=32)
+    parser.add_argument("--recipes", nargs="+", default=["adamw+wp", "nadam95", "nadam95+wp", "muon", "muon+wp"],
+                        help="PETRA methods: optimizer[+wp][+am][+lr] (weight prediction, adaptive momentum, "
+                             "lr rescaling)")
+    parser.add_argument("--backprop-optimizers", nargs="*", default=None, choices=sorted(OPTIMIZERS),
+                        help="backprop's optimizers (default: those the recipes use)")
+    parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3])
+    parser.add_argument("--stages", type=int, nargs="+", default=[4], help="PETRA depths J")
+    parser.add_argument("--k", type=int, nargs="+", default=[4], help="micro-batches per step (global batch fixed)")
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
+    parser.add_argument("--backprop-k", type=int, default=4, help="backprop's micro-batches per step")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--warmup-frac", type=float, default=0.05)
+    parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--procs", type=int, default=1, help="processes per run")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
     parser.add_argument("--seq-len", type=int, default=64)
@@ -118,32 +232,36 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--eval-batches", type=int, default=50)
+    parser.add_argument("--eval-batches", type=int, default=30)
+    parser.add_argument("--gradient-quality", type=int, default=0, metavar="N",
+                        help="PETRA runs record the gradient-quality study every N steps")
     parser.add_argument("--max-chars", type=int, default=3_000_000)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--petra-config", default="ds_configs/petra_lm.json")
     parser.add_argument("--backprop-config", default="ds_configs/backprop_lm.json")
-    parser.add_argument("--output", default="benchmarks/results/lm_accuracy.json")
+    parser.add_argument("--output", default="runs/lm_accuracy/report.json")
     parser.add_argument("--run-dir", default="runs/lm_accuracy")
     args = parser.parse_args()
+    for recipe in args.recipes:
+        recipe_parts(recipe)
 
     files = stdlib_corpus(os.path.join(ROOT, args.run_dir, "text"), args.max_chars)
-    jobs = [(m, lr, J) for lr in args.lrs for m in args.methods for J in (args.stages[:1] if m == "backprop"
-                                                                          else args.stages)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        runs = list(pool.map(lambda job: run_one(args, files, *job), jobs))
-    backprop = {r["lr"]: r["final_val_loss"] for r in runs if r["method"] == "backprop"}
-    for r in runs:
-        if r["lr"] in backprop:
-            r["gap_to_backprop"] = (r["final_val_loss"] - backprop[r["lr"]]) / backprop[r["lr"]]
-    report = {"model": "revgpt", "args": vars(args), "runs": runs}
+        runs = list(pool.map(lambda job: run_one(args, files, job), jobs(args)))
+    previous = os.path.join(ROOT, args.output)
+    if os.path.exists(previous):  # merge with earlier invocations: one table over the whole sweep
+        with open(previous) as f:
+            mine = {run_name(r) for r in runs}
+            runs += [r for r in json.load(f)["runs"] if run_name(r) not in mine]
+    report = {"model": "revgpt", "args": vars(args), "runs": runs, "best": best_against_best(runs)}
     save_report(args.output, report)
     plot(report, os.path.join(ROOT, os.path.splitext(args.output)[0] + ".png"))
-    print(f"{'lr':>7s} {'J':>3s} {'method':18s} {'val loss':>9s} {'vs backprop':>12s}")
-    for r in sorted(runs, key=lambda r: (r["lr"], r["stages"] or 0, METHODS.index(r["method"]))):
-        gap = r.get("gap_to_backprop")
-        print(f"{r['lr']:7.0e} {r['stages'] or '-':>3} {r['method']:18s} {r['final_val_loss']:9.4f} "
-              f"{'' if gap is None else f'{100 * gap:+.2f}%':>12s}")
+    print(f"{'steps':>5s} {'J':>2s} {'k':>3s} {'recipe':16s} {'lr':>7s} {'val loss':>9s} {'vs best backprop':>17s} "
+          f"{'vs own optimizer':>17s}")
+    for r in report["best"]:
+        own = r["gap_to_own_optimizer"]
+        print(f"{r['steps']:5d} {r['J']:2d} {r['k']:3d} {r['recipe']:16s} {r['lr']:7.0e} {r['val_loss']:9.4f} "
+              f"{100 * r['gap_to_best_backprop']:+16.2f}% {'' if own is None else f'{100 * own:+.2f}%':>17s}"
+              f"{'  (lr at grid edge)' if r['lr_at_grid_edge'] else ''}{'  screening' if r['screening'] else ''}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer", choices=PEERS, required=True,
                    help="the backprop pipeline to race (the fastest in throughput.py's report)")
-    p.add_argument("--compensation", default="weight_prediction", help="PETRA's delay_compensation")
+    p.add_argument("--compensation", default="weight_prediction",
+                   help="PETRA's delay_compensation: a method name or a JSON list / object")
+    p.add_argument("--petra-optimizer", default="adamw", choices=("adamw", "muon"),
+                   help="PETRA's optimizer (the peer trains with AdamW)")
     p.add_argument("--steps", type=int, default=320, help="N: the target is the peer's validation loss here")
     p.add_argument("--max-steps", type=int, default=480, help="the LR schedule's length and PETRA's limit")
     p.add_argument("--eval-every", type=int, default=20)
@@ -54,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--micro-batches", type=int, default=4, help="k")
     p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--petra-micro-batches", type=int, default=None, metavar="K",
+                   help="PETRA splits the same global batch into K micro-batches (a smaller micro-batch: its stage 0 "
+                        "is 2(J-1)/K steps behind instead of 2(J-1)/k); the peer keeps --micro-batches")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -71,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.eval_batches % args.micro_batches:
         p.error(f"--eval-batches {args.eval_batches} must be a multiple of --micro-batches {args.micro_batches}")
+    split = args.petra_micro_batches
+    if split is not None and (split < 1 or (args.micro_batch_size * args.micro_batches) % split):
+        p.error(f"--petra-micro-batches {split} must divide the global batch of "
+                f"{args.micro_batch_size * args.micro_batches} sequences")
     if not args.steps <= args.max_steps or args.steps % args.eval_every:
         p.error("--steps must be a multiple of --eval-every and at most --max-steps")
     return args
@@ -85,9 +95,15 @@ def model_args(args: argparse.Namespace, vocab: int) -> argparse.Namespace:
         "--vocab-size", str(vocab), "--dropout", str(args.dropout), "--seed", str(args.seed)])
 
 
-def optimizer_config(args: argparse.Namespace) -> dict:
-    return {"optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01,
-                                                      "torch_adam": True}},
+def optimizer_config(args: argparse.Namespace, method: str = "") -> dict:
+    """AdamW for both, or DeepSpeed's Muon (its hidden matrices at 20x the lr) for PETRA with
+    --petra-optimizer muon."""
+    optimizer = {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01,
+                                             "torch_adam": True}}
+    if method == "petra" and args.petra_optimizer == "muon":
+        optimizer = {"type": "muon", "params": {"lr": args.lr, "muon_lr": 20 * args.lr, "momentum": 0.95,
+                                                "betas": [0.9, 0.95], "weight_decay": 0.01, "torch_adam": True}}
+    return {"optimizer": optimizer,
             "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": args.max_steps,
                                                                "warmup_num_steps": args.warmup_steps}}}
 
@@ -113,10 +129,11 @@ def engine_method(args: argparse.Namespace, margs: argparse.Namespace, train, va
 
     import petra_ds
 
-    config = {**throughput.ds_config(margs, args.worker), **optimizer_config(args)}
+    config = {**throughput.ds_config(margs, args.worker), **optimizer_config(args, args.worker)}
     module = throughput.pipeline_module(margs, args.worker)
     if args.worker == "petra":
-        config["petra"]["delay_compensation"] = args.compensation
+        value = args.compensation
+        config["petra"]["delay_compensation"] = json.loads(value) if value.lstrip()[:1] in "{[" else value
         engine, *_ = petra_ds.initialize(model=module, config=config, model_parameters=module.parameters())
     else:
         engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=module.parameters())
@@ -183,6 +200,10 @@ def worker(args: argparse.Namespace) -> None:
     from torch import distributed as dist
 
     torch.set_num_threads(1)
+    if args.worker == "petra" and args.petra_micro_batches:  # the same sequences per step, in more micro-batches
+        size = args.micro_batch_size * args.micro_batches // args.petra_micro_batches
+        args.eval_batches = args.eval_batches * args.micro_batch_size // size
+        args.micro_batch_size, args.micro_batches = size, args.petra_micro_batches
     deepspeed.init_distributed()
     torch.manual_seed(args.seed)
     vocab, train, val = data(args)
@@ -225,7 +246,7 @@ def launch(args: argparse.Namespace, method: str, argv: list[str], data_dir: str
     extra = [] if target is None else ["--target", repr(target)]
     throughput.run_launched(__file__, args.stages, [*argv, "--worker", method, "--data-dir", data_dir,
                                                     "--result", result, *extra],
-                            dict(os.environ, OMP_NUM_THREADS="1"))
+                            dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1"))  # Muon's kernel eager
     with open(result) as f:
         return json.load(f)
 

@@ -134,3 +134,25 @@ def test_plot_and_table(tmp_path):
     assert [r["stage"] for r in table] == [0, 1, 2]
     assert table[2]["cos_petra_e2e"] == pytest.approx(0.7)
     assert not math.isnan(table[0]["reconstruction_error"])
+
+
+def test_update_cosines_follow_the_updates_a_stage_takes():
+    """cos_update_prev is the mean cosine of consecutive updates since the stage's last record; the
+    update cosines against -g_e2e and -g_petra use the latest update."""
+    from types import SimpleNamespace
+
+    w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    engine = SimpleNamespace(stages={3: SimpleNamespace(params=[w])})
+    probe = gq.GradientQuality.__new__(gq.GradientQuality)
+    probe._before_step, probe._update, probe._update_cosines = {}, {}, {}
+    assert math.isnan(probe._update_record(3, {"e2e": [torch.ones(2)]})["cos_update_e2e"])
+    for update in ([1.0, 0.0], [1.0, 1.0], [-1.0, 0.0]):
+        probe.before_step(engine, 3, 0)
+        with torch.no_grad():
+            w.add_(torch.tensor(update, dtype=torch.float64))
+        probe.after_step(engine, 3, 0)
+    record = probe._update_record(3, {"e2e": [torch.tensor([1.0, 0.0])], "petra": [torch.tensor([0.0, 1.0])]})
+    assert record["cos_update_prev"] == pytest.approx((math.sqrt(0.5) - math.sqrt(0.5)) / 2)
+    assert record["cos_update_e2e"] == pytest.approx(1.0)  # the latest update (-1, 0) descends along -(1, 0)
+    assert record["cos_update_petra"] == pytest.approx(0.0)
+    assert math.isnan(probe._update_record(3, {})["cos_update_prev"])  # consumed by the record

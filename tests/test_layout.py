@@ -139,3 +139,28 @@ def test_the_revnet_example_exits_cleanly_without_cifar10(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "layout: 1 process = 1 pipeline rank x 1 data-parallel replica; J = 10 PETRA stages" in proc.stdout
     assert "--download" in proc.stderr and "--data-dir DIR" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("global_batch, replicas, stages, micro_batches, expected", [
+    (16, 1, 4, None, (2, 8)),    # k >= 2 (J - 1) = 6: the smallest divisor of 16 that is, 8
+    (16, 1, 8, None, (1, 16)),   # k >= 14: 16
+    (16, 2, 2, None, (4, 2)),    # 8 per replica, k >= 2
+    (16, 1, 1, None, (16, 1)),   # one stage, no delay: one micro-batch
+    (12, 1, 8, None, (1, 12)),   # no divisor reaches 14: every sample its own micro-batch
+    (16, 1, 4, 4, (4, 4)),       # k given
+])
+def test_a_global_batch_is_split_so_the_first_stage_is_at_most_a_step_behind(global_batch, replicas, stages,
+                                                                               micro_batches, expected):
+    from petra_ds.runs import split_global_batch
+
+    assert split_global_batch(global_batch, replicas, stages, micro_batches) == expected
+
+
+@pytest.mark.parametrize("args, message", [((15, 2, 4, None), "does not divide over 2 data-parallel replicas"),
+                                           ((16, 1, 4, 3), "--micro-batches 3 does not divide the 16 samples"),
+                                           ((0, 1, 4, None), "--global-batch must be an integer >= 1")])
+def test_a_global_batch_that_cannot_be_split_names_the_fix(args, message):
+    from petra_ds.runs import split_global_batch
+
+    with pytest.raises(ValueError, match=message):
+        split_global_batch(*args)

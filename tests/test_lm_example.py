@@ -99,3 +99,21 @@ def test_profile_partition_cuts_petra_and_its_baseline_from_one_costs_file(tmp_p
                      "return_error": True}, world_size=2, target=run_example)
     assert [r["error"] for r in failed] == ["layer_costs has 3 entries for 5 layer specs; give one per layer spec, "
                                             "in order"] * 2
+
+
+def test_a_global_batch_is_split_for_the_depth_and_muon_comes_from_the_command_line(tmp_path):
+    """--global-batch 16 at J = 4 becomes micro-batch 2 x k = 8 (stage 0 exactly one step behind); --optimizer
+    replaces the config's optimizer, --lr fills its lr and Muon's is 20x it; the run trains and records it."""
+    out = tmp_path / "run"
+    muon = {"type": "muon", "params": {"momentum": 0.95, "betas": [0.9, 0.95], "weight_decay": 0.01,
+                                       "torch_adam": True}}
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "reformer", "train.py"), "--deepspeed_config",
+           os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "revgpt", "--data-files", *_files(tmp_path),
+           *SMALL, "--stages", "4", "--global-batch", "16", "--optimizer", json.dumps(muon), "--lr", "2e-3",
+           "--output-dir", str(out)]
+    summary, rows = _run(cmd, out)
+    config = summary["config"]
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (2, 8)
+    assert config["optimizer"]["type"] == "muon"
+    assert config["optimizer"]["params"]["lr"] == 2e-3 and config["optimizer"]["params"]["muon_lr"] == 20 * 2e-3
+    assert all(torch.isfinite(torch.tensor(r["val_loss"])) for r in rows)

@@ -13,7 +13,10 @@ The layout fits the processes launched (petra_ds.runs.choose_layout; rank 0 prin
 and --data-parallel, the fewest data-parallel replicas that leave at most one pipeline rank per layer and
 as many PETRA stages per rank as the layers allow (the default RevGPT's 11 layers on 4 processes: J = 8,
 three stages of two layers; on one process: J = 11).
-Without an "optimizer" section AdamW with warm-up and cosine decay is used. Text comes through
+Without an "optimizer" section AdamW (betas 0.9 / 0.95, weight decay 0.01) is used; --lr fills the
+optimizer's lr unless the config sets one (with DeepSpeed's "muon", the hidden matrices get 20x it unless
+the config sets "muon_lr"), and without a "scheduler" section the lr warms up over --warmup-steps and then
+decays to 0 on a cosine. Text comes through
 Hugging Face ``datasets``; the tokenizer is a byte-level BPE trained on the training text (offline
 default), plain bytes, or any ``AutoTokenizer`` name/path. ``--export-hf DIR`` writes a trained Reformer
 back as a ``ReformerModelWithLMHead`` (``save_pretrained``) with its tokenizer.
@@ -123,6 +126,9 @@ def reformer_model(args, vocab_size: int):
     return config, reformer_layers(config, hf)
 
 
+#: DeepSpeed's "muon" optimizer without a "muon_lr": the hidden matrices' lr is this times the AdamW lr
+MUON_LR_RATIO = 20
+
 #: 1F1B only: DeepSpeed's per-forward dropout reseeding base (see build_model)
 ONE_F_ONE_B_DROPOUT_BASE = 1_000_003
 
@@ -216,7 +222,15 @@ def main() -> None:
         # on CPU, torch's AdamW: DeepSpeed's FusedAdam would first be JIT-compiled (about a minute)
         config["optimizer"] = {"type": "AdamW", "params": {"betas": [0.9, 0.95], "weight_decay": 0.01,
                                                            "torch_adam": not torch.cuda.is_available()}}
-    config["optimizer"].setdefault("params", {}).setdefault("lr", args.lr)  # a config's own lr wins over --lr
+    params = config["optimizer"].setdefault("params", {})
+    params.setdefault("lr", args.lr)  # a config's own lr wins over --lr
+    if str(config["optimizer"].get("type", "")).lower() == "muon":  # Muon's step is in spectral units
+        params.setdefault("muon_lr", MUON_LR_RATIO * params["lr"])
+        if not torch.cuda.is_available():
+            torch._dynamo.config.disable = True
+            if dist.get_rank() == 0:
+                print("Muon's orthogonalization runs eagerly on CPU (DeepSpeed would torch.compile it: about 40 s "
+                      "per weight shape, and a C++ compiler)", flush=True)
     config.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
         "total_num_steps": args.max_steps, "warmup_num_steps": min(args.warmup_steps, args.max_steps // 2)}})
     engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config)

@@ -306,8 +306,8 @@ def by_stage(rows: Iterable[dict[str, Any]], first_step: int = 0, last_step: int
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str = "") -> str:
-    """The paper's Fig. 5 (the numbers against training steps, one line per stage) and Fig. 6 (cosine
-    similarities against the stage index at a few steps) in one PNG."""
+    """The paper's Fig. 5 (the numbers against training steps, one line per stage), Fig. 6 (cosine
+    similarities against the stage index at a few steps) and the update cosines in one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -316,8 +316,12 @@ def plot(rows: list[dict[str, Any]], path: str, title: str = "") -> str:
     stages = sorted({r["stage"] for r in rows})
     steps = sorted({r["step"] for r in rows})
     colors = plt.get_cmap("viridis")
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = plt.subplots(3, 3, figsize=(15, 12))
+    axes[2, 2].axis("off")
     panels = [
+        (axes[2, 0], [("cos_update_prev", "-")], "cosine of consecutive updates (oscillation: <= 0)"),
+        (axes[2, 1], [("cos_update_e2e", "-"), ("cos_update_petra", "--")],
+         "cosine update / -gradient: end-to-end (dashed: PETRA's)"),
         (axes[0, 0], [("cos_petra_delayed", "-")], "cosine PETRA vs delayed"),
         (axes[0, 1], [("cos_petra_e2e", "-"), ("cos_delayed_e2e", "--")], "cosine vs end-to-end (dashed: delayed)"),
         (axes[0, 2], [("reconstruction_error", "-")], "reconstruction error ||x~ - x|| / ||x||"),

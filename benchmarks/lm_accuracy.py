@@ -196,7 +196,7 @@ def plot(report: dict, path: str) -> None:
         picks.append(("backprop", best["optimizer"], best["lr"], None, report["args"]["backprop_k"]))
         for arm, recipe, lr, depth, kk in picks:
             run = next(r for r in report["runs"] if (r["arm"], r["recipe"], r["lr"], r["J"], r["k"], r["steps"])
-                       == (arm, recipe, lr, depth, kk))
+                       == (arm, recipe, lr, depth, kk, steps))
             steps_, losses = zip(*run["val_curve"])
             ax.plot(steps_, losses, marker=".", color="black" if arm == "backprop" else None,
                     label=f"{'backprop ' if arm == 'backprop' else ''}{recipe} lr {lr:g}")
@@ -252,9 +252,16 @@ def main() -> None:
         with open(previous) as f:
             mine = {run_name(r) for r in runs}
             runs += [r for r in json.load(f)["runs"] if run_name(r) not in mine]
-    report = {"model": "revgpt", "args": vars(args), "runs": runs, "best": best_against_best(runs)}
+    backprop = [{"optimizer": recipe, "steps": steps, "lr": min(by_lr, key=lambda lr: by_lr[lr][0]),
+                 "val_loss": min(v[0] for v in by_lr.values()), "lrs": sorted(by_lr)}
+                for (arm, recipe, _, _, steps), by_lr in sorted(cells(runs).items(), key=str) if arm == "backprop"]
+    report = {"model": "revgpt", "args": vars(args), "runs": runs, "backprop": backprop,
+              "best": best_against_best(runs)}
     save_report(args.output, report)
     plot(report, os.path.join(ROOT, os.path.splitext(args.output)[0] + ".png"))
+    for b in backprop:
+        print(f"backprop {b['optimizer']:8s} {b['steps']:5d} steps: best lr {b['lr']:g} of {b['lrs']}, "
+              f"val loss {b['val_loss']:.4f}")
     print(f"{'steps':>5s} {'J':>2s} {'k':>3s} {'recipe':16s} {'lr':>7s} {'val loss':>9s} {'vs best backprop':>17s} "
           f"{'vs own optimizer':>17s}")
     for r in report["best"]:

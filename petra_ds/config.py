@@ -42,7 +42,8 @@ class PetraConfig:
     #: training
     reconstruct_overlap: bool = False
     #: what each stage does about its delay tau_j (``petra_ds.compensation``): "none" (the paper's PETRA),
-    #: "weight_prediction" or "lr_rescale", or an object {"method": ..., its parameters}
+    #: "weight_prediction", "lr_rescale" or "adaptive_momentum", an object {"method": ..., its parameters},
+    #: or a list of them applied together
     delay_compensation: DelayCompensation | Combined = DelayCompensation()
 
     @classmethod

@@ -140,3 +140,26 @@ def test_non_finite_policy(policy):
     assert result["stage_steps"] == {j: 4 for j in range(4)}
     finite = [loss for loss in result["losses"] if loss == loss]
     assert len(finite) >= 3 and finite[-1] < 5
+
+
+@pytest.mark.parametrize("k, warned", [(2, True), (6, False)])
+def test_rank0_warns_when_stage0_is_more_than_one_step_behind(world_of_one, k, warned):
+    """J = 4: stage 0 is 6 / k optimizer steps behind; the warning names the k that fixes it."""
+    import logging
+
+    from deepspeed.utils import logger
+
+    from test_gradient_quality import _engine
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        _engine(J=4, k=k)
+    finally:
+        logger.removeHandler(handler)
+    messages = [r.getMessage() for r in records if "optimizer steps after its forward" in r.getMessage()]
+    assert bool(messages) == warned
+    if warned:
+        assert "3 optimizer steps" in messages[0] and '"gradient_accumulation_steps": 6' in messages[0]

@@ -47,9 +47,13 @@ def muon(lr: float) -> dict:
                                        "weight_decay": 0.01, "torch_adam": True}}
 
 
-#: optimizer name -> its config section for a learning rate (None: the example's AdamW, betas 0.9 / 0.95)
-OPTIMIZERS = {"adamw": lambda lr: None, "nadam95": lambda lr: nadam(0.95), "nadam99": lambda lr: nadam(0.99),
-              "muon": muon}
+def adamw(lr: float) -> dict:
+    """The LM example's AdamW."""
+    return {"type": "AdamW", "params": {"betas": [0.9, 0.95], "weight_decay": 0.01, "torch_adam": True}}
+
+
+#: optimizer name -> its config section for a learning rate (the run's --lr fills "lr")
+OPTIMIZERS = {"adamw": adamw, "nadam95": lambda lr: nadam(0.95), "nadam99": lambda lr: nadam(0.99), "muon": muon}
 #: what a recipe's suffix turns on in "petra.delay_compensation"
 COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale"}
 
@@ -106,9 +110,7 @@ def command(args: argparse.Namespace, files: list[str], job: dict, out: str) -> 
         "--warmup-steps", str(max(1, round(args.warmup_frac * job["steps"]))), "--max-steps", str(job["steps"]),
         "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--seed", str(job["seed"]),
         "--global-batch", str(args.global_batch), "--micro-batches", str(job["k"]), "--output-dir", out]
-    section = OPTIMIZERS[optimizer](job["lr"])
-    if section is not None:
-        cmd += ["--optimizer", json.dumps(section)]
+    cmd += ["--optimizer", json.dumps(OPTIMIZERS[optimizer](job["lr"]))]
     if job["arm"] == "petra":
         methods = compensation[0] if len(compensation) == 1 else json.dumps(compensation) if compensation else "none"
         cmd += ["--stages", str(job["J"]), "--delay-compensation", methods]

@@ -227,6 +227,7 @@ def main() -> None:
     if str(config["optimizer"].get("type", "")).lower() == "muon":  # Muon's step is in spectral units
         params.setdefault("muon_lr", MUON_LR_RATIO * params["lr"])
         if not torch.cuda.is_available():
+            params.setdefault("torch_adam", True)  # the other parameters' AdamW: DeepSpeed's FusedAdam is a JIT build
             torch._dynamo.config.disable = True
             if dist.get_rank() == 0:
                 print("Muon's orthogonalization runs eagerly on CPU (DeepSpeed would torch.compile it: about 40 s "

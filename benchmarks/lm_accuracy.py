@@ -24,6 +24,7 @@ import ast
 import glob
 import json
 import os
+import re
 import statistics
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
@@ -98,6 +99,24 @@ def stdlib_corpus(out_dir: str, max_chars: int) -> list[str]:
 def run_name(job: dict) -> str:
     depth = "" if job["arm"] == "backprop" else f"-J{job['J']}-k{job['k']}"
     return f"{job['arm']}-{job['recipe']}-lr{job['lr']:g}{depth}-s{job['seed']}-n{job['steps']}"
+
+
+RUN_NAME = re.compile(r"(?P<arm>backprop|petra)-(?P<recipe>[a-z0-9+]+)-lr(?P<lr>[0-9.e-]+)"
+                      r"(-J(?P<J>\d+)-k(?P<k>\d+))?-s(?P<seed>\d+)-n(?P<steps>\d+)$")
+
+
+def finished_jobs(args: argparse.Namespace) -> list[dict]:
+    """Every run under --run-dir that finished (its summary.json exists), as the job that made it."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(ROOT, args.run_dir, "*", "summary.json"))):
+        match = RUN_NAME.match(os.path.basename(os.path.dirname(path)))
+        if match:
+            g = match.groupdict()
+            out.append({"arm": g["arm"], "recipe": g["recipe"], "lr": float(g["lr"]),
+                        "J": None if g["J"] is None else int(g["J"]),
+                        "k": args.backprop_k if g["k"] is None else int(g["k"]), "seed": int(g["seed"]),
+                        "steps": int(g["steps"])})
+    return out
 
 
 def command(args: argparse.Namespace, files: list[str], job: dict, out: str) -> list[str]:
@@ -240,6 +259,8 @@ def main() -> None:
     parser.add_argument("--max-chars", type=int, default=3_000_000)
     parser.add_argument("--petra-config", default="ds_configs/petra_lm.json")
     parser.add_argument("--backprop-config", default="ds_configs/backprop_lm.json")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: the table and the plot of every finished run under --run-dir")
     parser.add_argument("--output", default="runs/lm_accuracy/report.json")
     parser.add_argument("--run-dir", default="runs/lm_accuracy")
     args = parser.parse_args()
@@ -247,8 +268,9 @@ def main() -> None:
         recipe_parts(recipe)
 
     files = stdlib_corpus(os.path.join(ROOT, args.run_dir, "text"), args.max_chars)
+    todo = finished_jobs(args) if args.report_only else jobs(args)
     with ThreadPoolExecutor(args.jobs) as pool:
-        runs = list(pool.map(lambda job: run_one(args, files, job), jobs(args)))
+        runs = list(pool.map(lambda job: run_one(args, files, job), todo))
     previous = os.path.join(ROOT, args.output)
     if os.path.exists(previous):  # merge with earlier invocations: one table over the whole sweep
         with open(previous) as f:

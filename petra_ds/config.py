@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -95,6 +96,17 @@ class PetraConfig:
         if not isinstance(every, int) or isinstance(every, bool) or every < 0:
             raise PetraConfigError(
                 f'"petra.gradient_quality_every" must be an integer >= 0 (0: off), got {every!r}')
+
+
+def check_section_names(config: Mapping[str, Any]) -> None:
+    """A section named like "petra" but not exactly so ("PETRA", "Petra", "petra_") would otherwise be
+    ignored, and the run would silently train DeepSpeed's 1F1B."""
+    for key in config:
+        if key != "petra" and isinstance(key, str) and \
+                difflib.SequenceMatcher(None, key.lower().strip(" _-"), "petra").ratio() >= 0.8:
+            raise PetraConfigError(
+                f'the config has a "{key}" section, which is not "petra": PETRA reads only "petra" (lower case). '
+                'Rename it to train with PETRA, or remove it to train with DeepSpeed\'s 1F1B')
 
 
 def split_config(config: Mapping[str, Any]) -> tuple[PetraConfig, dict[str, Any], bool]:

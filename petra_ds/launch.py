@@ -17,7 +17,7 @@ from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from .config import PetraConfigError, split_config
+from .config import PetraConfigError, check_section_names, split_config
 from .module import stages_per_rank_of, tag_muon_parameters
 
 
@@ -68,6 +68,7 @@ def initialize(
     from .engine import PetraEngine
 
     raw = _load(config, args)
+    check_section_names(raw)
     if _group_timeout is not None and isinstance(model, PipelineModule):
         apply_group_timeout(model.mpu(), _group_timeout)
     if getattr(args, "deepspeed_config", None):

@@ -14,6 +14,8 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
+from .config import PetraConfigError, check_section_names
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -207,6 +209,10 @@ def apply_run_arguments(args: Any, config: dict) -> str:
     """Write --gradient-quality and --delay-compensation into a PETRA config's "petra" section; returns
     the method ("petra" or "backprop"). Both are PETRA's: with a config without that section they exit,
     as --layer-costs does without --partition profile (it would be ignored)."""
+    try:
+        check_section_names(config)
+    except PetraConfigError as error:
+        raise SystemExit(str(error)) from None
     method = "petra" if "petra" in config else "backprop"
     wanted = [flag for flag, value in (("--gradient-quality", args.gradient_quality),
                                        ("--delay-compensation", args.delay_compensation)) if value]

@@ -90,3 +90,17 @@ def test_check_reversible_rejects_module_without_inverse():
     assert not is_reversible(nn.Linear(2, 2))
     with pytest.raises(ReversibilityError, match="has no inverse"):
         check_reversible(nn.Linear(2, 2), torch.randn(1, 2), name="head")
+
+
+def test_a_non_finite_input_is_named_as_such_not_as_a_wrong_inverse():
+    """A NaN in the data fails every round trip; the error must say NaN, not send the user to the inverse."""
+
+    layer = AdditiveCoupling(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    x = (torch.randn(3, 4), torch.randn(3, 4))
+    x[0][1, 2] = float("nan")
+    with pytest.raises(FloatingPointError, match="the input of AdditiveCoupling holds NaN values; check the data"):
+        check_reversible(layer, x)
+    with torch.no_grad():
+        layer.F.weight.fill_(float("inf"))
+    with pytest.raises(FloatingPointError, match="the output of AdditiveCoupling on a finite input holds"):
+        check_reversible(layer, (torch.randn(3, 4), torch.randn(3, 4)))

@@ -1,6 +1,7 @@
 """The "petra" config section and what PETRA refuses from the rest of a DeepSpeed config."""
 
 import pytest
+import torch
 
 from petra_ds.config import PetraConfig, PetraConfigError, split_config
 
@@ -42,3 +43,12 @@ def test_non_finite_and_check_reversible_values_are_validated():
         PetraConfig.from_dict({"non_finite": "ignore"})
     with pytest.raises(PetraConfigError, match='"petra.check_reversible" must be true or false'):
         PetraConfig.from_dict({"check_reversible": "yes"})
+
+
+@pytest.mark.parametrize("name", ["PETRA", "Petra", "petra_", "petr"])
+def test_a_section_named_almost_petra_is_refused_instead_of_training_1f1b(name, world_of_one):
+    import petra_ds
+    from petra_ds.config import PetraConfigError
+
+    with pytest.raises(PetraConfigError, match=f'has a "{name}" section, which is not "petra"'):
+        petra_ds.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1, name: {}})

@@ -31,6 +31,14 @@ def _scale(x: Activation) -> float:
     return max(1.0, max(float(t.abs().max()) for t in as_tuple(x) if t.numel()))
 
 
+def _refuse_non_finite(x: Activation, what: str, fix: str) -> None:
+    """A NaN or Inf is named as such: a round trip through it fails for any inverse, right or wrong."""
+    bad = [t for t in as_tuple(x) if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        kinds = " and ".join(k for k, f in (("NaN", torch.isnan), ("Inf", torch.isinf)) if any(f(t).any() for t in bad))
+        raise FloatingPointError(f"{what} holds {kinds} values; {fix}")
+
+
 def _round_trip(module: nn.Module, x: Activation, seed: int) -> tuple[Activation, float]:
     with torch.no_grad(), running_stats(module, update=False), micro_batch_rng(seed, 0, 0):
         y = module(x)
@@ -59,8 +67,11 @@ def check_reversible(
             "implement inverse() or mark the layer non-reversible"
         )
     tol = default_tolerance(example) if tol is None else tol
+    _refuse_non_finite(example, f"the input of {name}", "check the data (or the layer before it)")
     bound = tol * _scale(example)
-    _, error = _round_trip(module, example, seed)
+    y, error = _round_trip(module, example, seed)
+    _refuse_non_finite(y, f"the output of {name} on a finite input",
+                       "check its weights and the learning rate; its inverse was not tested")
     if error <= bound:
         return error
     culprit, culprit_error = name, error

@@ -210,6 +210,19 @@ def nadam_reference(compensation=None, stages=4, batches=BATCHES):
                                    SEED, compensation=compensation, optimizer=hand_written)
 
 
+def assert_engine_equals(optimizer, compensation, reference):
+    """J = 4 through the engine (one process, float64, no clipping): final parameters and every step's
+    gradients equal ``reference(compensation)``'s; returns the reference's final parameters."""
+    petra = {} if compensation is None else {"delay_compensation": compensation}
+    results = run(1, 4, k=K, train_batches=BATCHES, optimizer=optimizer, dropout=0.1, petra=petra, config=NO_CLIP)
+    final, grads = reference(compensation)
+    assert max_diff(results[0]["params"], final) < TOL
+    for j in range(4):
+        for got, want in zip(results[0]["grads"][j], grads[j]):
+            assert max_diff(got, want) < TOL
+    return final
+
+
 NADAM_METHODS = [None, {"method": "adaptive_momentum", "beta1_max": 0.99},
                  [{"method": "weight_prediction"}, {"method": "adaptive_momentum", "beta1_max": 0.99}]]
 
@@ -218,13 +231,7 @@ NADAM_METHODS = [None, {"method": "adaptive_momentum", "beta1_max": 0.99},
 def test_constant_momentum_nadam_and_adaptive_momentum_equal_their_update_rules(compensation):
     """J = 4 through the engine with torch's NAdam from the config equals the hand-written constant-momentum
     Nesterov Adam (and the adaptive coefficient, and weight prediction before it) step for step."""
-    petra = {} if compensation is None else {"delay_compensation": compensation}
-    results = run(1, 4, k=K, train_batches=BATCHES, optimizer=NADAM, dropout=0.1, petra=petra, config=NO_CLIP)
-    final, grads = nadam_reference(compensation)
-    assert max_diff(results[0]["params"], final) < TOL
-    for j in range(4):
-        for got, want in zip(results[0]["grads"][j], grads[j]):
-            assert max_diff(got, want) < TOL
+    final = assert_engine_equals(NADAM, compensation, nadam_reference)
     if compensation is not None:
         plain, _ = nadam_reference()
         assert max_diff(final, plain) > 1e-6
@@ -327,10 +334,4 @@ def test_muon_tags_the_hidden_matrices_of_a_pipeline(world_of_one):
 @pytest.mark.parametrize("compensation", [None, [{"method": "weight_prediction"}, {"method": "adaptive_momentum"}]],
                          ids=["muon", "prediction+adaptive"])
 def test_muon_per_stage_equals_each_stage_stepping_its_own_muon(compensation):
-    petra = {} if compensation is None else {"delay_compensation": compensation}
-    results = run(1, 4, k=K, train_batches=BATCHES, optimizer=MUON, dropout=0.1, petra=petra, config=NO_CLIP)
-    final, grads = muon_reference(compensation)
-    assert max_diff(results[0]["params"], final) < TOL
-    for j in range(4):
-        for got, want in zip(results[0]["grads"][j], grads[j]):
-            assert max_diff(got, want) < TOL
+    assert_engine_equals(MUON, compensation, muon_reference)

@@ -178,11 +178,12 @@ def add_run_arguments(parser: Any) -> None:
     partition."""
     parser.add_argument("--save-every", type=int, default=0,
                         help="checkpoint to <output-dir>/checkpoints every N train_batch calls (0: never)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in <output-dir>/checkpoints, if there is one")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, choices=("latest", "auto"),
+                        help="continue from the latest checkpoint in <output-dir>/checkpoints; without one the run "
+                             "stops with an error. --resume auto: continue if there is one, else start fresh")
     parser.add_argument("--stop-after", type=int, default=None,
                         help="end this run after N train_batch calls in all, as a preempted job would (no final "
-                             "drain, eval or summary); continue with --resume")
+                             "drain, eval or summary); continue with --resume (needs --save-every)")
     parser.add_argument("--gradient-quality", type=int, default=0, metavar="N",
                         help="PETRA: every N optimizer steps compare each stage's gradient with the delayed "
                              "and the end-to-end one (metrics.jsonl, gradient_quality.png); 0: off")
@@ -220,6 +221,13 @@ def apply_run_arguments(args: Any, config: dict) -> str:
         raise SystemExit(f"{' and '.join(wanted)} configure PETRA: use a config that has a \"petra\" section")
     if args.layer_costs and args.partition != "profile":
         raise SystemExit("--layer-costs gives the costs --partition profile cuts from: add --partition profile")
+    latest = os.path.join(checkpoint_dir(args.output_dir), "latest")
+    if args.resume == "latest" and not os.path.exists(latest):
+        raise SystemExit(f"--resume: no checkpoint to resume from in {checkpoint_dir(args.output_dir)} (no 'latest' "
+                         "file); check --output-dir, or use --resume auto to start fresh when there is none")
+    if args.stop_after is not None and not args.save_every and _rank0():
+        print(f"warning: --stop-after {args.stop_after} without --save-every writes no checkpoint: a later --resume "
+              "will have nothing to continue from", flush=True)
     if args.gradient_quality:
         config["petra"]["gradient_quality_every"] = args.gradient_quality
     if args.delay_compensation:
@@ -230,6 +238,10 @@ def apply_run_arguments(args: Any, config: dict) -> str:
             raise SystemExit(f"--delay-compensation {value!r} is not valid JSON ({error}); give a method name "
                              "or an object such as '{\"method\": \"weight_prediction\"}'") from None
     return method
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def checkpoint_dir(output_dir: str) -> str:
@@ -250,8 +262,14 @@ def resume(engine: Any, output_dir: str) -> dict | None:
     scheduler states, PETRA's micro-batches in flight) and return the state :func:`save` stored with it;
     None, and nothing loaded, when there is no checkpoint yet."""
     if not os.path.exists(os.path.join(checkpoint_dir(output_dir), "latest")):
+        if _rank0():
+            print(f"--resume auto: no checkpoint in {checkpoint_dir(output_dir)}; starting fresh", flush=True)
         return None
-    _, client_state = engine.load_checkpoint(checkpoint_dir(output_dir))
+    with open(os.path.join(checkpoint_dir(output_dir), "latest")) as f:
+        tag = f.read().strip()
+    _, client_state = engine.load_checkpoint(checkpoint_dir(output_dir), tag=tag)
+    if _rank0():
+        print(f"resumed from {os.path.join(checkpoint_dir(output_dir), tag)} (step {engine.global_steps})", flush=True)
     state = dict(client_state["example"])
     torch.set_rng_state(state.pop("rng").cpu())
     micro_offset = state.pop("micro_offset")

@@ -98,7 +98,8 @@ def assert_resume_is_exact(tmp_path, script: str, config: str, args: list[str], 
     assert "stopped after step 5 of 6" in stopped.stdout and not (parts / "summary.json").exists()
     assert (parts / "checkpoints" / "latest").read_text() == "global_step4"
     assert [r["step"] for r in _rows(parts)] == [5]
-    _launch(script, config, [*args, "--resume"], parts)
+    resumed = _launch(script, config, [*args, "--resume"], parts)
+    assert f"resumed from {parts / 'checkpoints' / 'global_step4'} (step 4)" in resumed.stdout
     assert _rows(parts) == _rows(whole) and [r["step"] for r in _rows(parts)] == [5, 6]
     ours, theirs = _layer_files(parts, "global_step6"), _layer_files(whole, "global_step6")
     assert ours.keys() == theirs.keys() and ours

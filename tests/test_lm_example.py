@@ -117,3 +117,20 @@ def test_a_global_batch_is_split_for_the_depth_and_muon_comes_from_the_command_l
     assert config["optimizer"]["type"] == "muon"
     assert config["optimizer"]["params"]["lr"] == 2e-3 and config["optimizer"]["params"]["muon_lr"] == 20 * 2e-3
     assert all(torch.isfinite(torch.tensor(r["val_loss"])) for r in rows)
+
+
+def test_resume_never_starts_over_silently(tmp_path):
+    """--resume without a checkpoint stops and names the folder it looked in; --resume auto starts fresh and
+    says so; --stop-after without --save-every warns that nothing will be saved."""
+    out = tmp_path / "run"
+    base = [sys.executable, os.path.join(ROOT, "examples", "reformer", "train.py"), "--deepspeed_config",
+            os.path.join(ROOT, "ds_configs", "backprop_lm.json"), "--model", "revgpt", "--data-files",
+            *_files(tmp_path), *SMALL, "--output-dir", str(out)]
+    proc = subprocess.run(base + ["--resume"], cwd=ROOT, env=launcher_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and f"no checkpoint to resume from in {out / 'checkpoints'}" in proc.stderr
+    proc = subprocess.run(base + ["--resume", "auto", "--stop-after", "2"], cwd=ROOT, env=launcher_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"--resume auto: no checkpoint in {out / 'checkpoints'}; starting fresh" in proc.stdout
+    assert "--stop-after 2 without --save-every writes no checkpoint" in proc.stdout

@@ -22,7 +22,8 @@ default), plain bytes, or any ``AutoTokenizer`` name/path. ``--export-hf DIR`` w
 back as a ``ReformerModelWithLMHead`` (``save_pretrained``) with its tokenizer.
 
 ``--save-every N`` checkpoints to <output-dir>/checkpoints every N train_batch calls; ``--resume`` continues
-from the latest one: step count, optimizer and LR schedule, the data stream's position, metrics.jsonl.
+from the latest one: step count, optimizer and LR schedule, the data stream's position, metrics.jsonl (an
+error when there is none; ``--resume auto`` starts fresh then).
 
 ``--partition profile`` cuts the layers where the stages' measured costs balance instead of "uniform"
 (petra_ds.run_partition): rank 0 times every layer on one training micro-batch and writes

@@ -19,7 +19,8 @@ The datasets: cifar10 reads <data-dir>/cifar-10-batches-py/ (--download fetches 
 is scikit-learn's bundled set (offline), imagenet32 / imagenet read the folders under --data-dir.
 
 --save-every N checkpoints to <output-dir>/checkpoints every N train_batch calls; --resume continues from
-the latest one: step count, optimizer and LR schedule, the data stream's position, metrics.jsonl.
+the latest one: step count, optimizer and LR schedule, the data stream's position, metrics.jsonl (an error
+when there is none; --resume auto starts fresh then).
 
 --partition profile cuts the layers where the stages' measured costs balance (petra_ds.run_partition): rank
 0 times every layer on one training micro-batch and writes <output-dir>/layer_costs.json, which every rank

@@ -13,11 +13,13 @@ SCRIPT = os.path.join(ROOT, "examples", "quickstart", "train.py")
 CONFIG = os.path.join(ROOT, "ds_configs", "quickstart.json")
 
 
-def run(cmd, tmp_path):
+def run(cmd, tmp_path, printed=()):
     out = tmp_path / "summary.json"
     proc = subprocess.run(cmd + ["--output", str(out)], cwd=ROOT, env=launcher_env(), capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for line in printed:
+        assert line in proc.stdout
     return json.loads(out.read_text())
 
 
@@ -36,7 +38,9 @@ def test_deepspeed_launcher_runs_four_pipeline_ranks(tmp_path):
 
 def test_plain_python_hosts_every_stage_in_one_process(tmp_path):
     """The paper's single-device setting: all 9 stages, one per layer, in one process."""
-    summary = run([sys.executable, SCRIPT, "--deepspeed_config", CONFIG, "--steps", "12"], tmp_path)
+    summary = run([sys.executable, SCRIPT, "--deepspeed_config", CONFIG, "--steps", "12"], tmp_path,
+                  printed=["the loss is nan until the pipeline has filled: the first micro-batch reaches the last of "
+                           "the 9 stages at clock 8"])
     assert summary["world_size"] == 1 and summary["num_stages"] == 9 and summary["stages_per_rank"] == 9
     losses = summary["losses"]
     assert all(l != l for l in losses[:4]) and all(0 < l < 5 for l in losses[4:]), losses  # loss at clock 8

@@ -134,3 +134,11 @@ def test_resume_never_starts_over_silently(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"--resume auto: no checkpoint in {out / 'checkpoints'}; starting fresh" in proc.stdout
     assert "--stop-after 2 without --save-every writes no checkpoint" in proc.stdout
+
+
+def test_from_pretrained_without_its_tokenizer_is_refused(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "reformer", "train.py"), "--deepspeed_config",
+           os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "reformer", "--from-pretrained",
+           str(tmp_path / "my-reformer"), "--data-files", *_files(tmp_path), "--output-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and f"add --tokenizer {tmp_path / 'my-reformer'}" in proc.stderr

@@ -48,6 +48,11 @@ def main() -> None:
     data = toy_data(args.distinct_micro_batches, engine.train_micro_batch_size_per_gpu(),
                     seed=engine.grid.data_parallel_id, dtype=torch.float32)
     stream = itertools.cycle(data)
+    if dist.get_rank() == 0:
+        fill = 2 * (engine.num_petra_stages - 1)
+        print(f"the loss is nan until the pipeline has filled: the first micro-batch reaches the last of the "
+              f"{engine.num_petra_stages} stages at clock {engine.num_petra_stages - 1}, and every stage backpropagates "
+              f"from clock {fill} on", flush=True)
     losses = []
     for step in range(args.steps):
         loss = engine.train_batch(stream).item()

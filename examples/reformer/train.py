@@ -189,6 +189,10 @@ def main() -> None:
     method = apply_run_arguments(args, config)
     if args.optimizer:
         config["optimizer"] = json.loads(args.optimizer)
+    if args.from_pretrained and args.tokenizer in ("bpe", "bytes"):
+        raise SystemExit(f"--from-pretrained {args.from_pretrained} needs the tokenizer its embeddings were trained "
+                         f"with: add --tokenizer {args.from_pretrained} (a fresh --tokenizer {args.tokenizer} would "
+                         "give other token ids)")
     if args.export_hf and args.model != "reformer":
         raise SystemExit("--export-hf writes a Hugging Face Reformer: use it with --model reformer")
     os.makedirs(args.output_dir, exist_ok=True)

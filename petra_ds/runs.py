@@ -240,6 +240,15 @@ def apply_run_arguments(args: Any, config: dict) -> str:
     return method
 
 
+def run_main(main: Callable[[], None]) -> None:
+    """An example's ``main()``, with a configuration error ended as one line on rank 0 and a non-zero exit
+    on every rank instead of a traceback per rank."""
+    try:
+        main()
+    except PetraConfigError as error:
+        raise SystemExit(f"configuration error: {error}" if _rank0() else 2) from None
+
+
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 

@@ -142,3 +142,14 @@ def test_from_pretrained_without_its_tokenizer_is_refused(tmp_path):
            str(tmp_path / "my-reformer"), "--data-files", *_files(tmp_path), "--output-dir", str(tmp_path / "run")]
     proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and f"add --tokenizer {tmp_path / 'my-reformer'}" in proc.stderr
+
+
+def test_a_configuration_error_is_one_line_not_a_traceback(tmp_path):
+    config = tmp_path / "bad.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                  "petra": {"delay_compensation": "nesterov"}}))
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "reformer", "train.py"), "--deepspeed_config", str(config),
+           "--model", "revgpt", "--data-files", *_files(tmp_path), *SMALL, "--output-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert 'configuration error: "petra.delay_compensation.method" must be one of' in proc.stderr

@@ -21,7 +21,7 @@ from deepspeed import comm as dist
 from torch import nn
 
 import petra_ds
-from petra_ds.runs import run_layout
+from petra_ds.runs import run_layout, run_main
 from petra_ds.toy import toy_data, toy_layer_specs
 
 
@@ -73,4 +73,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -50,7 +50,8 @@ import petra_ds
 from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
 from petra_ds.run_partition import agreed_partition, baseline_module, shared_layer_costs
-from petra_ds.runs import RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments, resume, run_layout, save
+from petra_ds.runs import (RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments, resume,
+                           run_layout, run_main, save)
 
 
 def parse_args() -> argparse.Namespace:
@@ -303,4 +304,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -48,7 +48,8 @@ from petra_ds.data.stream import resumable_loader
 from petra_ds.models.revnet import resnet_layers, revnet_layers
 from petra_ds.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
 from petra_ds.run_partition import agreed_partition, baseline_module, shared_layer_costs
-from petra_ds.runs import Layout, RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments, resume, run_layout, save
+from petra_ds.runs import (Layout, RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments,
+                           resume, run_layout, run_main, save)
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
 
@@ -243,4 +244,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

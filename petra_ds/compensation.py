@@ -36,6 +36,8 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from .schedule import delay
+
 METHODS = ("none", "weight_prediction", "lr_rescale", "adaptive_momentum")
 
 
@@ -98,9 +100,10 @@ class DelayCompensation:
             raise DelayCompensationError(
                 f'"petra.delay_compensation.anneal_steps" must be an integer >= 1, got {steps!r}')
 
-    def for_stage(self, params: Sequence[Tensor], steps_behind: float, most_behind: float) -> "StageCompensation":
-        """The per-stage object for a stage whose gradients are ``steps_behind`` optimizer steps late, in a
-        pipeline whose first stage is ``most_behind`` steps late."""
+    def for_stage(self, params: Sequence[Tensor], stage: int, num_stages: int, k: int) -> "StageCompensation":
+        """The per-stage object for ``stage`` of ``num_stages`` stepping every ``k`` micro-batches: its
+        gradients are s_j = tau_j / k optimizer steps late, the first stage's s_0."""
+        steps_behind, most_behind = delay(stage, num_stages) / k, delay(0, num_stages) / k
         if self.method == "weight_prediction" and steps_behind > 0:
             return WeightPrediction(params, self.scale * steps_behind, self.beta)
         if self.method == "lr_rescale" and steps_behind > 0:
@@ -133,8 +136,8 @@ class Combined:
     def method(self) -> str:
         return "+".join(p.method for p in self.parts)
 
-    def for_stage(self, params: Sequence[Tensor], steps_behind: float, most_behind: float) -> "StageCompensation":
-        return Chain([p.for_stage(params, steps_behind, most_behind) for p in self.parts])
+    def for_stage(self, params: Sequence[Tensor], stage: int, num_stages: int, k: int) -> "StageCompensation":
+        return Chain([p.for_stage(params, stage, num_stages, k) for p in self.parts])
 
 
 def _number(x: Any) -> bool:

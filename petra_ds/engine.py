@@ -14,7 +14,6 @@ from typing import Any, Iterator
 
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.utils import logger
 from torch import Tensor
 
 from . import checkpoint, keys, messages
@@ -73,10 +72,8 @@ class PetraEngine(PipelineEngine):
                 raise TypeError(f"stage {j}: its built layers and their specs disagree on reversibility")
             stage.stepped = [p for p in stage.stepped if id(p) not in self.ties.reader_ids(j)]
             stage.compensation = petra_config.delay_compensation.for_stage(
-                stage.stepped, delay(j, self.num_petra_stages) / self.micro_batches,
-                delay(0, self.num_petra_stages) / self.micro_batches)
+                stage.stepped, j, self.num_petra_stages, self.micro_batches)
             self.stages[j] = stage
-        self._warn_first_stage_delay()
         self.timeline = Timeline(self.num_petra_stages)
         self.stage_steps = {j: 0 for j in self.local_stage_ids}
         #: messages received for the next clock, by ``keys.Key`` (the receiving stage first)
@@ -98,19 +95,6 @@ class PetraEngine(PipelineEngine):
         #: (stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``)
         self.skipped_steps: list[tuple[int, int]] = []
         self._configure_python_gc()
-
-    def _warn_first_stage_delay(self) -> None:
-        """Rank 0 warns when stage 0's gradients arrive more than one optimizer step late: at a high learning
-        rate that delay, not the method, decides how far PETRA trails backprop."""
-        behind = delay(0, self.num_petra_stages) / self.micro_batches
-        if behind > 1 and self.global_rank == 0:
-            need = delay(0, self.num_petra_stages)
-            logger.warning(
-                f"PETRA: stage 0 applies its gradients {behind:g} optimizer steps after its forward (J = "
-                f"{self.num_petra_stages} stages, k = {self.micro_batches} micro-batches per step); at a high "
-                f"learning rate this costs quality. Keep the global batch and split it into at least {need} "
-                f'micro-batches per step ("gradient_accumulation_steps": {need}, the micro-batch made smaller to '
-                f"match; the examples do it with --global-batch N)")
 
     # --- observers ---
 

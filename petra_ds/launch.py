@@ -16,9 +16,11 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.utils import logger
 
 from .config import PetraConfigError, check_section_names, split_config
 from .module import stages_per_rank_of, tag_muon_parameters
+from .schedule import first_stage_lateness
 
 
 def free_port() -> int:
@@ -112,6 +114,9 @@ def initialize(
                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                          config_class=config_class, petra_config=petra, bf16=bf16)
+    late = first_stage_lateness(engine.num_petra_stages, engine.micro_batches)
+    if late and engine.global_rank == 0:
+        logger.warning(late)
     if petra.gradient_quality_every > 0:
         from .analysis.gradient_quality import GradientQuality
 

@@ -221,8 +221,7 @@ def apply_run_arguments(args: Any, config: dict) -> str:
         raise SystemExit(f"{' and '.join(wanted)} configure PETRA: use a config that has a \"petra\" section")
     if args.layer_costs and args.partition != "profile":
         raise SystemExit("--layer-costs gives the costs --partition profile cuts from: add --partition profile")
-    latest = os.path.join(checkpoint_dir(args.output_dir), "latest")
-    if args.resume == "latest" and not os.path.exists(latest):
+    if args.resume == "latest" and not os.path.exists(os.path.join(checkpoint_dir(args.output_dir), "latest")):
         raise SystemExit(f"--resume: no checkpoint to resume from in {checkpoint_dir(args.output_dir)} (no 'latest' "
                          "file); check --output-dir, or use --resume auto to start fresh when there is none")
     if args.stop_after is not None and not args.save_every and _rank0():

@@ -18,6 +18,8 @@ THIRD_PARTY = {
     "_BatchNorm": "torch's common base class of the batch norms",
     "_tokenizer": "the tokenizers.Tokenizer inside a trained ByteLevelBPETokenizer, for PreTrainedTokenizerFast",
     "_exit": "os._exit, public despite its name: benchmark workers skip the interpreter teardown that aborts",
+    "_dynamo": "torch._dynamo.config.disable: DeepSpeed's Muon kernel runs eagerly on CPU instead of a torch.compile "
+               "build (the only switch besides TORCHDYNAMO_DISABLE before torch is imported)",
 }
 
 

@@ -253,15 +253,16 @@ class GradientQuality(Observer):
                    "reconstruction_error": probe.reconstruction.get(j, math.nan)}
             if self._params(self.engine.stages[j]):
                 row.update(compare(grads))
-                row.update(self._update_record(j, grads))
+                row.update(self.update_cosines(j, grads))
             if self.keep_vectors:
                 self.vectors[(probe.m, j)] = grads
             rows.append(row)
         return rows
 
-    def _update_record(self, j: int, grads: dict[str, Sequence[Tensor]]) -> dict[str, float]:
-        """``cos_update_prev``, ``cos_update_e2e`` and ``cos_update_petra`` of stage ``j`` (NaN before its
-        first update)."""
+    def update_cosines(self, j: int, grads: dict[str, Sequence[Tensor]]) -> dict[str, float]:
+        """``cos_update_prev``, ``cos_update_e2e`` and ``cos_update_petra`` of stage ``j`` against the
+        ``grads`` of a followed micro-batch (NaN before its first update); the consecutive cosines are
+        consumed: the next record averages the steps after this one."""
         cosines = self._update_cosines.pop(j, [])
         update = self._update.get(j)
         descent = {name: [-g for g in grads[name]] for name in ("e2e", "petra") if name in grads}

@@ -66,6 +66,10 @@ class DelayCompensation:
         if value is None:
             return cls()
         if isinstance(value, (list, tuple)):
+            if not all(isinstance(v, (str, Mapping)) for v in value):
+                raise DelayCompensationError(
+                    f'"petra.delay_compensation" as a list holds method names or objects such as '
+                    f'{{"method": "weight_prediction"}}, got {value!r}')
             return Combined.of([cls.parse(v) for v in value])
         if isinstance(value, str):
             value = {"method": value}

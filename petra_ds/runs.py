@@ -136,7 +136,8 @@ def run_layout(num_layers: int, stages: int | None = None, data_parallel: int | 
     return layout
 
 
-def split_global_batch(global_batch: int, replicas: int, stages: int, micro_batches: int | None = None) -> tuple[int, int]:
+def split_global_batch(global_batch: int, replicas: int, stages: int,
+                       micro_batches: int | None = None) -> tuple[int, int]:
     """(micro-batch size, micro-batches per step k) for ``global_batch`` samples per optimizer step over
     ``replicas`` data-parallel replicas. ``micro_batches`` fixes k; without it, k is the smallest divisor of
     the per-replica batch that keeps stage 0 at most one optimizer step behind (k >= 2(J - 1), the first

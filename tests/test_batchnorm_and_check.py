@@ -98,7 +98,8 @@ def test_a_non_finite_input_is_named_as_such_not_as_a_wrong_inverse():
     layer = AdditiveCoupling(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     x = (torch.randn(3, 4), torch.randn(3, 4))
     x[0][1, 2] = float("nan")
-    with pytest.raises(FloatingPointError, match="the input of AdditiveCoupling holds NaN values; check the data"):
+    with pytest.raises(FloatingPointError,
+                       match="the input of AdditiveCoupling holds NaN values; check the data"):
         check_reversible(layer, x)
     with torch.no_grad():
         layer.F.weight.fill_(float("inf"))

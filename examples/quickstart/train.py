@@ -51,8 +51,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         fill = 2 * (engine.num_petra_stages - 1)
         print(f"the loss is nan until the pipeline has filled: the first micro-batch reaches the last of the "
-              f"{engine.num_petra_stages} stages at clock {engine.num_petra_stages - 1}, and every stage backpropagates "
-              f"from clock {fill} on", flush=True)
+              f"{engine.num_petra_stages} stages at clock {engine.num_petra_stages - 1}, and every stage "
+              f"backpropagates from clock {fill} on", flush=True)
     losses = []
     for step in range(args.steps):
         loss = engine.train_batch(stream).item()

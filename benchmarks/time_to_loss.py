@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from petra_ds.config import MUON_LR_RATIO
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import throughput  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
@@ -96,12 +98,12 @@ def model_args(args: argparse.Namespace, vocab: int) -> argparse.Namespace:
 
 
 def optimizer_config(args: argparse.Namespace, method: str = "") -> dict:
-    """AdamW for both, or DeepSpeed's Muon (its hidden matrices at 20x the lr) for PETRA with
-    --petra-optimizer muon."""
+    """AdamW for both, or DeepSpeed's Muon (its hidden matrices at ``MUON_LR_RATIO`` times the lr) for PETRA
+    with --petra-optimizer muon."""
     optimizer = {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01,
                                              "torch_adam": True}}
     if method == "petra" and args.petra_optimizer == "muon":
-        optimizer = {"type": "muon", "params": {"lr": args.lr, "muon_lr": 20 * args.lr, "momentum": 0.95,
+        optimizer = {"type": "muon", "params": {"lr": args.lr, "muon_lr": MUON_LR_RATIO * args.lr, "momentum": 0.95,
                                                 "betas": [0.9, 0.95], "weight_decay": 0.01, "torch_adam": True}}
     return {"optimizer": optimizer,
             "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": args.max_steps,

@@ -98,6 +98,16 @@ class PetraConfig:
                 f'"petra.gradient_quality_every" must be an integer >= 0 (0: off), got {every!r}')
 
 
+#: DeepSpeed's "muon" without a "muon_lr": the examples and benchmarks give the hidden matrices this many
+#: times the AdamW lr (Muon's step is in spectral units)
+MUON_LR_RATIO = 20
+
+
+def uses_muon(config: Mapping[str, Any]) -> bool:
+    """Whether the config trains with DeepSpeed's Muon (hidden matrices) and AdamW for the other parameters."""
+    return str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
+
+
 def check_section_names(config: Mapping[str, Any]) -> None:
     """A section named like "petra" but not exactly so ("PETRA", "Petra", "petra_") would otherwise be
     ignored, and the run would silently train DeepSpeed's 1F1B."""

@@ -18,7 +18,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.utils import logger
 
-from .config import PetraConfigError, check_section_names, split_config
+from .config import PetraConfigError, check_section_names, split_config, uses_muon
 from .module import stages_per_rank_of, tag_muon_parameters
 from .schedule import first_stage_lateness
 
@@ -82,7 +82,7 @@ def initialize(
                 f"the model was built with stages_per_rank={model.stages_per_rank} but the config has no "
                 '"petra" section, so DeepSpeed would run its own 1F1B schedule; add "petra": '
                 f'{{"stages_per_rank": {model.stages_per_rank}}} (or build a plain PipelineModule for 1F1B)')
-        if not (optimizer is None and _is_muon(raw) and isinstance(model, PipelineModule)
+        if not (optimizer is None and uses_muon(raw) and isinstance(model, PipelineModule)
                 and not isinstance(model, DualPipeVModule) and not kwargs):
             return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
                                         model_parameters=model_parameters, training_data=training_data,
@@ -108,7 +108,7 @@ def initialize(
         raise PetraConfigError('PETRA needs an optimizer: add an "optimizer" section or pass optimizer=...')
     mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_config, mpu)
-    if _is_muon(ds_config):
+    if uses_muon(ds_config):
         tag_muon_parameters(model)
     engine = PetraEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
@@ -122,11 +122,6 @@ def initialize(
 
         engine.gradient_quality = engine.observe(GradientQuality(engine, petra.gradient_quality_every))
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _is_muon(config: dict) -> bool:
-    """Whether the config asks for DeepSpeed's Muon (hidden matrices) with AdamW for the other parameters."""
-    return str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
 
 
 #: the timeout given to :func:`init_distributed`, for the pipeline's process groups

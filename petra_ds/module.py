@@ -222,7 +222,7 @@ def tag_muon_parameters(module: PipelineModule) -> None:
     hidden = set()
     for name, sub in module.named_modules():
         index = name.split(".", 1)[0]
-        if isinstance(sub, nn.Linear) and index.isdigit() and 0 < int(index) < last and sub.weight.ndim == 2:
+        if isinstance(sub, nn.Linear) and index.isdigit() and 0 < int(index) < last:
             hidden.add(id(sub.weight))
     for p in module.parameters():
         p.use_muon = id(p) in hidden

@@ -15,6 +15,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from .config import PetraConfigError, check_section_names
+from .schedule import delay
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def split_global_batch(global_batch: int, replicas: int, stages: int,
             raise ValueError(f"--micro-batches {micro_batches} does not divide the {per_replica} samples each "
                              "replica takes per step; pick a divisor of it")
         return per_replica // micro_batches, micro_batches
-    k = next((d for d in range(1, per_replica + 1) if per_replica % d == 0 and d >= 2 * (stages - 1)), per_replica)
+    k = next((d for d in range(1, per_replica + 1) if per_replica % d == 0 and d >= delay(0, stages)), per_replica)
     return per_replica // k, k
 
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from petra_ds import spawn
+from petra_ds.config import uses_muon
 from petra_ds.module import layer_module
 from petra_ds.toy import Additive, revgpt_tiny_config, toy_data, toy_layer_specs, token_data
 
@@ -110,7 +111,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         config.pop("optimizer")
         client = {"optimizer": lambda groups: torch.optim.SGD(groups, lr=lr),
                   "lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)}
-    if str(config.get("optimizer", {}).get("type", "")).lower() == "muon":
+    if uses_muon(config):
         torch._dynamo.config.disable = True  # DeepSpeed compiles Muon's kernel: eager, as the reference runs it
     engine, *_ = petra_ds.initialize(model=model, config=config, model_parameters=model_parameters, **client)
     for stage in engine.stages.values():

@@ -47,6 +47,7 @@ from deepspeed import comm as dist
 from tqdm import tqdm
 
 import petra_ds
+from petra_ds.config import MUON_LR_RATIO, uses_muon
 from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
 from petra_ds.run_partition import agreed_partition, baseline_module, shared_layer_costs
@@ -127,9 +128,6 @@ def reformer_model(args, vocab_size: int):
         raise SystemExit(f"--seq-len {args.seq_len} must be a multiple of the chunk length {chunk_multiple(config)}")
     return config, reformer_layers(config, hf)
 
-
-#: DeepSpeed's "muon" optimizer without a "muon_lr": the hidden matrices' lr is this times the AdamW lr
-MUON_LR_RATIO = 20
 
 #: 1F1B only: DeepSpeed's per-forward dropout reseeding base (see build_model)
 ONE_F_ONE_B_DROPOUT_BASE = 1_000_003
@@ -230,7 +228,7 @@ def main() -> None:
                                                            "torch_adam": not torch.cuda.is_available()}}
     params = config["optimizer"].setdefault("params", {})
     params.setdefault("lr", args.lr)  # a config's own lr wins over --lr
-    if str(config["optimizer"].get("type", "")).lower() == "muon":  # Muon's step is in spectral units
+    if uses_muon(config):
         params.setdefault("muon_lr", MUON_LR_RATIO * params["lr"])
         if not torch.cuda.is_available():
             params.setdefault("torch_adam", True)  # the other parameters' AdamW: DeepSpeed's FusedAdam is a JIT build

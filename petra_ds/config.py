@@ -19,7 +19,7 @@ class PetraConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PetraConfig:
-    """Parsed ``"petra"`` section (DESIGN.md section 3)."""
+    """Parsed ``"petra"`` section (its keys: README, "Using PETRA from DeepSpeed code")."""
 
     stages_per_rank: int = 1
     input_buffer: str = "non_reversible"

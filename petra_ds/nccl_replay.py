@@ -1,4 +1,4 @@
-"""Replay recorded communication traces under NCCL's rules (DESIGN.md section 6), without a GPU.
+"""Replay recorded communication traces under NCCL's rules (README, "On GPUs: NCCL"), without a GPU.
 
 CI runs gloo, which forgives what NCCL does not: a receive queued ahead of the send it must progress
 with, pairing that relies on tags, a first call on a group that leaves ranks out. Multi-rank NCCL cannot
@@ -78,7 +78,7 @@ def replay_nccl(traces: Mapping[int, Sequence[Event]], *,
     """Replay every rank's events; raise :class:`NcclReplayError` where NCCL would hang or mis-pair.
 
     ``independent_communicators=True`` gives each (rank, group) its own queue instead of one per rank:
-    an assumption DESIGN.md section 6 forbids unless a design says it relies on it (tests use it to show
+    an assumption the transport's rules forbid unless a design says it relies on it (tests use it to show
     what the conservative model catches)."""
     return _NcclReplay(traces, independent_communicators).run()
 
@@ -309,7 +309,7 @@ class _NcclReplay:
                 lines.extend(self.rank_lines(r))
         if any(line.startswith("  head: event") and " batch '" in line for line in lines):
             lines.append("Only a queue's head is launched: fuse the ops that must progress together in one "
-                         "batch_isend_irecv, issued in the same order on every rank (DESIGN.md section 6).")
+                         "batch_isend_irecv, issued in the same order on every rank (README, \"On GPUs: NCCL\").")
         return "\n".join(lines)
 
     def rank_lines(self, rank: int) -> list[str]:

@@ -1,6 +1,6 @@
 """PETRA's schedule as data.
 
-The clock equations of DESIGN.md section 1 live in the three functions below and nowhere else:
+The clock equations (README, "The PETRA clock, exactly") live in the three functions below and nowhere else:
 micro-batch ``m`` enters stage 0 at clock ``m``; at stage ``j`` of ``J`` its forward runs at clock
 ``m + j`` and its backward ``2(J-1-j)`` clocks later; the last stage does forward, loss and backward in
 one clock. :class:`PetraSchedule` turns them into DeepSpeed ``PipeInstruction`` lists, one list per
@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 
-# --- the PETRA clock (DESIGN.md section 1) -------------------------------------------------------
+# --- the PETRA clock (README, "The PETRA clock, exactly") ----------------------------------------
 
 
 def forward_micro_batch(clock: int, stage: int) -> int:

@@ -1,4 +1,4 @@
-"""PetraEngine against oracles (DESIGN.md section 5), on CPU with gloo, in float64."""
+"""PetraEngine against oracles (tests/oracle.py), on CPU with gloo, in float64."""
 
 import functools
 import json

@@ -155,7 +155,7 @@ def test_it_ran_on_the_gpu_with_nccl_as_a_world_of_one():
 @pytest.mark.parametrize("name,tol", [("fp32", FP32_TOL), ("bf16", BF16_TOL),
                                       ("revgpt_fp32", FP32_TOL), ("revgpt_bf16", BF16_TOL)])
 def test_frozen_gradients_match_the_float64_oracle(name, tol):
-    """lr = 0: every stage's gradient of every step is plain autograd's (DESIGN.md section 5)."""
+    """lr = 0: every stage's gradient of every step is plain autograd's (the lr = 0 oracle of tests/oracle.py)."""
     stages, data, loss_fn = oracle_for(name)
     grads = runs()[name]["grads"]
     for step in range(BATCHES):

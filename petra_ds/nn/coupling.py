@@ -4,7 +4,7 @@ additive (Gomez et al. 2017; Reformer; Rev-ViT)   y1 = x1 + F(x2)    y2 = x2 + G
 swap (the paper's RevNet block, one branch)       y1 = x2            y2 = x1 + F(x2)
 
 ``reconstruct`` inverts and builds the gradient graph in the same evaluation of F and G: the F and
-G evaluated while inverting are the ones differentiated (DESIGN.md section 1), so each function runs
+G evaluated while inverting are the ones differentiated (README, "The PETRA clock, exactly"), so each function runs
 twice per micro-batch in total (forward, reconstruction), never three times.
 
 The streams keep their own dtype: under bf16 autocast F and G compute in bf16 while the residual

@@ -28,7 +28,8 @@ once (``HeldTracker``, parameters excluded), plus for PETRA its buffers' largest
 (an upper bound of its peak). Two blind spots, both in the checkpointed baselines' favour: the graph a
 checkpoint rebuilds inside the backward is saved under the checkpoint's own hooks, and DeepSpeed's
 checkpoint keeps its block inputs outside autograd (its ``1f1b_ckpt`` figure is a lower bound). Writes
-``benchmarks/results/throughput_<model>_<device>.json`` and prints samples/s and ratios.
+``runs/benchmarks/throughput_<model>_<device>.json`` (``--output`` to choose; the committed reports in
+``benchmarks/results/`` are regenerated only when named there) and prints samples/s and ratios.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--no-costs", dest="costs", action="store_false",
                         help="skip timing each stage's primitives for the timeline model")
-    parser.add_argument("--output", default=None, help="JSON report (default benchmarks/results/...)")
+    parser.add_argument("--output", default=None, help="JSON report, relative to the repository root "
+                        "(default runs/benchmarks/throughput_<model>_<device>.json)")
     parser.add_argument("--seed", type=int, default=0)
     # one variant inside the launcher
     parser.add_argument("--layer-costs", default=None, help=argparse.SUPPRESS)  # the driver's measurement
@@ -592,7 +594,8 @@ def main(argv: list[str] | None = None) -> None:
         if entry:
             print(f"  PETRA / fastest {group} peer ({entry['peer']}): {entry['median_ratio']:.3f}x (medians)")
     tag = "gpu" if torch.cuda.is_available() else "cpu"
-    output = args.output or os.path.join("benchmarks", "results", f"throughput_{args.model}_{tag}{'_dspairs' if args.ds_pairs else ''}.json")
+    output = args.output or os.path.join("runs", "benchmarks",
+                                         f"throughput_{args.model}_{tag}{'_dspairs' if args.ds_pairs else ''}.json")
     save_report(output, report)
     print(f"saved {output}")
 

@@ -20,8 +20,9 @@ micro-batch is in flight there: one micro-batch's activations under backprop. Th
 mark at any instant (inside clocks too: the graph a reconstruction builds and frees within its clock) is
 reported beside it, from a running total the saved-tensor hooks keep. On a GPU (one per process,
 ``--device cuda``) each rank also reports ``torch.cuda.max_memory_allocated`` minus the model + optimizer
-baseline; on CPU that field says it was not run. Writes ``benchmarks/results/memory_<device>.json`` and
-``.png`` and prints the tables.
+baseline; on CPU that field says it was not run. Writes ``runs/benchmarks/memory_<device>.json`` and
+``.png`` (``--output`` to choose: ``--output benchmarks/results/memory_cpu.json`` regenerates the committed
+one) and prints the tables.
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: cuda when there is a GPU per process, else cpu")
-    parser.add_argument("--output", default=None, help="default benchmarks/results/memory_<device>.json")
+    parser.add_argument("--output", default=None, help="JSON report, relative to the repository root "
+                        "(default runs/benchmarks/memory_<device>.json); the PNG goes beside it")
     args = parser.parse_args(argv)
     if args.k is not None and args.k < max(args.J):
         print(f"note: k = {args.k} < J: 1F1B does not reach its steady state at the larger J")
@@ -220,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(growth(summaries, stage, "activations_peak_mb"))
         print(growth(summaries, stage, "held_peak"))
         print(growth(summaries, stage, "graph_transient_peak_mb"))
-    output = args.output or os.path.join("benchmarks", "results", f"memory_{device}.json")
+    output = args.output or os.path.join("runs", "benchmarks", f"memory_{device}.json")
     path = os.path.join(ROOT, output) if not os.path.isabs(output) else output
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

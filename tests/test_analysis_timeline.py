@@ -339,6 +339,14 @@ def test_gantt_and_command_line(tmp_path):
     assert json.loads((tmp_path / "timeline_validation_throughput.json").read_text())["within_tolerance"]
 
 
+def test_the_command_line_leaves_the_committed_results_alone(tmp_path, monkeypatch):
+    """Without --out-dir the report goes to runs/benchmarks/ (made if missing), never benchmarks/results/."""
+    monkeypatch.chdir(tmp_path)
+    main(["--uniform", "--stages", "2", "--micro-batches", "2", "--no-gantt"])
+    assert (tmp_path / "runs" / "benchmarks" / "timeline_uniform_J2_k2.json").exists()
+    assert not (tmp_path / "benchmarks").exists()
+
+
 def test_extrapolating_a_report_to_more_stages(tmp_path, capsys):
     """A report's stages repeated in order to J stages; torch's schedules that refuse k show n/a."""
     costs = Costs((StageCosts(F, FG, B, 0.1), StageCosts(F, 2 * FG, B, 0.2)), 0.01)

@@ -13,6 +13,9 @@ where the reversible stages rebuild their inputs in the backward instead of stor
     python -m petra_ds.analysis.timeline --uniform --stages 4 --micro-batches 4
     python -m petra_ds.analysis.timeline --validate benchmarks/results/throughput_revgpt_cpu.json
     python -m petra_ds.analysis.timeline --extrapolate benchmarks/results/throughput_revgpt_cpu_redesign.json
+
+Reports and Gantt charts go to ``--out-dir``, by default ``runs/benchmarks/``; the committed ones in
+``benchmarks/results/`` are rewritten only with ``--out-dir benchmarks/results``.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ __all__ = [
 
 #: paper Tab. 5: model -> (J, Rev. backprop. ms, PETRA ms) per micro-batch of 256 CIFAR-10 images
 PAPER_TAB5 = {18: (10, 160.3, 53.4), 34: (18, 235.6, 97.1)}
-RESULTS = os.path.join("benchmarks", "results")
+#: where the reports and charts go unless --out-dir says (not the committed benchmarks/results/)
+RESULTS = os.path.join("runs", "benchmarks")
 
 
 # --- Gantt charts -------------------------------------------------------------------------------
@@ -291,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--costs-from", help="RevNet: reuse the costs of a previous timeline_revnet.json (no "
                         "measurement); --validate: take the costs from this throughput report")
     parser.add_argument("--no-gantt", dest="gantt", action="store_false", help="skip the Gantt charts")
-    parser.add_argument("--out-dir", default=RESULTS)
+    parser.add_argument("--out-dir", default=RESULTS, help=f"where the JSON and the PNGs go (default {RESULTS})")
     parser.add_argument("--name", default=None, help="output file stem (default depends on the mode)")
     args = parser.parse_args(argv)
     args.command = "python -m petra_ds.analysis.timeline " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -15,8 +15,10 @@ docstrings (``lm_accuracy.stdlib_corpus``).
 Wall time counts the training calls only: every ``--eval-every`` steps the ranks meet, the slowest rank's
 training seconds so far are recorded, and the validation loss (the same ``--eval-batches`` held-out
 micro-batches for both, dropout off) is measured off the clock. The time to the target is interpolated
-linearly between the two evaluations around it. Writes ``benchmarks/results/time_to_loss_<device>.json``
-and a PNG of both curves against wall time.
+linearly between the two evaluations around it. Writes ``runs/benchmarks/time_to_loss_<device>.json``
+and a PNG of both curves against wall time (``--output`` to choose). A run takes tens of minutes on a CPU:
+rank 0 of each race shows a progress bar on stderr and a line per evaluation (step, validation loss,
+training and elapsed seconds).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import tempfile
 import time
 
 import torch
+from tqdm import tqdm
 
 from petra_ds.config import MUON_LR_RATIO
 
@@ -70,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--corpus-chars", type=int, default=3_000_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None)
+    p.add_argument("--output", default=None, help="JSON report, relative to the repository root (default "
+                   "runs/benchmarks/time_to_loss_<device>.json); the PNG goes beside it")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--target", type=float, default=None, help=argparse.SUPPRESS)
@@ -213,17 +217,28 @@ def worker(args: argparse.Namespace) -> None:
     build = torch_method if args.worker.startswith("torch_") else engine_method
     step, evaluate = build(args, margs, train, val)
     steps = args.steps if args.target is None else args.max_steps
-    curve, trained = [], 0.0
+    curve, trained, began = [], 0.0, time.perf_counter()
+    goal = f"to step {steps}" if args.target is None else f"to val loss {args.target:.4f}, at most {steps} steps"
+    # stderr: the launcher's stdout is discarded (DeepSpeed's log lines), and tqdm writes to stderr
+    rank0 = dist.get_rank() == 0
+    bar = tqdm(total=steps, desc=f"{args.worker} {goal}", disable=not rank0, dynamic_ncols=True)
     for n in range(1, steps + 1):
         start = time.perf_counter()
         step()
         trained += time.perf_counter() - start
+        bar.update()
         if n % args.eval_every == 0:
             slowest = torch.tensor([trained], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             curve.append({"step": n, "train_s": float(slowest), "val_loss": evaluate()})
+            bar.set_postfix(val_loss=f"{curve[-1]['val_loss']:.4f}")
+            if rank0:
+                bar.write(f"{args.worker}: step {n}, val loss {curve[-1]['val_loss']:.4f}, training "
+                          f"{curve[-1]['train_s']:.0f} s, elapsed {time.perf_counter() - began:.0f} s",
+                          file=sys.stderr)
             if args.target is not None and curve[-1]["val_loss"] <= args.target:
                 break
+    bar.close()
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
             json.dump(curve, f)
@@ -292,11 +307,18 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.worker is not None:
         worker(args)
         return None
+    began = time.time()
     with tempfile.TemporaryDirectory() as data_dir:
+        print(f"corpus ({args.corpus_chars} characters of docstrings) and BPE tokenizer", flush=True)
         prepare(args, data_dir)
+        print(f"1/2 {args.peer}: {args.steps} steps for the target, on {args.stages} processes "
+              f"(DeepSpeed's start-up, then a line every {args.eval_every} steps)", flush=True)
         peer = launch(args, args.peer, argv, data_dir, target=None)
         target = next(p["val_loss"] for p in peer if p["step"] == args.steps)
+        print(f"1/2 done in {time.time() - began:.0f} s; 2/2 PETRA ({args.compensation}) until val loss "
+              f"{target:.4f}, at most {args.max_steps} steps", flush=True)
         petra = launch(args, "petra", argv, data_dir, target=target)
+    print(f"2/2 done; {time.time() - began:.0f} s in all", flush=True)
     runs = {args.peer: {"curve": peer}, f"petra ({args.compensation})": {"curve": petra}}
     for run in runs.values():
         run["seconds_to_target"] = time_to(run["curve"], target)
@@ -307,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict | None:
               "torch": torch.__version__, "args": vars(args), "target_val_loss": target, "runs": runs,
               "petra_time_over_peer": None if petra_s is None else petra_s / peer_s}
     tag = "gpu" if torch.cuda.is_available() else "cpu"
-    output = args.output or os.path.join("benchmarks", "results", f"time_to_loss_{tag}.json")
+    output = args.output or os.path.join("runs", "benchmarks", f"time_to_loss_{tag}.json")
     path = save_report(output, report)
     plot(report, os.path.splitext(path)[0] + ".png")
     for name, run in runs.items():

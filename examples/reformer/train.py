@@ -179,6 +179,25 @@ def export_reformer(engine, hf_config, tokenizer, args) -> None:
     dist.barrier()
 
 
+def warmup_cosine(params: dict):
+    """``lr_scheduler=`` factory for the default schedule, DeepSpeed's WarmupCosineLR with ``params``, one per
+    optimizer (PETRA builds one per stage). Built from the config, it starts at iteration -1 and its
+    constructor sets the first lr by calling its own ``get_lr()``, which warns "Attempting to get learning
+    rate from scheduler before it has started", once per stage. Built at iteration 0 and stepped there, it
+    sets the same first lr (0: the warm-up starts at ``warmup_min_ratio``, 0 here) without asking before
+    the start; ``load_state_dict`` then puts it back at -1, the state the config would have built."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    assert params.get("warmup_min_ratio", 0.0) == 0.0, "iteration 0's lr is -1's only at warmup_min_ratio 0"
+
+    def build(optimizer):
+        scheduler = WarmupCosineLR(optimizer, **params, last_batch_iteration=0)
+        scheduler.step(0)
+        scheduler.load_state_dict({"last_batch_iteration": -1})
+        return scheduler
+    return build
+
+
 def main() -> None:
     args = parse_args()
     petra_ds.init_distributed()
@@ -236,9 +255,13 @@ def main() -> None:
             if dist.get_rank() == 0:
                 print("Muon's orthogonalization runs eagerly on CPU (DeepSpeed would torch.compile it: about 40 s "
                       "per weight shape, and a C++ compiler)", flush=True)
-    config.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
-        "total_num_steps": args.max_steps, "warmup_num_steps": min(args.warmup_steps, args.max_steps // 2)}})
-    engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config)
+    scheduler = None
+    if "scheduler" not in config:  # the config records the schedule; warmup_cosine builds it (the engines
+        # take a client scheduler over the config's)
+        config["scheduler"] = {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": args.max_steps, "warmup_num_steps": min(args.warmup_steps, args.max_steps // 2)}}
+        scheduler = warmup_cosine(config["scheduler"]["params"])
+    engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config, lr_scheduler=scheduler)
 
     state = resume(engine, args.output_dir) if args.resume else None
     done = engine.global_steps  # train_batch calls behind us: k micro-batches each, in both engines

@@ -447,6 +447,8 @@ def worker(args: argparse.Namespace) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from petra_ds.shutdown import shutdown
+
     torch.set_num_threads(args.threads)
     deepspeed.init_distributed()
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0)))
@@ -461,22 +463,7 @@ def worker(args: argparse.Namespace) -> None:
     if int(os.environ.get("RANK", 0)) == 0:
         with open(args.result, "w") as f:
             json.dump(result, f)
-    shutdown()
-
-
-def shutdown() -> None:
-    """End the process group, then the process, without the interpreter's teardown: in that teardown a
-    C++ thread is sometimes destroyed while still joinable and the process aborts ("terminate called
-    without an active exception", exit 250) after its work is done and its result written (5 of about 44
-    launches, with no Python frame on the stack; 1 of 24 with the process group ended first)."""
-    from torch import distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    shutdown()  # the engine went with run_*'s frame: every group ends here, not in the interpreter's teardown
 
 
 # --- the driver ---

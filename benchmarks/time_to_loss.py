@@ -205,6 +205,8 @@ def worker(args: argparse.Namespace) -> None:
     import deepspeed
     from torch import distributed as dist
 
+    from petra_ds.shutdown import shutdown
+
     torch.set_num_threads(1)
     if args.worker == "petra" and args.petra_micro_batches:  # the same sequences per step, in more micro-batches
         size = args.micro_batch_size * args.micro_batches // args.petra_micro_batches
@@ -242,7 +244,8 @@ def worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
             json.dump(curve, f)
-    throughput.shutdown()
+    del step, evaluate  # they hold the engine, and the engine its process groups
+    shutdown()
 
 
 # --- the driver ---

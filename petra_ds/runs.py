@@ -16,6 +16,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from .config import PetraConfigError, check_section_names
 from .schedule import delay
+from .shutdown import shutdown
 
 
 @dataclass(frozen=True)
@@ -243,11 +244,13 @@ def apply_run_arguments(args: Any, config: dict) -> str:
 
 def run_main(main: Callable[[], None]) -> None:
     """An example's ``main()``, with a configuration error ended as one line on rank 0 and a non-zero exit
-    on every rank instead of a traceback per rank."""
+    on every rank instead of a traceback per rank, and a finished run's process groups ended before the
+    interpreter's teardown (:func:`petra_ds.shutdown.shutdown`: a finished run exits 0)."""
     try:
         main()
     except PetraConfigError as error:
         raise SystemExit(f"configuration error: {error}" if _rank0() else 2) from None
+    shutdown()
 
 
 def _rank0() -> bool:

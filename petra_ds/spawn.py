@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from .launch import free_port
+from .shutdown import shutdown
 
 SHM_DIR, SHM_PREFIX = "/dev/shm", "deepspeed_allreduce_buffer"
 
@@ -73,10 +74,12 @@ def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str, target: C
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        torch.save(target(spec), path)
+        result = target(spec)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, path)
         raise
+    torch.save(result, path)
+    shutdown()  # end the groups now, not in the interpreter's teardown
 
 
 def run_processes(spec: dict[str, Any], world_size: int, timeout: float = 300, grace: float | None = None, *,

@@ -85,21 +85,11 @@ def _reset(rank: int, world: int, port: int, env: dict, cwd: str, spec: dict) ->
 
 
 def _teardown() -> None:
-    """Leave no process group and no engine behind. (What DeepSpeed and petra_ds keep at module level
-    besides is set again by the next run: ``petra_ds.init_distributed`` its group timeout, every
-    PipelineEngine the pipeline p2p module's grid.)"""
-    import gc
+    """Leave no process group and no engine behind (``petra_ds.shutdown``). (What DeepSpeed and petra_ds keep
+    at module level besides is set again by the next run: ``petra_ds.init_distributed`` its group timeout.)"""
+    from petra_ds.shutdown import shutdown
 
-    import deepspeed.comm as ds_comm
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()  # every rank has finished the task before the world group goes
-        if ds_comm.is_initialized():
-            ds_comm.destroy_process_group()  # also drops DeepSpeed's cached groups and mpu
-        else:
-            dist.destroy_process_group()
-    gc.collect()
+    shutdown()
 
 
 def _serve(rank: int, world: int, conn: Any, parent: int) -> None:

@@ -17,7 +17,8 @@ THIRD_PARTY = {
     "_local_start": "DeepSpeed PipelineModule's first local layer index: no public accessor",
     "_BatchNorm": "torch's common base class of the batch norms",
     "_tokenizer": "the tokenizers.Tokenizer inside a trained ByteLevelBPETokenizer, for PreTrainedTokenizerFast",
-    "_exit": "os._exit, public despite its name: benchmark workers skip the interpreter teardown that aborts",
+    "_grid": "deepspeed.runtime.pipe.p2p's module-level grid of the last PipelineEngine: shutdown lets go of it so "
+             "that its process groups end before the interpreter's teardown (DeepSpeed has no reset)",
     "_dynamo": "torch._dynamo.config.disable: DeepSpeed's Muon kernel runs eagerly on CPU instead of a torch.compile "
                "build (the only switch besides TORCHDYNAMO_DISABLE before torch is imported)",
 }

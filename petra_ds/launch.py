@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import socket
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -128,15 +130,56 @@ def initialize(
 _group_timeout: timedelta | None = None
 
 
+def shm_comm_build_note() -> str | None:
+    """What to tell the user before ``deepspeed.init_distributed`` JIT-compiles DeepSpeed's CPU communication
+    op (``deepspeed_shm_comm``: the first init on a CPU machine builds it, 1-2 minutes without output, and
+    needs a C++ compiler, or every launch fails with "Error building extension 'deepspeed_shm_comm'"); None
+    when nothing will be built: a GPU, oneCCL, DeepSpeed already initialized, the op shipped prebuilt or
+    already in torch's extension directory. DeepSpeed 0.19 has no switch to skip the op (only its CPU
+    inference all-reduce uses it, PETRA does not)."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    accelerator = get_accelerator()
+    if (deepspeed.comm.is_initialized() or accelerator.device_name() != "cpu"
+            or accelerator.communication_backend_name() == "ccl"):
+        return None
+    builder = accelerator.create_op_builder("ShareMemCommBuilder")
+    if builder is None or installed_ops.get(builder.NAME, False) or not builder.is_compatible():
+        return None
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:  # torch.utils.cpp_extension's layout: <build root>/py311_cu130/<name>/<name>.so
+        if torch.version.hip:
+            build = "rocm" + torch.version.hip
+        elif torch.version.cuda:
+            build = "cu" + torch.version.cuda
+        else:
+            build = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{python}_{build.replace('.', '')}")
+    if os.path.exists(os.path.join(root, builder.NAME, builder.NAME + ".so")):
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return ("DeepSpeed's CPU communication op needs a C++ compiler and none was found: install g++ "
+                "(apt-get install g++), or the start fails with \"Error building extension 'deepspeed_shm_comm'\"")
+    return "building DeepSpeed's CPU communication op (needs g++, about a minute the first time)"
+
+
 def init_distributed(dist_backend: str | None = None, timeout: timedelta | None = None, **kwargs: Any) -> None:
     """``deepspeed.init_distributed`` that also works in a plain ``python`` process (one rank).
 
     ``timeout`` (default: DeepSpeed's, ``$DEEPSPEED_TIMEOUT`` minutes) bounds how long a rank waits on
     a peer that stopped answering without dying (a dead process is noticed within seconds);
-    :func:`initialize` gives the pipeline's own process groups the same bound."""
+    :func:`initialize` gives the pipeline's own process groups the same bound. On a CPU machine rank 0
+    first says when DeepSpeed is about to compile its communication op (:func:`shm_comm_build_note`)."""
     global _group_timeout
     ensure_single_process_env()
     timeout = timeout or default_pg_timeout
+    note = shm_comm_build_note() if os.environ.get("RANK", "0") == "0" else None
+    if note:
+        print(note, flush=True)
     deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout, **kwargs)
     _group_timeout = timeout
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from petra_ds.launch import free_port
 from subprocess_env import ROOT, launcher_env
 
@@ -45,3 +47,23 @@ def test_plain_python_hosts_every_stage_in_one_process(tmp_path):
     losses = summary["losses"]
     assert all(l != l for l in losses[:4]) and all(0 < l < 5 for l in losses[4:]), losses  # loss at clock 8
     assert losses[-1] < losses[4]
+
+
+def test_rank_zero_is_told_before_deepspeed_compiles_its_cpu_communication_op(tmp_path, monkeypatch):
+    """deepspeed.init_distributed JIT-compiles deepspeed_shm_comm on a CPU machine (a minute, silent, needs a
+    C++ compiler): init_distributed says so first, unless torch's extension directory holds the build."""
+    from deepspeed.accelerator import get_accelerator
+
+    from petra_ds.launch import shm_comm_build_note
+
+    if get_accelerator().device_name() != "cpu":
+        pytest.skip("the op is built on CPU machines only")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", sys.executable)  # an executable that exists: the build would start
+    assert shm_comm_build_note() == ("building DeepSpeed's CPU communication op (needs g++, about a minute the "
+                                     "first time)")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-compiler"))
+    assert "needs a C++ compiler and none was found: install g++" in shm_comm_build_note()
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    assert shm_comm_build_note() is None  # built before: loading it takes a second

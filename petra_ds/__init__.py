@@ -3,10 +3,12 @@
 from .config import PetraConfig, PetraConfigError
 from .launch import ensure_single_process_env, init_distributed, initialize
 from .module import PetraPipelineModule
+from .nn.check import NonFiniteError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "NonFiniteError",
     "PetraConfig",
     "PetraConfigError",
     "PetraPipelineModule",

@@ -29,6 +29,10 @@ class PetraConfig:
     #: a non-finite loss or gradient: "raise" (naming stage, micro-batch / step and clock) or "skip" the
     #: stage's update for that step; parameters are never overwritten with NaN
     non_finite: str = "raise"
+    #: find the first NaN / Inf in a micro-batch, an activation, a reconstruction or a gradient and stop with a
+    #: ``NonFiniteError`` naming it, its stage, micro-batch and clock (``petra_ds.finite``; logged instead under
+    #: ``non_finite: "skip"``). Device-side checks, read once per ``train_batch``
+    check_finite: bool = True
     #: check every layer declared reversible once, on its first input (``inverse(forward(x)) == x``)
     check_reversible: bool = True
     #: every this many optimizer steps, compare PETRA's gradient with the delayed and the end-to-end
@@ -83,6 +87,8 @@ class PetraConfig:
             raise PetraConfigError(f'"petra.seed" must be an integer, got {self.seed!r}')
         if self.non_finite not in NON_FINITE:
             raise PetraConfigError(f'"petra.non_finite" must be one of {NON_FINITE}, got {self.non_finite!r}')
+        if not isinstance(self.check_finite, bool):
+            raise PetraConfigError(f'"petra.check_finite" must be true or false, got {self.check_finite!r}')
         if not isinstance(self.check_reversible, bool):
             raise PetraConfigError(f'"petra.check_reversible" must be true or false, got {self.check_reversible!r}')
         if not isinstance(self.reconstruct_overlap, bool):

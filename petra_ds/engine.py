@@ -19,6 +19,7 @@ from torch import Tensor
 from . import checkpoint, keys, messages
 from .feed import check_layout, read_micro_batch
 from .config import PetraConfig, PetraConfigError
+from .finite import FiniteWatch
 from .ledger import memory_report
 from .module import layer_module, stage_layers, stage_reversible, stages_per_rank_of
 from .nn.batchnorm import BatchNormPolicy, running_stat_tensors
@@ -29,7 +30,7 @@ from .schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, EvalForwar
                        RecvTiedGrad, RecvTiedWeight, ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad,
                        SendTiedWeight, Timeline, Window, delay)
 from .stage import Stage, StageOptions
-from .step import average_over_replicas, check_losses, gradients_finite
+from .step import average_over_replicas, gradients_finite
 from .ties import TiedWeights
 from .transport import Transport
 
@@ -64,6 +65,9 @@ class PetraEngine(PipelineEngine):
             autocast_dtype=torch.bfloat16 if bf16 else None, device_type=self.device.type,
             check_reversible=petra_config.check_reversible, reconstruct_overlap=petra_config.reconstruct_overlap)
         self.stages: dict[int, Stage] = {}
+        #: what the stages read and make, checked for NaN / Inf on the device, read once per window
+        self.finite = FiniteWatch(lambda: self.clock_now, self.local_stage_ids, self.num_petra_stages,
+                                  check_finite=petra_config.check_finite, non_finite=petra_config.non_finite)
         for j in self.local_stage_ids:
             last = j == self.num_petra_stages - 1
             stage = Stage(j, self.num_petra_stages, stage_layers(module, j), options,
@@ -73,6 +77,7 @@ class PetraEngine(PipelineEngine):
             stage.stepped = [p for p in stage.stepped if id(p) not in self.ties.reader_ids(j)]
             stage.compensation = petra_config.delay_compensation.for_stage(
                 stage.stepped, j, self.num_petra_stages, self.micro_batches)
+            stage.finite = self.finite
             self.stages[j] = stage
         self.timeline = Timeline(self.num_petra_stages)
         self.stage_steps = {j: 0 for j in self.local_stage_ids}
@@ -85,7 +90,6 @@ class PetraEngine(PipelineEngine):
         #: every message and collective of this rank (``PETRA_DS_COMM_TRACE=<dir>`` records them)
         self.transport = Transport(rank=self.global_rank, device=self.device, local_stages=self.local_stage_ids,
                                    stage_rank=self.stage_rank, clock=lambda: self.clock_now)
-        self._unchecked_losses: list[tuple[int, int, Tensor]] = []  # not yet checked for non_finite "raise"
         self._first_inputs_layout: messages.Layout | None = None
         self._eval: dict[str, Any] | None = None  # an eval_batch call's options and results
         self._callbacks = Callbacks()
@@ -219,7 +223,7 @@ class PetraEngine(PipelineEngine):
             window, self.num_stages, self.stage_id, stages_per_rank=self.stages_per_rank,
             gradient_accumulation_steps=self.micro_batches, reversible=self.reversible,
             input_buffer=self.petra_config.input_buffer, ties=self.ties.specs()))
-        self._check_losses()
+        self.finite.check()
         self.timeline.advance(window)
         loss = self._reduce_loss(self._window_losses)
         self._notify("window_end", window)
@@ -246,10 +250,6 @@ class PetraEngine(PipelineEngine):
                 self._notify("clock_end", clock)
                 if forwards:
                     self._notify("forwards_done", clock)
-
-    def _check_losses(self) -> None:
-        pending, self._unchecked_losses = self._unchecked_losses, []
-        check_losses(pending)
 
     def _reduce_loss(self, losses: list[Tensor]) -> Tensor:
         """Mean over the finished micro-batches, averaged over data parallelism and broadcast from the
@@ -291,8 +291,6 @@ class PetraEngine(PipelineEngine):
         out = st.forward(micro_batch, x, labels)
         self._notify("after_forward", stage, micro_batch, x, labels)
         if st.is_last:
-            if self.petra_config.non_finite == "raise":
-                self._unchecked_losses.append((stage, micro_batch, out))
             self._window_losses.append(out)
         else:
             self._outbox[stage][keys.forward_key(stage, micro_batch)] = (out, labels)
@@ -340,10 +338,8 @@ class PetraEngine(PipelineEngine):
             average_over_replicas([p.grad for p in params] + running_stat_tensors(st.norms), self.transport,
                                   self.grid.get_data_parallel_group(), f"the data-parallel reduction of stage {stage}")
         self.ties.gradients(stage, step, self.inbox, self._outbox[stage])
-        if st.is_last:
-            self._check_losses()
         finite = gradients_finite(params, f"stage {stage}, optimizer step {step}, clock {self.clock_now}",
-                                  self.petra_config.non_finite)
+                                  self.petra_config.non_finite, self.finite.check)
         if not finite:
             self.skipped_steps.append((stage, step))
         if finite and self.gradient_clipping() > 0:

@@ -38,6 +38,7 @@ from .nn.reversible import (
     reconstruct_and_backward,
 )
 from .compensation import StageCompensation
+from .finite import FiniteWatch
 from .module import layer_module
 from .nn.rng import micro_batch_rng
 from .schedule import reconstructs
@@ -139,6 +140,9 @@ class Stage:
         self._checked = not options.check_reversible
         #: delay compensation (``petra_ds.compensation``): the weights a forward runs with, how a step is taken
         self.compensation = StageCompensation()
+        #: where this stage reports what it reads and makes, to find the first NaN / Inf (the engine's
+        #: ``petra_ds.finite.FiniteWatch``; this one checks nothing)
+        self.finite = FiniteWatch.off()
 
     def check_layers(self, x: Activation) -> None:
         """``inverse(forward(x)) == x`` for every layer declared reversible, on this input: a wrong inverse
@@ -197,7 +201,10 @@ class Stage:
 
     def forward(self, m: int, x: Activation, labels: Any = None) -> Activation | Tensor:
         """x_j = F_j(x_{j-1}); the last stage returns the (unscaled, detached) loss instead."""
+        if self.is_first:
+            self.finite.micro_batch(m, x, labels)
         if not self._checked:
+            self.finite.check()  # a NaN that reached this input is named where it began, not as a wrong inverse
             self.check_layers(x)
         if self.is_last:
             # its only evaluation is the one that is differentiated: it plays the backward's role
@@ -207,6 +214,7 @@ class Stage:
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
             self.live = (m, x, leaf, loss)
+            self.finite.loss(self.index, m, loss)
             return loss.detach()
         with self.scope(m, update_bn=self._bn_in_forward), torch.no_grad(), self.compensation.forward_weights():
             y = self.run(x)
@@ -219,6 +227,7 @@ class Stage:
         if self.options.param_buffer:
             self.stash[m] = [p.detach().clone() for p in self.params]
         self._account()
+        self.finite.activation(self.index, m, y)
         return y
 
     # --- backward ---
@@ -278,7 +287,9 @@ class Stage:
         return self._side_stream
 
     def _note_reconstruction(self, m: int, x: Activation) -> None:
-        """``track_reconstruction``: max |x~ - x| / max |x| against the input kept at forward time."""
+        """A rebuilt input is checked for NaN / Inf; with ``track_reconstruction`` max |x~ - x| / max |x|
+        against the input kept at forward time."""
+        self.finite.reconstruction(self.index, m, x)
         truth = self._truth.pop(m, None)
         if truth is not None:
             error = max(float((a - b).abs().max()) for a, b in zip(as_tuple(x), as_tuple(truth)))
@@ -311,6 +322,7 @@ class Stage:
         self._restore_params()
         self.backwards += 1
         self._account()
+        self.finite.gradients(self.index, m, self.params, dx)
         return dx, x_tilde
 
     def vjp(self, m: int, x: Activation, delta: Activation | None, labels: Any = None, *, update_bn: bool,

@@ -1,13 +1,15 @@
 """What a stage's optimizer step needs besides the optimizer: the data-parallel average and the
-non-finite checks of ``petra.non_finite``."""
+accumulated gradients' non-finite check of ``petra.non_finite`` (the per-value checks: ``petra_ds.finite``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .nn.check import NonFiniteError
 
 
 def average_over_replicas(tensors: list[Tensor], transport: Any, group: Any, what: str) -> None:
@@ -24,27 +26,16 @@ def average_over_replicas(tensors: list[Tensor], transport: Any, group: Any, wha
         t.copy_(synced)
 
 
-def check_losses(pending: list[tuple[int, int, Tensor]]) -> None:
-    """``non_finite: "raise"``: one host sync for the ``(stage, micro-batch, loss)`` since the last check,
-    at the last stage's optimizer step (before the gradients they poisoned are looked at) or the window's
-    end, instead of one per micro-batch."""
-    if not pending:
-        return
-    finite = torch.stack([torch.isfinite(loss) for _, _, loss in pending]).tolist()
-    for (stage, m, loss), ok in zip(pending, finite):
-        if not ok:
-            raise FloatingPointError(
-                f"non-finite loss {loss.item()} at stage {stage}, micro-batch {m}, clock {m + stage}; fix "
-                'the data or the learning rate, or set "petra": {"non_finite": "skip"} to skip the updates '
-                "it poisons")
-
-
-def gradients_finite(params: list[Tensor], where: str, non_finite: str) -> bool:
+def gradients_finite(params: list[Tensor], where: str, non_finite: str, earlier: Callable[[], None]) -> bool:
     """One check per step (not per micro-batch): are the k accumulated gradients finite? With
-    ``non_finite: "raise"`` a non-finite one raises before the optimizer could write NaN."""
+    ``non_finite: "raise"`` a non-finite one raises before the optimizer could write NaN, after ``earlier()``
+    (``FiniteWatch.check``) has raised for the value that went non-finite first, if it saw one."""
     if not params or bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all()):
         return True
     if non_finite == "raise":
-        raise FloatingPointError(f'non-finite gradient at {where}; set "petra": {{"non_finite": "skip"}} to skip '
-                                 "such updates")
+        earlier()
+        raise NonFiniteError(
+            f"non-finite gradient at {where}, no earlier NaN or Inf seen on this rank: it came in with the "
+            "data-parallel average or a tied weight's gradient (another rank's NonFiniteError names its origin), "
+            'or "check_finite" is off. Set "petra": {"non_finite": "skip"} to skip such updates', kind="gradient")
     return False

@@ -124,14 +124,17 @@ def test_a_layer_declared_reversible_with_a_wrong_inverse_is_refused_at_the_firs
     assert "fix its inverse() or declare it non-reversible" in message
 
 
-@pytest.mark.parametrize("policy", ["raise", "skip"])
-def test_non_finite_policy(policy):
-    """A NaN in micro-batch 3 (window 1, k = 2): "raise" names stage, micro-batch and clock; "skip" skips
-    every stage's update of that window only, and no parameter is ever NaN."""
+@pytest.mark.parametrize("policy, check_finite", [("raise", True), ("raise", False), ("skip", True)])
+def test_non_finite_policy(policy, check_finite):
+    """A NaN in micro-batch 3 (window 1, k = 2): "raise" names the micro-batch where stage 0 read it, or with
+    "check_finite" off the loss at stage 3, with its micro-batch and clock; "skip" skips every stage's update
+    of that window only, and no parameter is ever NaN."""
     spec = {"pipe": 1, "stages_per_rank": 4, "k": 2, "train_batches": 4, "nan_micro_batch": 3,
-            "petra": {"non_finite": policy}, "capture_grads": False}
+            "petra": {"non_finite": policy, "check_finite": check_finite}, "capture_grads": False}
     if policy == "raise":
-        with pytest.raises(RuntimeError, match=r"non-finite loss nan at stage 3, micro-batch 3, clock 6"):
+        expected = (r"NonFiniteError: non-finite micro-batch at stage 0, micro-batch 3, clock 3: NaN in its inputs"
+                    if check_finite else r"NonFiniteError: non-finite loss at stage 3, micro-batch 3, clock 6: NaN")
+        with pytest.raises(RuntimeError, match=expected):
             launch(spec, timeout=120)
         return
     (result,) = launch(spec, timeout=120)

@@ -83,6 +83,7 @@ VALID = {
     "seed": st.integers(-2**31, 2**63 - 1),
     "non_finite": st.sampled_from(NON_FINITE),
     "check_reversible": st.booleans(),
+    "check_finite": st.booleans(),
     "gradient_quality_every": st.integers(0, 1000),
 }
 _not_int = st.one_of(st.floats(allow_nan=False), st.text(max_size=3), st.booleans(), st.none())
@@ -94,6 +95,7 @@ INVALID = {
     "seed": _not_int,
     "non_finite": st.one_of(st.text(max_size=12).filter(lambda s: s not in NON_FINITE), st.integers()),
     "check_reversible": st.one_of(st.integers(), st.text(max_size=3), st.none()),
+    "check_finite": st.one_of(st.integers(), st.text(max_size=3), st.none()),
     "gradient_quality_every": st.one_of(st.integers(max_value=-1), _not_int),
 }
 KNOWN = {f.name for f in fields(PetraConfig)}

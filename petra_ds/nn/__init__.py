@@ -1,7 +1,7 @@
 """Reversible building blocks: couplings, chains, invertibility check, keyed RNG, batch-norm policy."""
 
 from .batchnorm import BN_POLICIES, BatchNormPolicy, running_stats
-from .check import ReversibilityError, check_reversible, reconstruction_error
+from .check import NonFiniteError, ReversibilityError, check_reversible, reconstruction_error
 from .coupling import AdditiveCoupling, SwapCoupling
 from .reversible import (
     Activation,
@@ -24,6 +24,7 @@ __all__ = [
     "BatchNormPolicy",
     "GraphTape",
     "Merge",
+    "NonFiniteError",
     "Reversible",
     "ReversibilityError",
     "ReversibleSequential",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -14,6 +16,21 @@ _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, t
 
 class ReversibilityError(ValueError):
     """A layer declared reversible whose inverse does not reproduce its input."""
+
+
+class NonFiniteError(RuntimeError, FloatingPointError):
+    """A NaN or Inf, named as such: a round trip, a loss or a gradient through one fails whatever the code
+    is, so it must not send the user to an inverse or an optimizer that is right. Also a
+    ``FloatingPointError``, which the non-finite checks raised before it existed.
+
+    ``kind`` ("micro-batch", "activation", "reconstruction", "loss", "gradient"), ``stage``,
+    ``micro_batch``, ``clock`` and ``value`` ("NaN" or "Inf") say where training first met it; None
+    when the check that raised does not know (a standalone :func:`check_reversible`)."""
+
+    def __init__(self, message: str, *, kind: str | None = None, stage: int | None = None,
+                 micro_batch: int | None = None, clock: int | None = None, value: str | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.stage, self.micro_batch, self.clock, self.value = kind, stage, micro_batch, clock, value
 
 
 def default_tolerance(example: Activation) -> float:
@@ -36,7 +53,7 @@ def _refuse_non_finite(x: Activation, what: str, fix: str) -> None:
     bad = [t for t in as_tuple(x) if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         kinds = " and ".join(k for k, f in (("NaN", torch.isnan), ("Inf", torch.isinf)) if any(f(t).any() for t in bad))
-        raise FloatingPointError(f"{what} holds {kinds} values; {fix}")
+        raise NonFiniteError(f"{what} holds {kinds} values; {fix}", value=kinds)
 
 
 def _round_trip(module: nn.Module, x: Activation, seed: int) -> tuple[Activation, float]:
@@ -79,10 +96,15 @@ def check_reversible(
         x = example
         for i, layer in enumerate(module.layers):
             y, layer_error = _round_trip(layer, x, seed)
-            if layer_error > tol * _scale(x):
+            if not layer_error <= tol * _scale(x):  # NaN counts as a failure
                 culprit, culprit_error = f"{name}.layers.{i} ({type(layer).__name__})", layer_error
                 break
             x = y
+    if not math.isfinite(culprit_error):  # finite input and output: the inverse itself made the NaN / Inf
+        raise ReversibilityError(
+            f"{culprit} does not invert: its inverse() returns {'NaN' if math.isnan(culprit_error) else 'Inf'} "
+            "on the finite output of a finite input (an overflow or a division by zero inside inverse()); "
+            "fix its inverse() or declare it non-reversible")
     raise ReversibilityError(
         f"{culprit} does not invert: max |inverse(forward(x)) - x| = {culprit_error:.3e} "
         f"exceeds the tolerance {bound:.1e}; fix its inverse() or declare it non-reversible"

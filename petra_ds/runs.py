@@ -15,6 +15,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from .config import PetraConfigError, check_section_names
+from .run_checkpoints import checkpoint_dir
 from .schedule import delay
 from .shutdown import shutdown
 
@@ -184,6 +185,9 @@ def add_run_arguments(parser: Any) -> None:
     parser.add_argument("--resume", nargs="?", const="latest", default=None, choices=("latest", "auto"),
                         help="continue from the latest checkpoint in <output-dir>/checkpoints; without one the run "
                              "stops with an error. --resume auto: continue if there is one, else start fresh")
+    parser.add_argument("--keep-last", type=int, default=2, metavar="N",
+                        help="keep the newest N checkpoints, removing older ones after each save (0: keep all); "
+                             "--resume auto falls back to an older one when the newest is damaged")
     parser.add_argument("--stop-after", type=int, default=None,
                         help="end this run after N train_batch calls in all, as a preempted job would (no final "
                              "drain, eval or summary); continue with --resume (needs --save-every)")
@@ -255,40 +259,6 @@ def run_main(main: Callable[[], None]) -> None:
 
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def checkpoint_dir(output_dir: str) -> str:
-    return os.path.join(output_dir, "checkpoints")
-
-
-def save(engine: Any, output_dir: str, state: dict) -> None:
-    """Checkpoint the engine (PETRA's or DeepSpeed's 1F1B) with the script's ``state``, this rank's torch
-    random state and the module's forward counter: DeepSpeed's 1F1B draws dropout masks from the global
-    stream, reseeded from that counter with ``seed_layers``, and saves neither (PETRA keys its masks by
-    micro-batch)."""
-    engine.save_checkpoint(checkpoint_dir(output_dir), client_state={"example": {
-        **state, "rng": torch.get_rng_state(), "micro_offset": getattr(engine.module, "micro_offset", None)}})
-
-
-def resume(engine: Any, output_dir: str) -> dict | None:
-    """Load ``latest`` from ``<output_dir>/checkpoints`` into the engine (step count, optimizer and LR
-    scheduler states, PETRA's micro-batches in flight) and return the state :func:`save` stored with it;
-    None, and nothing loaded, when there is no checkpoint yet."""
-    if not os.path.exists(os.path.join(checkpoint_dir(output_dir), "latest")):
-        if _rank0():
-            print(f"--resume auto: no checkpoint in {checkpoint_dir(output_dir)}; starting fresh", flush=True)
-        return None
-    with open(os.path.join(checkpoint_dir(output_dir), "latest")) as f:
-        tag = f.read().strip()
-    _, client_state = engine.load_checkpoint(checkpoint_dir(output_dir), tag=tag)
-    if _rank0():
-        print(f"resumed from {os.path.join(checkpoint_dir(output_dir), tag)} (step {engine.global_steps})", flush=True)
-    state = dict(client_state["example"])
-    torch.set_rng_state(state.pop("rng").cpu())
-    micro_offset = state.pop("micro_offset")
-    if micro_offset is not None:
-        engine.module.micro_offset = micro_offset
-    return state
 
 
 class RunFiles:

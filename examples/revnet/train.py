@@ -48,8 +48,9 @@ from petra_ds.data.stream import resumable_loader
 from petra_ds.models.revnet import resnet_layers, revnet_layers
 from petra_ds.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
 from petra_ds.run_partition import agreed_partition, baseline_module, shared_layer_costs
+from petra_ds.run_checkpoints import resume, save
 from petra_ds.runs import (Layout, RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments,
-                           resume, run_layout, run_main, save)
+                           run_layout, run_main)
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
 
@@ -190,7 +191,7 @@ def main() -> None:
     engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config, **extra)
 
     rank0 = dist.get_rank() == 0
-    state = resume(engine, args.output_dir) if args.resume else None
+    state = resume(engine, args.output_dir, fall_back=args.resume == "auto") if args.resume else None
     done = engine.global_steps  # train_batch calls behind us: k micro-batches each, in both engines
     files = RunFiles(args.output_dir, enabled=rank0, resumed_at=done if state else None)
     total_steps = epochs * steps_per_epoch if args.max_steps is None else min(args.max_steps, epochs * steps_per_epoch)
@@ -220,7 +221,8 @@ def main() -> None:
             metrics.append(row)
             files.log(row, engine, [("Eval/loss", eval_loss, step), ("Eval/accuracy", eval_acc, step)], bar.write)
         if args.save_every and step % args.save_every == 0:
-            save(engine, args.output_dir, {"losses": losses, "best": best, "elapsed_s": trained_s + time.time() - start})
+            progress = {"losses": losses, "best": best, "elapsed_s": trained_s + time.time() - start}
+            save(engine, args.output_dir, progress, keep_last=args.keep_last)
         if step == args.stop_after and not last:
             stopped = True
             break
@@ -234,7 +236,7 @@ def main() -> None:
                    "best_eval_acc": best, "final_eval_loss": metrics[-1]["eval_loss"],
                    "samples_per_s": metrics[-1]["samples_per_s"], "steps": total_steps, "world_size": dist.get_world_size(),
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
-                   "partition": partition, "args": vars(args), "config": config,
+                   "partition": partition, "settings": engine.run_settings, "args": vars(args), "config": config,
                    "recipe": vars(recipe) if extra else None}
         files.summary(summary)
         files.gradient_quality_plot(f"{method} {args.arch}: gradient quality per stage")

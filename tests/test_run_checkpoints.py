@@ -1,0 +1,97 @@
+"""The examples' checkpoints (petra_ds.run_checkpoints): only the newest few are kept, a damaged newest one
+is named with what is wrong, and ``--resume auto`` falls back to the one before and continues from it."""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from petra_ds.spawn import launch
+
+
+def build_engine():
+    import petra_ds
+    from torch import nn
+
+    from petra_ds.runs import run_layout
+    from petra_ds.toy import toy_layer_specs
+
+    layers = toy_layer_specs(dropout=0.0)
+    layout = run_layout(len(layers))
+    model = petra_ds.PetraPipelineModule(layers, topology=layout.topology(), loss_fn=nn.CrossEntropyLoss(),
+                                         stages_per_rank=layout.stages_per_rank, partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+              "petra": {"stages_per_rank": layout.stages_per_rank}}
+    engine, *_ = petra_ds.initialize(model=model, config=config)
+    return engine
+
+
+def resume_outcome(engine, out: str, fall_back: bool) -> dict:
+    from petra_ds.run_checkpoints import resume
+
+    try:
+        state = resume(engine, out, fall_back=fall_back)
+    except SystemExit as stop:
+        return {"exit": stop.code}
+    return {"state": state, "step": engine.global_steps,
+            "params": [p.detach().clone() for p in engine.module.parameters()]}
+
+
+def damage_and_resume(spec: dict) -> dict:
+    """Three checkpoints kept two by two, then the newest damaged (one rank's PETRA state truncated, or a
+    layer file removed) and resumed with and without falling back."""
+    import petra_ds
+    from deepspeed import comm as dist
+
+    from petra_ds.run_checkpoints import checkpoint_dir, save, tags
+    from petra_ds.toy import toy_data
+
+    petra_ds.init_distributed()
+    engine = build_engine()
+    out = spec["out"]
+    data = itertools.cycle(toy_data(4, 4, seed=0, dtype=torch.float32))
+    saved = {}
+    for step in (1, 2, 3):
+        engine.train_batch(data)
+        save(engine, out, {"step": step}, keep_last=2)
+        saved[step] = [p.detach().clone() for p in engine.module.parameters()]
+    dist.barrier()  # rank 0 prunes after its save
+    kept = tags(checkpoint_dir(out))
+    newest = os.path.join(checkpoint_dir(out), "global_step3")
+    if dist.get_rank() == 0:
+        if spec["damage"] == "truncate":
+            victim = os.path.join(newest, "petra_state-pipe_01-data_00.pt")
+            with open(victim, "r+b") as f:
+                f.truncate(os.path.getsize(victim) // 2)
+        else:
+            os.remove(os.path.join(newest, "layer_08-model_states.pt"))
+    dist.barrier()
+    for _ in range(2):  # move the parameters away from the checkpoints'
+        engine.train_batch(data)
+    strict = resume_outcome(engine, out, fall_back=False)
+    fallen = resume_outcome(engine, out, fall_back=True)
+    return {"kept": kept, "strict": strict, "fallen": fallen, "step2": saved[2]}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove"])
+def test_a_damaged_newest_checkpoint_is_named_and_the_run_falls_back(tmp_path, damage):
+    ranks = launch({"out": str(tmp_path), "damage": damage}, 2, target=damage_and_resume)
+    ckpt = tmp_path / "checkpoints"
+    newest = ckpt / "global_step3"
+    wanted = (f"{newest / 'petra_state-pipe_01-data_00.pt'} is truncated or corrupted" if damage == "truncate"
+              else f"{newest / 'layer_08-model_states.pt'} is missing")
+    for rank, result in enumerate(ranks):
+        assert result["kept"] == ["global_step3", "global_step2"]  # --keep-last 2 removed global_step1
+        assert sorted(os.listdir(ckpt)) == ["global_step2", "global_step3", "latest"]
+        if rank == 0:  # the message: what is wrong, and the whole checkpoint to continue from
+            message = result["strict"]["exit"]
+            assert wanted in message and f"The newest whole checkpoint is {ckpt / 'global_step2'}" in message, message
+            assert "--resume auto" in message
+        else:
+            assert result["strict"] == {"exit": 2}
+        fallen = result["fallen"]
+        assert fallen["state"] == {"step": 2} and fallen["step"] == 2
+        for ours, saved in zip(fallen["params"], result["step2"], strict=True):
+            assert torch.equal(ours, saved)

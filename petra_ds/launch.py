@@ -23,6 +23,7 @@ from deepspeed.utils import logger
 from .config import PetraConfigError, check_section_names, split_config, uses_muon
 from .module import stages_per_rank_of, tag_muon_parameters
 from .schedule import first_stage_lateness
+from .settings import format_settings, run_settings
 
 
 def free_port() -> int:
@@ -86,16 +87,19 @@ def initialize(
                 f'{{"stages_per_rank": {model.stages_per_rank}}} (or build a plain PipelineModule for 1F1B)')
         if not (optimizer is None and uses_muon(raw) and isinstance(model, PipelineModule)
                 and not isinstance(model, DualPipeVModule) and not kwargs):
-            return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                        model_parameters=model_parameters, training_data=training_data,
-                                        lr_scheduler=lr_scheduler, dist_init_required=dist_init_required,
-                                        collate_fn=collate_fn, config=raw, **kwargs)
+            built = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                         model_parameters=model_parameters, training_data=training_data,
+                                         lr_scheduler=lr_scheduler, dist_init_required=dist_init_required,
+                                         collate_fn=collate_fn, config=raw, **kwargs)
+            announce(built[0], raw)
+            return built
         # deepspeed.initialize would re-tag Muon's parameters by name; build its pipeline engine as it does
         tag_muon_parameters(model)
         engine = PipelineEngine(args=args, model=model, optimizer=None, model_parameters=model_parameters,
                                 training_data=training_data, lr_scheduler=lr_scheduler, mpu=model.mpu(),
                                 dist_init_required=dist_init_required, collate_fn=collate_fn, config=raw,
                                 config_class=DeepSpeedConfig(raw, model.mpu()))
+        announce(engine, raw)
         return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
     petra, ds_config, bf16 = split_config(raw)
     if not isinstance(model, PipelineModule):
@@ -123,7 +127,16 @@ def initialize(
         from .analysis.gradient_quality import GradientQuality
 
         engine.gradient_quality = engine.observe(GradientQuality(engine, petra.gradient_quality_every))
+    announce(engine, raw)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def announce(engine: Any, config: dict) -> None:
+    """Record what the run does as ``engine.run_settings`` (:func:`petra_ds.settings.run_settings`; the
+    examples put it in summary.json) and print it on rank 0."""
+    engine.run_settings = run_settings(engine, config)
+    if torch.distributed.get_rank() == 0:
+        print(format_settings(engine.run_settings), flush=True)
 
 
 #: the timeout given to :func:`init_distributed`, for the pipeline's process groups

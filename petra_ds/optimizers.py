@@ -9,9 +9,11 @@ that expects ``engine.optimizer`` / ``engine.lr_scheduler``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 from torch import nn
+from deepspeed.utils import logger
 from torch.optim import Optimizer
 
 from .config import PetraConfigError
@@ -111,16 +113,37 @@ def stage_schedulers(client: Any, optimizers: list[Optimizer | None],
             "an LR scheduler instance cannot serve several PETRA stages; pass a callable "
             "`lr_scheduler=lambda optimizer: ...` or configure it in the config")
     schedulers = []
-    for opt in optimizers:
-        if opt is None:
-            schedulers.append(None)
-        elif client is None:
-            schedulers.append(from_config(opt))
-        elif callable(client) and not hasattr(client, "step"):
-            schedulers.append(client(opt))
-        else:
-            schedulers.append(client)
+    once = _OncePerEngine()
+    logger.addFilter(once)
+    try:
+        for opt in optimizers:
+            if opt is None:
+                schedulers.append(None)
+            elif client is None:
+                schedulers.append(from_config(opt))
+            elif callable(client) and not hasattr(client, "step"):
+                schedulers.append(client(opt))
+            else:
+                schedulers.append(client)
+    finally:
+        logger.removeFilter(once)
     return schedulers
+
+
+class _OncePerEngine(logging.Filter):
+    """DeepSpeed's own schedulers warn as they are built (WarmupCosineLR: "Attempting to get learning rate
+    from scheduler before it has started", from its constructor): a DeepSpeed engine, with one scheduler,
+    says it once, and so does PETRA's, whose every stage builds one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        new = message not in self.seen
+        self.seen.add(message)
+        return new
 
 
 def as_one(items: list[Any], many: Callable[[list[Any]], Any]) -> Any:

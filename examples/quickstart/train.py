@@ -65,8 +65,8 @@ def main() -> None:
         summary = {"world_size": dist.get_world_size(), "data_parallel": layout.data_parallel,
                    "num_stages": engine.num_petra_stages,
                    "stages_per_rank": engine.stages_per_rank, "clock": engine.clock, "losses": losses,
-                   "eval_loss": eval_loss}
-        print(json.dumps({k: v for k, v in summary.items() if k != "losses"}))
+                   "eval_loss": eval_loss, "settings": engine.run_settings}
+        print(json.dumps({k: v for k, v in summary.items() if k not in ("losses", "settings")}))
         if args.output:
             with open(args.output, "w") as f:
                 json.dump(summary, f, indent=1)

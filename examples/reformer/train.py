@@ -51,8 +51,8 @@ from petra_ds.config import MUON_LR_RATIO, uses_muon
 from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
 from petra_ds.run_partition import agreed_partition, baseline_module, shared_layer_costs
-from petra_ds.runs import (RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments, resume,
-                           run_layout, run_main, save)
+from petra_ds.run_checkpoints import resume, save
+from petra_ds.runs import RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments, run_layout, run_main
 
 
 def parse_args() -> argparse.Namespace:
@@ -179,25 +179,6 @@ def export_reformer(engine, hf_config, tokenizer, args) -> None:
     dist.barrier()
 
 
-def warmup_cosine(params: dict):
-    """``lr_scheduler=`` factory for the default schedule, DeepSpeed's WarmupCosineLR with ``params``, one per
-    optimizer (PETRA builds one per stage). Built from the config, it starts at iteration -1 and its
-    constructor sets the first lr by calling its own ``get_lr()``, which warns "Attempting to get learning
-    rate from scheduler before it has started", once per stage. Built at iteration 0 and stepped there, it
-    sets the same first lr (0: the warm-up starts at ``warmup_min_ratio``, 0 here) without asking before
-    the start; ``load_state_dict`` then puts it back at -1, the state the config would have built."""
-    from deepspeed.runtime.lr_schedules import WarmupCosineLR
-
-    assert params.get("warmup_min_ratio", 0.0) == 0.0, "iteration 0's lr is -1's only at warmup_min_ratio 0"
-
-    def build(optimizer):
-        scheduler = WarmupCosineLR(optimizer, **params, last_batch_iteration=0)
-        scheduler.step(0)
-        scheduler.load_state_dict({"last_batch_iteration": -1})
-        return scheduler
-    return build
-
-
 def main() -> None:
     args = parse_args()
     petra_ds.init_distributed()
@@ -255,15 +236,11 @@ def main() -> None:
             if dist.get_rank() == 0:
                 print("Muon's orthogonalization runs eagerly on CPU (DeepSpeed would torch.compile it: about 40 s "
                       "per weight shape, and a C++ compiler)", flush=True)
-    scheduler = None
-    if "scheduler" not in config:  # the config records the schedule; warmup_cosine builds it (the engines
-        # take a client scheduler over the config's)
-        config["scheduler"] = {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": args.max_steps, "warmup_num_steps": min(args.warmup_steps, args.max_steps // 2)}}
-        scheduler = warmup_cosine(config["scheduler"]["params"])
-    engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config, lr_scheduler=scheduler)
+    config.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": args.max_steps, "warmup_num_steps": min(args.warmup_steps, args.max_steps // 2)}})
+    engine, _, _, _ = petra_ds.initialize(args=args, model=model, config=config)
 
-    state = resume(engine, args.output_dir) if args.resume else None
+    state = resume(engine, args.output_dir, fall_back=args.resume == "auto") if args.resume else None
     done = engine.global_steps  # train_batch calls behind us: k micro-batches each, in both engines
     shard = (engine.grid.data_parallel_id, replicas)
     data = iter(lm_stream(train_blocks, micro, seed=args.seed, start=done * k, shard=shard))
@@ -298,7 +275,8 @@ def main() -> None:
             metrics.append(row)
             files.log(row, engine, [("Eval/loss", val_loss, step)], bar.write)
         if args.save_every and step % args.save_every == 0:
-            save(engine, args.output_dir, {"losses": losses, "elapsed_s": trained_s + time.time() - start})
+            save(engine, args.output_dir, {"losses": losses, "elapsed_s": trained_s + time.time() - start},
+                 keep_last=args.keep_last)
         if step == args.stop_after and not last:
             stopped = True
             break
@@ -315,7 +293,7 @@ def main() -> None:
                    "final_val_perplexity": metrics[-1]["val_perplexity"], "tokens_per_s": metrics[-1]["tokens_per_s"],
                    "steps": args.max_steps, "world_size": dist.get_world_size(),
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
-                   "partition": partition, "memory_rank0": memory,
+                   "partition": partition, "settings": engine.run_settings, "memory_rank0": memory,
                    "args": vars(args), "config": config}
         files.summary(summary)
         files.gradient_quality_plot(f"{method} {args.model}: gradient quality per stage")

@@ -189,12 +189,35 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
     first says when DeepSpeed is about to compile its communication op (:func:`shm_comm_build_note`)."""
     global _group_timeout
     ensure_single_process_env()
+    check_elastic_store(os.environ)
     timeout = timeout or default_pg_timeout
     note = shm_comm_build_note() if os.environ.get("RANK", "0") == "0" else None
     if note:
         print(note, flush=True)
     deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout, **kwargs)
     _group_timeout = timeout
+
+
+#: what makes torchrun's restarted workers safe: a fresh store per attempt (pytorch/pytorch#135712)
+SEPARATE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+def check_elastic_store(env: Any) -> None:
+    """torchrun (c10d rendezvous) lends its workers its own store, the same one for every restart: a
+    restarted worker then reads the addresses the previous attempt's workers published and its process
+    groups fail to connect or wait forever (pytorch/pytorch#135712). Warn when restarts are allowed on
+    that store; stop a restarted worker on it with the fix instead of letting it hang."""
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if not shared or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return
+    fix = (f"launch torchrun with {SEPARATE_STORE} in its environment (each attempt then gets a store of its "
+           "own)")
+    if int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        raise RuntimeError(f"this worker was restarted by torchrun on the store of its first attempt, where its "
+                           f"process groups would meet the previous workers' addresses and hang: {fix}")
+    if env.get("RANK", "0") == "0":
+        logger.warning(f"torchrun may restart these workers (--max-restarts), but they share its rendezvous store; "
+                       f"a restarted worker could not connect: {fix}")
 
 
 def apply_group_timeout(grid: Any, timeout: timedelta) -> None:

@@ -67,3 +67,29 @@ def test_rank_zero_is_told_before_deepspeed_compiles_its_cpu_communication_op(tm
     (tmp_path / "deepspeed_shm_comm").mkdir()
     (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
     assert shm_comm_build_note() is None  # built before: loading it takes a second
+
+
+def test_torchruns_shared_store_is_refused_to_a_restarted_worker_and_named_before():
+    """pytorch/pytorch#135712: on the agent's store a restarted worker's groups meet the previous
+    attempt's addresses and hang; the first attempt is warned, a restarted one stopped, both with the fix."""
+    import logging
+
+    import pytest
+    from deepspeed.utils import logger
+
+    from petra_ds.launch import SEPARATE_STORE, check_elastic_store
+
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3", "RANK": "0"}
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        check_elastic_store({**env, "TORCHELASTIC_RESTART_COUNT": "0"})
+        check_elastic_store({**env, "TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_RESTART_COUNT": "1"})
+        check_elastic_store({**env, "TORCHELASTIC_MAX_RESTARTS": "0"})
+    finally:
+        logger.removeHandler(handler)
+    assert len(records) == 1 and SEPARATE_STORE in records[0].getMessage()
+    with pytest.raises(RuntimeError, match=SEPARATE_STORE):
+        check_elastic_store({**env, "TORCHELASTIC_RESTART_COUNT": "1"})

@@ -30,7 +30,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--petra-config", default="ds_configs/petra_digits.json")
     parser.add_argument("--backprop-config", default="ds_configs/backprop_digits.json")
-    parser.add_argument("--output", default="benchmarks/results/accuracy_digits.json")
+    parser.add_argument("--output", default="runs/benchmarks/accuracy_digits.json",
+                        help="JSON report, relative to the repository root")
     parser.add_argument("--run-dir", default="runs/accuracy")
     args = parser.parse_args()
 

@@ -6,7 +6,8 @@ late in training (the paper's App. B, Fig. 5 / Fig. 6), on a small RevNet (digit
 
 Runs the example with ``--gradient-quality N`` under the deepspeed launcher (PETRA config), reads the
 per-stage rows it logged to metrics.jsonl, prints per-stage means over the first, the middle and the
-last tenth of the followed micro-batches and saves them as JSON, with the plot, under benchmarks/results/.
+last tenth of the followed micro-batches and saves them as JSON, with the plot, under runs/benchmarks/
+(``--output-dir benchmarks/results`` regenerates the committed ones).
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/gradient_quality")
     parser.add_argument("--delay-compensation", default="none",
                         help="PETRA's delay compensation (petra_ds.compensation): none, weight_prediction, lr_rescale")
+    parser.add_argument("--output-dir", default=os.path.join("runs", "benchmarks"),
+                        help="where the JSON report and the PNG go (relative to the repository root)")
     parser.add_argument("--rows-from", default=None, help="recompute the tables from this saved report (no run)")
     args = parser.parse_args()
 
     name = args.model + ("" if args.delay_compensation == "none" else f"_{args.delay_compensation}")
-    output = os.path.join("benchmarks", "results", f"gradient_quality_{name}.json")
+    output = os.path.join(args.output_dir, f"gradient_quality_{name}.json")
     if args.rows_from:  # the tables again from a saved report, without training
         with open(os.path.join(ROOT, args.rows_from)) as f:
             report = json.load(f)
@@ -67,7 +70,7 @@ def main() -> None:
         rows = [r for r in rows if r.get("kind") == "gradient_quality"]
         report = {"model": args.model, "args": vars(args), "command": " ".join(cmd[1:]), "wall_s": wall,
                   "summary": summary, "rows": rows}
-        figure = os.path.join(ROOT, "benchmarks", "results", f"gradient_quality_{name}.png")
+        figure = os.path.join(ROOT, args.output_dir, f"gradient_quality_{name}.png")
         os.makedirs(os.path.dirname(figure), exist_ok=True)
         shutil.copy(plot(rows, os.path.join(ROOT, out, "gq_plot.png"), title=f"{name}: PETRA gradient quality"),
                     figure)
@@ -85,7 +88,7 @@ def main() -> None:
         print(f"{'stage':>5s} " + " ".join(f"{c:>20s}" for c in COLUMNS))
         for r in table:
             print(f"{r['stage']:5d} " + " ".join(f"{r[c]:20.4g}" for c in COLUMNS))
-    print(f"\nplot: benchmarks/results/gradient_quality_{name}.png")
+    print(f"\nplot: {os.path.join(args.output_dir, f'gradient_quality_{name}.png')}")
 
 
 if __name__ == "__main__":

@@ -73,7 +73,8 @@ def test_the_smallest_example_exits_0_fifty_times_in_a_row():
     config = os.path.join(ROOT, "ds_configs", "quickstart.json")
     failures = []
     for attempt in range(50):
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), script,
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+               "--master_port", str(free_port()), script,
                "--deepspeed_config", config, "--steps", "3"]
         proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:

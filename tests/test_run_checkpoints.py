@@ -4,7 +4,6 @@ is named with what is wrong, and ``--resume auto`` falls back to the one before 
 import itertools
 import os
 
-import pytest
 import torch
 
 from petra_ds.spawn import launch
@@ -40,8 +39,8 @@ def resume_outcome(engine, out: str, fall_back: bool) -> dict:
 
 
 def damage_and_resume(spec: dict) -> dict:
-    """Three checkpoints kept two by two, then the newest damaged (one rank's PETRA state truncated, or a
-    layer file removed) and resumed with and without falling back."""
+    """For each damage (one rank's PETRA state truncated, a layer file removed): three checkpoints kept two by
+    two, the newest damaged, then resumed without and with falling back."""
     import petra_ds
     from deepspeed import comm as dist
 
@@ -50,48 +49,53 @@ def damage_and_resume(spec: dict) -> dict:
 
     petra_ds.init_distributed()
     engine = build_engine()
-    out = spec["out"]
     data = itertools.cycle(toy_data(4, 4, seed=0, dtype=torch.float32))
-    saved = {}
-    for step in (1, 2, 3):
-        engine.train_batch(data)
-        save(engine, out, {"step": step}, keep_last=2)
-        saved[step] = [p.detach().clone() for p in engine.module.parameters()]
-    dist.barrier()  # rank 0 prunes after its save
-    kept = tags(checkpoint_dir(out))
-    newest = os.path.join(checkpoint_dir(out), "global_step3")
-    if dist.get_rank() == 0:
-        if spec["damage"] == "truncate":
-            victim = os.path.join(newest, "petra_state-pipe_01-data_00.pt")
-            with open(victim, "r+b") as f:
-                f.truncate(os.path.getsize(victim) // 2)
-        else:
-            os.remove(os.path.join(newest, "layer_08-model_states.pt"))
-    dist.barrier()
-    for _ in range(2):  # move the parameters away from the checkpoints'
-        engine.train_batch(data)
-    strict = resume_outcome(engine, out, fall_back=False)
-    fallen = resume_outcome(engine, out, fall_back=True)
-    return {"kept": kept, "strict": strict, "fallen": fallen, "step2": saved[2]}
+    results = {}
+    for damage in ("truncate", "remove"):
+        out = os.path.join(spec["out"], damage)
+        saved = {}
+        for step in (1, 2, 3):
+            engine.train_batch(data)
+            save(engine, out, {"step": step}, keep_last=2)
+            saved[step] = [p.detach().clone() for p in engine.module.parameters()]
+        dist.barrier()  # rank 0 prunes after its save
+        kept = tags(checkpoint_dir(out))
+        newest = sorted(os.listdir(checkpoint_dir(out)))[-2]  # the last save, whatever its step count
+        if dist.get_rank() == 0:
+            folder = os.path.join(checkpoint_dir(out), newest)
+            if damage == "truncate":
+                victim = os.path.join(folder, "petra_state-pipe_01-data_00.pt")
+                with open(victim, "r+b") as f:
+                    f.truncate(os.path.getsize(victim) // 2)
+            else:
+                os.remove(os.path.join(folder, "layer_08-model_states.pt"))
+        dist.barrier()
+        for _ in range(2):  # move the parameters away from the checkpoints'
+            engine.train_batch(data)
+        results[damage] = {"kept": kept, "newest": newest, "strict": resume_outcome(engine, out, fall_back=False),
+                           "fallen": resume_outcome(engine, out, fall_back=True), "step2": saved[2]}
+    return results
 
 
-@pytest.mark.parametrize("damage", ["truncate", "remove"])
-def test_a_damaged_newest_checkpoint_is_named_and_the_run_falls_back(tmp_path, damage):
-    ranks = launch({"out": str(tmp_path), "damage": damage}, 2, target=damage_and_resume)
-    ckpt = tmp_path / "checkpoints"
-    newest = ckpt / "global_step3"
-    wanted = (f"{newest / 'petra_state-pipe_01-data_00.pt'} is truncated or corrupted" if damage == "truncate"
-              else f"{newest / 'layer_08-model_states.pt'} is missing")
-    for rank, result in enumerate(ranks):
-        assert result["kept"] == ["global_step3", "global_step2"]  # --keep-last 2 removed global_step1
-        assert sorted(os.listdir(ckpt)) == ["global_step2", "global_step3", "latest"]
-        if rank == 0:  # the message: what is wrong, and the whole checkpoint to continue from
-            message = result["strict"]["exit"]
-            assert wanted in message and f"The newest whole checkpoint is {ckpt / 'global_step2'}" in message, message
-            assert "--resume auto" in message
-        else:
-            assert result["strict"] == {"exit": 2}
-        fallen = result["fallen"]
-        assert fallen["state"] == {"step": 2} and fallen["step"] == 2
-        for ours, saved in zip(fallen["params"], result["step2"], strict=True):
-            assert torch.equal(ours, saved)
+def test_a_damaged_newest_checkpoint_is_named_and_the_run_falls_back(tmp_path):
+    ranks = launch({"out": str(tmp_path)}, 2, target=damage_and_resume)
+    for damage in ("truncate", "remove"):
+        ckpt = tmp_path / damage / "checkpoints"
+        first = ranks[0][damage]
+        newest, older = ckpt / first["newest"], ckpt / first["kept"][1]
+        wanted = (f"{newest / 'petra_state-pipe_01-data_00.pt'} is truncated or corrupted" if damage == "truncate"
+                  else f"{newest / 'layer_08-model_states.pt'} is missing")
+        for rank, ranks_results in enumerate(ranks):
+            result = ranks_results[damage]
+            assert result["kept"] == [newest.name, older.name]  # --keep-last 2 removed the first of three
+            assert sorted(os.listdir(ckpt)) == sorted([newest.name, older.name, "latest"])
+            if rank == 0:  # the message: what is wrong, and the whole checkpoint to continue from
+                message = result["strict"]["exit"]
+                assert wanted in message and f"The newest whole checkpoint is {older}" in message, message
+                assert "--resume auto" in message
+            else:
+                assert result["strict"] == {"exit": 2}
+            fallen = result["fallen"]
+            assert fallen["state"] == {"step": 2}
+            for ours, saved in zip(fallen["params"], result["step2"], strict=True):
+                assert torch.equal(ours, saved)

@@ -13,29 +13,20 @@ import torch
 from petra_ds.launch import free_port
 from petra_ds.spawn import launch
 from subprocess_env import ROOT, launcher_env
+from test_run_checkpoints import build_engine
 
 
 def train_then_shut_down(spec: dict) -> dict:
-    """A 2-rank PETRA run of the quickstart's toy network; gloo's threads with the engine alive, after it
-    is gone, and after shutdown."""
+    """A 2-rank PETRA run of the quickstart's toy network (J = 8); gloo's threads with the engine alive,
+    after it is gone, and after shutdown."""
     import petra_ds
     from petra_ds.shutdown import communication_threads, shutdown
 
     def train() -> list[str]:
-        from torch import nn
-
-        from petra_ds.runs import run_layout
-        from petra_ds.toy import toy_data, toy_layer_specs
+        from petra_ds.toy import toy_data
 
         petra_ds.init_distributed()
-        layers = toy_layer_specs(dropout=0.0)
-        layout = run_layout(len(layers))
-        model = petra_ds.PetraPipelineModule(layers, topology=layout.topology(), loss_fn=nn.CrossEntropyLoss(),
-                                             stages_per_rank=layout.stages_per_rank, partition_method="uniform")
-        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-                  "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
-                  "petra": {"stages_per_rank": layout.stages_per_rank}}
-        engine, *_ = petra_ds.initialize(model=model, config=config)
+        engine = build_engine()
         data = itertools.cycle(toy_data(4, 4, seed=0, dtype=torch.float32))
         for _ in range(3):
             engine.train_batch(data)

@@ -38,10 +38,25 @@ def _local_stages(engine: Any, petra: bool) -> list[dict]:
 
 
 def _plain(value: Any) -> Any:
-    """A (list of) delay-compensation dataclass(es) as JSON-ready dicts."""
+    """A delay compensation (one method, or several combined) as JSON-ready dicts, one per method."""
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if hasattr(value, "parts"):
+        return [_plain(v) for v in value.parts]
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def _describe_compensation(methods: Any) -> str:
+    """"weight_prediction + adaptive_momentum (beta1_max 0.95)": each method, with the parameters set to
+    other than their defaults."""
+    from .compensation import DelayCompensation
+
+    defaults = dataclasses.asdict(DelayCompensation())
+    parts = []
+    for m in methods if isinstance(methods, list) else [methods]:
+        changed = ", ".join(f"{k} {v}" for k, v in m.items() if k != "method" and v != defaults.get(k))
+        parts.append(m["method"] + (f" ({changed})" if changed else ""))
+    return " + ".join(parts) or "none"
 
 
 def run_settings(engine: Any, config: dict) -> dict:
@@ -111,9 +126,5 @@ def format_settings(settings: dict) -> str:
     else:
         lines.append(f"  gradient clipping: off, from {clip['from']}")
     if s["method"] == "petra":
-        methods = s["delay_compensation"]
-        methods = methods if isinstance(methods, list) else [methods]
-        lines.append("  delay compensation: " + " + ".join(
-            m["method"] + (f" ({', '.join(f'{k} {v}' for k, v in m.items() if k != 'method')})"
-                           if m["method"] != "none" else "") if isinstance(m, dict) else str(m) for m in methods))
+        lines.append(f"  delay compensation: {_describe_compensation(s['delay_compensation'])}")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ import petra_ds
 from petra_ds.settings import format_settings
 
 
-def toy_engine(config_extra: dict, petra: bool = True):
+def toy_engine(config_extra: dict, petra: bool = True, compensation="weight_prediction"):
     from deepspeed.pipe import PipelineModule
 
     from petra_ds.toy import toy_layer_specs
@@ -18,7 +18,7 @@ def toy_engine(config_extra: dict, petra: bool = True):
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}, **config_extra}
     if petra:
-        config["petra"] = {"stages_per_rank": 3, "delay_compensation": "weight_prediction"}
+        config["petra"] = {"stages_per_rank": 3, "delay_compensation": compensation}
         model = petra_ds.PetraPipelineModule(layers, num_stages=1, loss_fn=nn.CrossEntropyLoss(),
                                              stages_per_rank=3, partition_method="uniform")
     else:
@@ -87,3 +87,15 @@ def test_a_schedulers_construction_warning_is_said_once_not_once_per_stage(world
         logger.removeHandler(handler)
     started = [r for r in records if "before it has started" in r.getMessage()]
     assert len(started) == 1, [r.getMessage() for r in records]
+
+
+@pytest.mark.parametrize("compensation, printed", [
+    ("none", "none"), ({"method": "weight_prediction", "beta": 0.5}, "weight_prediction (beta 0.5)"),
+    (["weight_prediction", {"method": "adaptive_momentum", "beta1_max": 0.95}],
+     "weight_prediction + adaptive_momentum (beta1_max 0.95)")])
+def test_the_delay_compensation_is_said_with_the_parameters_that_differ(world_of_one, compensation, printed, capsys):
+    engine = toy_engine({}, compensation=compensation)
+    assert f"delay compensation: {printed}\n" in capsys.readouterr().out
+    methods = engine.run_settings["delay_compensation"]
+    methods = methods if isinstance(methods, list) else [methods]
+    assert [m["method"] for m in methods] == [p.split(" ")[0] for p in printed.split(" + ")]

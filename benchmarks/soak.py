@@ -43,6 +43,7 @@ def soak(spec: dict) -> dict:
     bytes, the most messages any of its stages held, and its RSS."""
     import petra_ds
 
+    from petra_ds.analysis.held import HeldTracker
     from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
     from petra_ds.observe import Observer
     from petra_ds.run_checkpoints import save
@@ -71,6 +72,7 @@ def soak(spec: dict) -> dict:
                 self.most = max(self.most, held)
 
     watch = engine.observe(MostMessages())
+    counter = HeldTracker()  # distinct storages, as the memory benchmark counts them; records no graph here
     generator = torch.Generator().manual_seed(engine.grid.data_parallel_id)
     batches = [(torch.randint(0, 64, (4, 16), generator=generator),) * 2 for _ in range(32)]
     stream = itertools.cycle(batches)
@@ -79,33 +81,11 @@ def soak(spec: dict) -> dict:
         engine.train_batch(stream)
         if spec["save_every"] and call % spec["save_every"] == 0:
             save(engine, spec["out"], {"call": call}, keep_last=2)
-        held = sum(sum(int(t.numel() * t.element_size()) for t in _tensors(engine.holdings(j)))
-                   for j in engine.stages)
+        held = sum(sum(counter.measure(engine.holdings(j).categories()).values()) for j in engine.stages)
         rows.append({"call": call, "clock": engine.clock, "held_bytes": held, "most_messages": watch.most,
                      "rss_bytes": rss_bytes(), "elapsed_s": time.perf_counter() - began})
         watch.most = 0
     return {"rank": engine.global_rank, "stages": list(engine.stages), "rows": rows}
-
-
-def _tensors(holdings) -> list[torch.Tensor]:
-    """Every tensor in a stage's holdings, each once (a message may be a tuple of tensors)."""
-    seen, out = set(), []
-
-    def visit(x) -> None:
-        if isinstance(x, torch.Tensor):
-            if id(x) not in seen:
-                seen.add(id(x))
-                out.append(x)
-        elif isinstance(x, (tuple, list)):
-            for y in x:
-                visit(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                visit(y)
-
-    for value in holdings.categories().values():
-        visit(value)
-    return out
 
 
 def verdict(ranks: list[dict], warmup: int) -> dict:

@@ -26,6 +26,12 @@ from .schedule import first_stage_lateness
 from .settings import format_settings, run_settings
 
 
+def is_rank0() -> bool:
+    """Whether this process speaks for the run: global rank 0, or the only process before
+    torch.distributed starts (never ``LOCAL_RANK``, which is 0 once per node)."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
 def free_port() -> int:
     """A TCP port on the loopback that nothing listens on now."""
     with socket.socket() as s:
@@ -135,7 +141,7 @@ def announce(engine: Any, config: dict) -> None:
     """Record what the run does as ``engine.run_settings`` (:func:`petra_ds.settings.run_settings`; the
     examples put it in summary.json) and print it on rank 0."""
     engine.run_settings = run_settings(engine, config)
-    if torch.distributed.get_rank() == 0:
+    if is_rank0():
         print(format_settings(engine.run_settings), flush=True)
 
 

@@ -21,16 +21,13 @@ import torch
 from deepspeed import comm as dist
 
 from .checkpoint import LATEST, state_file
+from .launch import is_rank0
 
 TAG = re.compile(r"global_step(\d+)$")
 
 
 def checkpoint_dir(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
-
-
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def tags(ckpt_dir: str) -> list[str]:
@@ -58,7 +55,7 @@ def save(engine: Any, output_dir: str, state: dict, keep_last: int = 0) -> None:
     ckpt_dir = checkpoint_dir(output_dir)
     engine.save_checkpoint(ckpt_dir, client_state={"example": {
         **state, "rng": torch.get_rng_state(), "micro_offset": getattr(engine.module, "micro_offset", None)}})
-    if keep_last and _rank0():
+    if keep_last and is_rank0():
         for old in tags(ckpt_dir)[keep_last:]:
             shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
 
@@ -128,7 +125,7 @@ def resume(engine: Any, output_dir: str, fall_back: bool = True) -> dict | None:
     ckpt_dir = checkpoint_dir(output_dir)
     candidates = tags(ckpt_dir)
     if not candidates:
-        if _rank0():
+        if is_rank0():
             print(f"--resume auto: no checkpoint in {ckpt_dir}; starting fresh", flush=True)
         return None
     damaged: list[CheckpointDamaged] = []
@@ -140,17 +137,17 @@ def resume(engine: Any, output_dir: str, fall_back: bool = True) -> dict | None:
                 raise CheckpointDamaged(path, found)
             if damaged and not fall_back:
                 raise SystemExit(f"--resume: {damaged[0]}. The newest whole checkpoint is {path}: continue from "
-                                 "it with --resume auto, which falls back to it" if _rank0() else 2)
+                                 "it with --resume auto, which falls back to it" if is_rank0() else 2)
             client_state = _load(engine, ckpt_dir, tag)
             break
         except CheckpointDamaged as error:
             damaged.append(error)
-            if _rank0():
+            if is_rank0():
                 print(f"warning: {error}", flush=True)
     else:
         raise SystemExit(f"--resume: no checkpoint in {ckpt_dir} can be resumed (see the warnings above); remove "
-                         "the damaged ones to start fresh" if _rank0() else 2)
-    if _rank0():
+                         "the damaged ones to start fresh" if is_rank0() else 2)
+    if is_rank0():
         print(f"resumed from {os.path.join(ckpt_dir, tag)} (step {engine.global_steps})"
               + (f", the newer {', '.join(e.path for e in damaged)} being damaged" if damaged else ""), flush=True)
     state = dict(client_state["example"])

@@ -15,6 +15,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from .config import PetraConfigError, check_section_names
+from .launch import is_rank0
 from .run_checkpoints import checkpoint_dir
 from .schedule import delay
 from .shutdown import shutdown
@@ -231,7 +232,7 @@ def apply_run_arguments(args: Any, config: dict) -> str:
     if args.resume == "latest" and not os.path.exists(os.path.join(checkpoint_dir(args.output_dir), "latest")):
         raise SystemExit(f"--resume: no checkpoint to resume from in {checkpoint_dir(args.output_dir)} (no 'latest' "
                          "file); check --output-dir, or use --resume auto to start fresh when there is none")
-    if args.stop_after is not None and not args.save_every and _rank0():
+    if args.stop_after is not None and not args.save_every and is_rank0():
         print(f"warning: --stop-after {args.stop_after} without --save-every writes no checkpoint: a later --resume "
               "will have nothing to continue from", flush=True)
     if args.gradient_quality:
@@ -253,12 +254,8 @@ def run_main(main: Callable[[], None]) -> None:
     try:
         main()
     except PetraConfigError as error:
-        raise SystemExit(f"configuration error: {error}" if _rank0() else 2) from None
+        raise SystemExit(f"configuration error: {error}" if is_rank0() else 2) from None
     shutdown()
-
-
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 class RunFiles:

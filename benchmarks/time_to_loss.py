@@ -241,7 +241,7 @@ def worker(args: argparse.Namespace) -> None:
             if args.target is not None and curve[-1]["val_loss"] <= args.target:
                 break
     bar.close()
-    if dist.get_rank() == 0:
+    if rank0:
         with open(args.result, "w") as f:
             json.dump(curve, f)
     del step, evaluate  # they hold the engine, and the engine its process groups

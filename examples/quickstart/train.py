@@ -22,6 +22,7 @@ from torch import nn
 
 import petra_ds
 from petra_ds.runs import run_layout, run_main
+from petra_ds.schedule import delay
 from petra_ds.toy import toy_data, toy_layer_specs
 
 
@@ -49,10 +50,10 @@ def main() -> None:
                     seed=engine.grid.data_parallel_id, dtype=torch.float32)
     stream = itertools.cycle(data)
     if dist.get_rank() == 0:
-        fill = 2 * (engine.num_petra_stages - 1)
+        stages = engine.num_petra_stages  # micro-batch m runs at stage j at clock m + j, its backward tau_j later
         print(f"the loss is nan until the pipeline has filled: the first micro-batch reaches the last of the "
-              f"{engine.num_petra_stages} stages at clock {engine.num_petra_stages - 1}, and every stage "
-              f"backpropagates from clock {fill} on", flush=True)
+              f"{stages} stages at clock {stages - 1}, and every stage backpropagates from clock "
+              f"{delay(0, stages)} on", flush=True)
     losses = []
     for step in range(args.steps):
         loss = engine.train_batch(stream).item()

@@ -6,9 +6,11 @@ that backprop reaches at step N, on the same processes, model, text and optimize
 The peer is a backprop pipeline (DeepSpeed's ``1f1b``, ``1f1b_ckpt``, ``naive_mp`` or one of torch's
 ``torch_*`` schedules, as in throughput.py); its gradients are backprop's, so the target is the peer's own
 validation loss at step N. PETRA (``--compensation``, default its best: weight prediction) then trains
-until its validation loss reaches that target, at most ``--max-steps``. Both use AdamW with DeepSpeed's
-warm-up + cosine schedule over ``--max-steps``, so the peer's step N is not the end of its schedule and
-PETRA has the same learning rates to catch up with. A RevGPT with the LM example's defaults (8 blocks,
+until its validation loss reaches that target, at most ``--max-steps``; with ``--petra-micro-batches K
+[K ...]``, once per K, the same global batch split into K micro-batches (what a smaller micro-batch costs
+in speed against what it buys in loss). Both use AdamW with DeepSpeed's warm-up + cosine schedule over
+``--max-steps``, so the peer's step N is not the end of its schedule and PETRA has the same learning rates
+to catch up with. A RevGPT with the LM example's defaults (8 blocks,
 d = 256, seq 128, dropout 0.1, BPE 4096, micro-batch 4, k = 4, lr 3e-4) on this Python's standard-library
 docstrings (``lm_accuracy.stdlib_corpus``).
 
@@ -62,9 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--micro-batches", type=int, default=4, help="k")
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--petra-micro-batches", type=int, default=None, metavar="K",
+    p.add_argument("--petra-micro-batches", type=int, nargs="+", default=None, metavar="K",
                    help="PETRA splits the same global batch into K micro-batches (a smaller micro-batch: its stage 0 "
-                        "is 2(J-1)/K steps behind instead of 2(J-1)/k); the peer keeps --micro-batches")
+                        "is 2(J-1)/K steps behind instead of 2(J-1)/k), one race per K; the peer keeps --micro-batches")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -78,15 +80,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--target", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--split", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.eval_batches % args.micro_batches:
         p.error(f"--eval-batches {args.eval_batches} must be a multiple of --micro-batches {args.micro_batches}")
-    split = args.petra_micro_batches
-    if split is not None and (split < 1 or (args.micro_batch_size * args.micro_batches) % split):
-        p.error(f"--petra-micro-batches {split} must divide the global batch of "
-                f"{args.micro_batch_size * args.micro_batches} sequences")
+    for split in args.petra_micro_batches or ():
+        if split < 1 or (args.micro_batch_size * args.micro_batches) % split:
+            p.error(f"--petra-micro-batches {split} must divide the global batch of "
+                    f"{args.micro_batch_size * args.micro_batches} sequences")
     if not args.steps <= args.max_steps or args.steps % args.eval_every:
         p.error("--steps must be a multiple of --eval-every and at most --max-steps")
     return args
@@ -208,10 +211,10 @@ def worker(args: argparse.Namespace) -> None:
     from petra_ds.shutdown import shutdown
 
     torch.set_num_threads(1)
-    if args.worker == "petra" and args.petra_micro_batches:  # the same sequences per step, in more micro-batches
-        size = args.micro_batch_size * args.micro_batches // args.petra_micro_batches
+    if args.worker == "petra" and args.split:  # the same sequences per step, in more micro-batches
+        size = args.micro_batch_size * args.micro_batches // args.split
         args.eval_batches = args.eval_batches * args.micro_batch_size // size
-        args.micro_batch_size, args.micro_batches = size, args.petra_micro_batches
+        args.micro_batch_size, args.micro_batches = size, args.split
     deepspeed.init_distributed()
     torch.manual_seed(args.seed)
     vocab, train, val = data(args)
@@ -261,9 +264,17 @@ def prepare(args: argparse.Namespace, data_dir: str) -> int:
     return len(tokenizer)
 
 
-def launch(args: argparse.Namespace, method: str, argv: list[str], data_dir: str, target: float | None) -> list[dict]:
-    result = os.path.join(data_dir, f"{method}.json")
-    extra = [] if target is None else ["--target", repr(target)]
+def petra_name(args: argparse.Namespace, split: int | None) -> str:
+    """A PETRA race's name in the report: its compensation, and its micro-batches per step when split."""
+    if split is None:
+        return f"petra ({args.compensation})"
+    return f"petra ({args.compensation}, k = {split}, micro-batch {args.micro_batch_size * args.micro_batches // split})"
+
+
+def launch(args: argparse.Namespace, method: str, argv: list[str], data_dir: str, target: float | None,
+           split: int | None = None) -> list[dict]:
+    result = os.path.join(data_dir, f"{method}{split or ''}.json")
+    extra = ([] if target is None else ["--target", repr(target)]) + ([] if split is None else ["--split", str(split)])
     throughput.run_launched(__file__, args.stages, [*argv, "--worker", method, "--data-dir", data_dir,
                                                     "--result", result, *extra],
                             dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1"))  # Muon's kernel eager
@@ -314,32 +325,35 @@ def main(argv: list[str] | None = None) -> dict | None:
     with tempfile.TemporaryDirectory() as data_dir:
         print(f"corpus ({args.corpus_chars} characters of docstrings) and BPE tokenizer", flush=True)
         prepare(args, data_dir)
-        print(f"1/2 {args.peer}: {args.steps} steps for the target, on {args.stages} processes "
+        splits = args.petra_micro_batches or [None]
+        races = 1 + len(splits)
+        print(f"1/{races} {args.peer}: {args.steps} steps for the target, on {args.stages} processes "
               f"(DeepSpeed's start-up, then a line every {args.eval_every} steps)", flush=True)
-        peer = launch(args, args.peer, argv, data_dir, target=None)
-        target = next(p["val_loss"] for p in peer if p["step"] == args.steps)
-        print(f"1/2 done in {time.time() - began:.0f} s; 2/2 PETRA ({args.compensation}) until val loss "
-              f"{target:.4f}, at most {args.max_steps} steps", flush=True)
-        petra = launch(args, "petra", argv, data_dir, target=target)
-    print(f"2/2 done; {time.time() - began:.0f} s in all", flush=True)
-    runs = {args.peer: {"curve": peer}, f"petra ({args.compensation})": {"curve": petra}}
+        runs = {args.peer: {"curve": launch(args, args.peer, argv, data_dir, target=None)}}
+        target = next(p["val_loss"] for p in runs[args.peer]["curve"] if p["step"] == args.steps)
+        for n, split in enumerate(splits, start=2):
+            print(f"{n - 1}/{races} done in {time.time() - began:.0f} s; {n}/{races} {petra_name(args, split)} "
+                  f"until val loss {target:.4f}, at most {args.max_steps} steps", flush=True)
+            runs[petra_name(args, split)] = {"curve": launch(args, "petra", argv, data_dir, target, split)}
+    print(f"{races}/{races} done; {time.time() - began:.0f} s in all", flush=True)
     for run in runs.values():
         run["seconds_to_target"] = time_to(run["curve"], target)
         reached = [p["step"] for p in run["curve"] if p["val_loss"] <= target]
         run["steps_to_target"] = reached[0] if reached else None
-    petra_s, peer_s = runs[f"petra ({args.compensation})"]["seconds_to_target"], runs[args.peer]["seconds_to_target"]
+        mine, peer = run["seconds_to_target"], runs[args.peer]["seconds_to_target"]
+        run["time_over_peer"] = None if mine is None else mine / peer
     report = {"command": "python benchmarks/time_to_loss.py " + " ".join(argv), "device": throughput.device_name(),
               "torch": torch.__version__, "args": vars(args), "target_val_loss": target, "runs": runs,
-              "petra_time_over_peer": None if petra_s is None else petra_s / peer_s}
+              "petra_time_over_peer": runs[petra_name(args, splits[0])]["time_over_peer"]}
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     output = args.output or os.path.join("runs", "benchmarks", f"time_to_loss_{tag}.json")
     path = save_report(output, report)
     plot(report, os.path.splitext(path)[0] + ".png")
+    print(f"target (peer's val loss at step {args.steps}): {target:.4f}")
     for name, run in runs.items():
-        print(f"{name:28s} steps to target {run['steps_to_target']}, seconds {run['seconds_to_target']}")
-    ratio = report["petra_time_over_peer"]
-    print(f"target (peer's val loss at step {args.steps}): {target:.4f}; PETRA time / peer time: "
-          + ("not reached" if ratio is None else f"{ratio:.3f}x"))
+        ratio = run["time_over_peer"]
+        print(f"{name:44s} steps to target {run['steps_to_target']}, seconds {run['seconds_to_target']}, "
+              "time / peer's: " + ("not reached" if ratio is None else f"{ratio:.3f}x"))
     print(f"saved {output}")
     return report
 

@@ -44,16 +44,21 @@ def test_arguments_that_cannot_give_a_target_are_refused(capsys):
     assert "--steps must be a multiple of --eval-every and at most --max-steps" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.parse_args(["--peer", "petra"])  # PETRA races a peer, not itself
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--peer", "1f1b", "--petra-micro-batches", "16", "3"])
+    assert "--petra-micro-batches 3 must divide the global batch of 16 sequences" in capsys.readouterr().err
+    assert bench.parse_args(["--peer", "1f1b", "--petra-micro-batches", "4", "16"]).petra_micro_batches == [4, 16]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("peer", ["torch_zbv", "1f1b"])
-def test_a_tiny_race_reports_both_curves_and_the_time_ratio(tmp_path, peer):
+@pytest.mark.parametrize("peer, splits", [("torch_zbv", []), ("1f1b", ["4", "16"])])
+def test_a_tiny_race_reports_both_curves_and_the_time_ratio(tmp_path, peer, splits):
     bench = load_benchmark()
     out = tmp_path / "ttl.json"
     report = bench.main(["--peer", peer, "--steps", "4", "--max-steps", "8", "--eval-every", "2", "--eval-batches", "4",
                          "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--vocab-size", "300",
-                         "--corpus-chars", "200000", "--warmup-steps", "2", "--output", str(out)])
+                         "--corpus-chars", "200000", "--warmup-steps", "2", "--output", str(out),
+                         *(["--petra-micro-batches", *splits] if splits else [])])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert (tmp_path / "ttl.png").stat().st_size > 0
     runs = report["runs"]
@@ -61,13 +66,22 @@ def test_a_tiny_race_reports_both_curves_and_the_time_ratio(tmp_path, peer):
     assert [p["step"] for p in peer_curve] == [2, 4]
     assert report["target_val_loss"] == peer_curve[-1]["val_loss"]
     assert runs[peer]["steps_to_target"] <= 4
-    petra = runs["petra (weight_prediction)"]
+    names = ["petra (weight_prediction, k = 4, micro-batch 4)", "petra (weight_prediction, k = 16, micro-batch 1)"]
+    assert list(runs) == [peer, *(names if splits else ["petra (weight_prediction)"])]
+    for name in list(runs)[1:]:
+        check_petra_race(report, runs[name], peer)
+    assert report["petra_time_over_peer"] == runs[list(runs)[1]]["time_over_peer"]  # the first PETRA race's
+    assert all(p["train_s"] > 0 for run in runs.values() for p in run["curve"])
+
+
+def check_petra_race(report: dict, petra: dict, peer: str) -> None:
+    runs = report["runs"]
     steps = [p["step"] for p in petra["curve"]]
     assert steps == list(range(2, steps[-1] + 1, 2)) and steps[-1] <= 8
     reached = [p for p in petra["curve"] if p["val_loss"] <= report["target_val_loss"]]
     assert (petra["steps_to_target"] is None) == (not reached)
     assert reached in ([], [petra["curve"][-1]])  # it stops at the first evaluation that reaches the target
     if petra["seconds_to_target"] is not None:
-        assert report["petra_time_over_peer"] == pytest.approx(petra["seconds_to_target"] /
-                                                               runs[peer]["seconds_to_target"])
-    assert all(p["train_s"] > 0 for run in runs.values() for p in run["curve"])
+        assert petra["time_over_peer"] == pytest.approx(petra["seconds_to_target"] / runs[peer]["seconds_to_target"])
+    else:
+        assert petra["time_over_peer"] is None

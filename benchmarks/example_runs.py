@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from petra_ds.util.files import write_text_atomic
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
@@ -53,7 +55,5 @@ def save_report(output: str, report: dict) -> str:
     and a rename, so a stopped benchmark never leaves half a report; returns the path."""
     path = os.path.join(ROOT, output)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_text_atomic(path, json.dumps(report, indent=1))
     return path

@@ -20,7 +20,7 @@ import shutil
 from example_runs import DEEPSPEED, ROOT, run_example, save_report
 from lm_accuracy import stdlib_corpus
 
-from petra_ds.analysis.gradient_quality import by_stage, plot
+from petra_ds.diagnostics.gradient_quality import by_stage, plot
 
 COLUMNS = ("cos_petra_delayed", "cos_petra_e2e", "cos_delayed_e2e", "norm_petra_e2e", "reconstruction_error")
 
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default="runs/gradient_quality")
     parser.add_argument("--delay-compensation", default="none",
-                        help="PETRA's delay compensation (petra_ds.compensation): none, weight_prediction, lr_rescale")
+                        help="PETRA's delay compensation (petra_ds.runtime.compensation): none, weight_prediction, lr_rescale")
     parser.add_argument("--output-dir", default=os.path.join("runs", "benchmarks"),
                         help="where the JSON report and the PNG go (relative to the repository root)")
     parser.add_argument("--rows-from", default=None, help="recompute the tables from this saved report (no run)")

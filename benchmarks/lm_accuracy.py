@@ -43,7 +43,7 @@ def nadam(beta1: float) -> dict:
 
 def muon(lr: float) -> dict:
     """DeepSpeed's Muon on the hidden matrices and AdamW on the embedding, norms and head (the example
-    gives Muon ``petra_ds.config.MUON_LR_RATIO`` times the lr)."""
+    gives Muon ``petra_ds.runtime.config.MUON_LR_RATIO`` times the lr)."""
     return {"type": "muon", "params": {"momentum": 0.95, "betas": [0.9, 0.95],
                                        "weight_decay": 0.01, "torch_adam": True}}
 

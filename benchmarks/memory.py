@@ -12,7 +12,7 @@ J) trains ``--train-batches`` x k micro-batches (k = J unless ``--k``) on J proc
 - ``1f1b``: DeepSpeed's own PipelineEngine (TrainSchedule) on the same layers, k micro-batches per step.
 
 At the end of every PETRA clock and after every step of DeepSpeed's schedule each stage measures what it
-holds for training in flight (``petra_ds.analysis.held``): tensors autograd saved for a later backward
+holds for training in flight (``petra_ds.diagnostics.held``): tensors autograd saved for a later backward
 plus the engine's buffers, distinct storages only, parameters excluded. "activations" = graph + kept
 inputs + kept outputs; "held" adds the data micro-batches, the parameter stash and the messages. The
 unit "mb" is 1F1B's activations at that stage right after its first forward, when exactly one
@@ -38,7 +38,11 @@ from typing import Any, Sequence
 
 import torch
 
-from petra_ds.analysis.held import CATEGORIES, METHODS, launch
+from petra_ds.diagnostics.held import CATEGORIES
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from memory_worker import METHODS, launch  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABELS = {"petra": "PETRA", "delayed_ckpt": "delayed grad. + checkpointing (input buffer)",

@@ -43,11 +43,11 @@ def soak(spec: dict) -> dict:
     bytes, the most messages any of its stages held, and its RSS."""
     import petra_ds
 
-    from petra_ds.analysis.held import HeldTracker
+    from petra_ds.diagnostics.held import HeldTracker
     from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
-    from petra_ds.observe import Observer
-    from petra_ds.run_checkpoints import save
-    from petra_ds.runs import run_layout
+    from petra_ds.runtime.observe import Observer
+    from petra_ds.tools.run_checkpoints import save
+    from petra_ds.tools.runs import run_layout
 
     petra_ds.init_distributed()
     config = RevGPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, dropout=0.1)
@@ -131,7 +131,7 @@ def plot(ranks: list[dict], warmup: int, path: str) -> None:
 
 
 def main() -> None:
-    from petra_ds.spawn import launch
+    from petra_ds.tools.spawn import launch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=500, help="train_batch calls (k = 4 clocks each)")

@@ -18,10 +18,10 @@ Variants, each in fresh processes under the deepspeed launcher, same layers, mic
 
 Every pipelined variant uses the same partition method (``--partition``; by default as many transformer
 blocks per stage for the RevGPT, DeepSpeed's ``uniform`` for the RevNet) and --stages processes; with
-``profile`` each schedule is cut by its own cost rule (``petra_ds.partition``), from one measurement. DeepSpeed's
+``profile`` each schedule is cut by its own cost rule (``petra_ds.pipeline.partition``), from one measurement. DeepSpeed's
 pipeline gets the two streams stacked into one tensor (``Packed``), which halves its backward on
 reversible models; ``--ds-pairs`` measures it on the plain pair.
-Each rank also times its own stage's primitives (``petra_ds.analysis.timeline.measure_stage_costs``)
+Each rank also times its own stage's primitives (``petra_ds.perf.timeline.measure_stage_costs``)
 and the message time between neighbours, for the timeline model. After the timed calls one more call
 records each rank's peak bytes held for the backward: the most bytes autograd's saved tensors hold at
 once (``HeldTracker``, parameters excluded), plus for PETRA its buffers' largest size at a clock's end
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partition", default=None,
                         help="partition_method for every pipelined variant (default: revgpt type:RevGPTBlock, the "
                              "same number of blocks per stage; revnet uniform); 'profile': cut by the layers' "
-                             "costs, measured once by this process (petra_ds.partition), for PETRA and DeepSpeed alike")
+                             "costs, measured once by this process (petra_ds.pipeline.partition), for PETRA and DeepSpeed alike")
     parser.add_argument("--ds-pairs", action="store_true",
                         help="give DeepSpeed's pipeline the two streams as a pair of tensors, as they are (it then "
                              "runs one backward per tensor); default: stacked into one tensor (see Packed)")
@@ -176,8 +176,8 @@ def partition(args: argparse.Namespace, blocks: str) -> str:
 def measure_costs(args: argparse.Namespace, path: str) -> list:
     """``--partition profile``: every layer's costs, measured once in this (driver) process with the
     workers' thread count, saved to ``path`` for every worker to cut the same stages from."""
-    from petra_ds.partition import save_costs
-    from petra_ds.run_partition import measure_specs
+    from petra_ds.pipeline.partition import save_costs
+    from petra_ds.tools.run_partition import measure_specs
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -251,7 +251,7 @@ def pipeline_module(args: argparse.Namespace, variant: str):
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
     import petra_ds
-    from petra_ds.run_partition import baseline_module
+    from petra_ds.tools.run_partition import baseline_module
 
     specs, loss_fn, blocks = layers_and_loss(args, packed=variant != "petra" and not args.ds_pairs)
     method = partition(args, blocks)
@@ -299,7 +299,7 @@ def torch_peer(args: argparse.Namespace, variant: str, device: torch.device) -> 
     specs, loss_fn, blocks = layers_and_loss(args, packed=True)
     costs = None
     if partition(args, blocks) == "profile":
-        from petra_ds.partition import load_costs
+        from petra_ds.pipeline.partition import load_costs
 
         costs = load_costs(args.layer_costs)
     return torch_pipe.build(variant, specs, loss_fn, args.micro_batches, device, costs=costs,
@@ -330,7 +330,7 @@ def peak_held_bytes(train_batch, params, buffers=None) -> list[int]:
     tensors hold at once, plus (``buffers``, PETRA) the largest its buffers reach at a clock's end."""
     from torch import distributed as dist
 
-    from petra_ds.analysis.held import HeldTracker
+    from petra_ds.diagnostics.held import HeldTracker
 
     tracker = HeldTracker(exclude=list(params))
     with tracker.recording():
@@ -344,8 +344,8 @@ def peak_held_bytes(train_batch, params, buffers=None) -> list[int]:
 def petra_buffer_peak(engine, params):
     """An observer of PETRA's buffers (input FIFO, raw micro-batches, messages): the most bytes they
     hold at a clock's end; ``stop()`` detaches it and returns that maximum."""
-    from petra_ds.analysis.held import BUFFER_CATEGORIES, HeldTracker, petra_buffers
-    from petra_ds.observe import Observer
+    from petra_ds.diagnostics.held import BUFFER_CATEGORIES, HeldTracker, petra_buffers
+    from petra_ds.runtime.observe import Observer
 
     exclude = list(params)
 
@@ -395,9 +395,9 @@ def stage_costs(engine, data) -> dict:
     gathered on every rank."""
     from deepspeed import comm as dist
 
-    from petra_ds.analysis.timeline import measure_stage_costs
+    from petra_ds.perf.timeline import measure_stage_costs
 
-    from petra_ds.observe import Observer
+    from petra_ds.runtime.observe import Observer
 
     (stage_id,) = engine.local_stage_ids
     stage = engine.stages[stage_id]
@@ -425,13 +425,14 @@ def message_seconds(engine) -> float:
     value on every rank."""
     from deepspeed import comm as dist
 
-    from petra_ds import keys, messages
-    from petra_ds.analysis.timeline import measure_message_seconds
+    from petra_ds.schedule import channels
+    from petra_ds.runtime import messages
+    from petra_ds.perf.timeline import measure_message_seconds
 
     if engine.num_stages < 2:
         return 0.0
     stage_rank = engine.transport.stage_rank
-    holder = [engine.transport.layouts.get(keys.forward_channel(0))]  # negotiated by stage 0 on its first send
+    holder = [engine.transport.layouts.get(channels.forward_channel(0))]  # negotiated by stage 0 on its first send
     dist.broadcast_object_list(holder, src=stage_rank(0))
     rank0, rank1 = stage_rank(0), stage_rank(1)
     median = [0.0]
@@ -447,7 +448,7 @@ def worker(args: argparse.Namespace) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from petra_ds.shutdown import shutdown
+    from petra_ds.runtime.shutdown import shutdown
 
     torch.set_num_threads(args.threads)
     deepspeed.init_distributed()
@@ -482,8 +483,8 @@ def launch(args: argparse.Namespace, variant: str, argv: list[str]) -> dict:
 
 def run_launched(script: str, procs: int, argv: list[str], env: dict) -> None:
     """``script argv`` on ``procs`` processes under the deepspeed launcher, from the repository root."""
-    from petra_ds.launch import free_port
-    from petra_ds.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
+    from petra_ds.runtime.distributed import free_port
+    from petra_ds.tools.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
 
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [deepspeed, "--num_gpus", str(procs), "--master_port", str(free_port()), os.path.abspath(script), *argv]

@@ -35,7 +35,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from petra_ds.config import MUON_LR_RATIO
+from petra_ds.runtime.config import MUON_LR_RATIO
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -208,7 +208,7 @@ def worker(args: argparse.Namespace) -> None:
     import deepspeed
     from torch import distributed as dist
 
-    from petra_ds.shutdown import shutdown
+    from petra_ds.runtime.shutdown import shutdown
 
     torch.set_num_threads(1)
     if args.worker == "petra" and args.split:  # the same sequences per step, in more micro-batches

@@ -6,7 +6,7 @@ A variant is a schedule name, plus ``_ckpt`` for torch's non-reentrant activatio
 block. The layers travel with their two streams stacked into one tensor (``throughput.Packed``), the
 form DeepSpeed's baselines get too. Schedules with two stages per rank cut the layers into 2J chunks,
 interleaved (chunk v on rank v mod J) or V-shaped (chunks r and 2J-1-r on rank r). Every cut balances
-the schedule's own cost: ``petra_ds.partition`` rule ``backprop`` or ``backprop_ckpt`` when layer costs
+the schedule's own cost: ``petra_ds.pipeline.partition`` rule ``backprop`` or ``backprop_ckpt`` when layer costs
 are given, else DeepSpeed's rule named by ``partition_method`` over the chunks.
 """
 
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from petra_ds.analysis.torch_programs import placement, schedule_of
-from petra_ds.analysis.torch_programs import TORCH_VARIANTS
+from petra_ds.perf.torch_programs import placement, schedule_of
+from petra_ds.perf.torch_programs import TORCH_VARIANTS
 
 #: the benchmark's names for torch's schedules: the timeline model's
 VARIANTS = TORCH_VARIANTS
@@ -29,7 +29,7 @@ VARIANTS = TORCH_VARIANTS
 
 def local_chunks(variant: str, rank: int, ranks: int) -> list[int]:
     """The chunk (virtual stage) indices rank ``rank`` runs, in torch's placement (named once, with the
-    schedules: ``petra_ds.analysis.torch_programs``, the timeline model of the same schedules)."""
+    schedules: ``petra_ds.perf.torch_programs``, the timeline model of the same schedules)."""
     return [v for v, r in sorted(placement(variant, ranks).items()) if r == rank]
 
 
@@ -38,7 +38,7 @@ def chunk_parts(num_layers: int, chunks: int, *, costs: Sequence | None, checkpo
     """Layer boundaries of ``chunks`` contiguous chunks, balanced for a backprop schedule."""
     from deepspeed.runtime import utils as ds_utils
 
-    from petra_ds.partition import balanced_parts
+    from petra_ds.pipeline.partition import balanced_parts
 
     if costs is not None:
         return balanced_parts(costs, chunks, rule="backprop_ckpt" if checkpointed else "backprop")

@@ -1,4 +1,4 @@
-"""The test-suite's training run and fault injection, on :mod:`petra_ds.toy`'s models.
+"""The test-suite's training run and fault injection, on :mod:`petra_ds.tools.toy`'s models.
 
 :func:`run_rank` trains the toy model (or a tiny RevGPT) with PetraEngine, in a process launched as one
 rank, as ``spec`` says (keys and defaults: :data:`DEFAULT_SPEC`), and returns what the rank recorded: the
@@ -27,10 +27,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from petra_ds import spawn
-from petra_ds.config import uses_muon
-from petra_ds.module import layer_module
-from petra_ds.toy import Additive, revgpt_tiny_config, toy_data, toy_layer_specs, token_data
+from petra_ds.tools import spawn
+from petra_ds.runtime.config import uses_muon
+from petra_ds.pipeline.module import layer_module
+from petra_ds.tools.toy import Additive, revgpt_tiny_config, toy_data, toy_layer_specs, token_data
 
 
 class WrongInverse(Additive):
@@ -210,7 +210,7 @@ def _arm_kill(engine: Any, spec: dict[str, Any]) -> None:
     its ``save``-th ``save_checkpoint`` (``kill_in_save = {"save": n, "at": ...}``) with ``at``
     "state" (half of its PETRA state file written) or "commit:i" (rank 0, just before the i-th
     ``os.replace`` of ``checkpoint.commit``)."""
-    from petra_ds import checkpoint
+    from petra_ds.runtime import checkpoint
 
     if spec.get("kill_at_clock") is not None:
         def observe(eng: Any, clock: int) -> None:
@@ -274,7 +274,7 @@ def _world_size(spec: dict[str, Any], world_size: int | None, target: Callable |
 
 def run_processes(spec: dict[str, Any], world_size: int | None = None, timeout: float = 300,
                   grace: float | None = None, target: Callable[[dict], Any] | None = None) -> list[dict]:
-    """:func:`petra_ds.spawn.run_processes` of ``run_rank(spec)`` (or ``target(spec)``, ``world_size``
+    """:func:`petra_ds.tools.spawn.run_processes` of ``run_rank(spec)`` (or ``target(spec)``, ``world_size``
     given) in fresh processes: each rank's exit, result or error."""
     world_size = _world_size(spec, world_size, target)
     return spawn.run_processes(spec, world_size, timeout, grace, target=target or run_rank)

@@ -1,6 +1,6 @@
 """The communication trace the engine's OLD posting issued, lowered from PETRA's instruction streams.
 
-The negative control of :mod:`petra_ds.nccl_replay`. Before the transport of README "On GPUs: NCCL", the
+The negative control of :mod:`petra_ds.verify.nccl_replay`. Before the transport of README "On GPUs: NCCL", the
 engine posted every cross-rank receive of a clock as its own ``irecv`` at the clock's start, every send as
 its own ``isend`` right after the compute that produced it, and waited for all of them at the clock's
 ``CommitP2P``; a channel's first message went at the commit instead, after its layout header, each in a
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from petra_ds import keys
-from petra_ds.keys import channel_name
-from petra_ds.replay import streams_for
+from petra_ds.schedule import channels
+from petra_ds.schedule.channels import channel_name
+from petra_ds.verify.replay import streams_for
 from petra_ds.schedule import CommitP2P, RecvActivation, RecvGrad, SendActivation, SendGrad, Timeline, Window
 
 #: fixed message sizes per channel kind (distinct, so that a mis-pairing shows)
@@ -48,8 +48,8 @@ def message_of(cmd: Any) -> tuple[str, int, int] | None:
     s = getattr(cmd, "stage", None)
     if s is None:
         return None
-    return {SendActivation: keys.forward_channel(s), RecvActivation: keys.forward_channel(s - 1),
-            SendGrad: keys.backward_channel(s), RecvGrad: keys.backward_channel(s + 1)}.get(type(cmd))
+    return {SendActivation: channels.forward_channel(s), RecvActivation: channels.forward_channel(s - 1),
+            SendGrad: channels.backward_channel(s), RecvGrad: channels.backward_channel(s + 1)}.get(type(cmd))
 
 
 class _Lowering:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.func import functional_call
 
 from petra_ds.nn import assign_rng_keys, is_reversible, micro_batch_rng
-from petra_ds.toy import toy_layer_specs
+from petra_ds.tools.toy import toy_layer_specs
 
 LOSS = nn.CrossEntropyLoss()
 
@@ -132,7 +132,7 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
     """PETRA's clock in one loop. Returns (final params by name, grads per stage per step).
 
     ``compensation`` ({"method": ..., its parameters}, or a list of them) and ``clip`` (per-stage gradient
-    clipping) follow their papers' rules written out here, not petra_ds.compensation: weight prediction
+    clipping) follow their papers' rules written out here, not petra_ds.runtime.compensation: weight prediction
     runs the forward through ``functional_call`` on w + scale * tau_j / k * d (d: the last update, or its
     average with ``beta``); the LR rescaling multiplies SGD's lr by max(1, tau_j / k) ** -max(0, 1 - (t - 1)
     / anneal); the adaptive momentum hands ``optimizer`` the coefficient b1 + (beta1_max - b1) * s_j /

@@ -26,7 +26,7 @@ would run. ``PETRA_DS_TEST_POOL=0`` turns the pool off (every launch gets fresh 
 ``PETRA_DS_TEST_POOL_LOG=<file>`` appends a line per task (world size, new or reused, seconds, test).
 
 Runs that kill a rank, or that must start from fresh processes (resuming from a checkpoint "in fresh
-processes"), use :func:`petra_ds.spawn.launch` instead (``harness.launch(..., fresh=True)``).
+processes"), use :func:`petra_ds.tools.spawn.launch` instead (``harness.launch(..., fresh=True)``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from typing import Any, Callable
 import numpy
 import torch
 
-from petra_ds import spawn
-from petra_ds.launch import free_port
+from petra_ds.tools import spawn
+from petra_ds.runtime.distributed import free_port
 
 #: a world is replaced after this many tasks (bounds whatever a task leaves behind in a worker)
 MAX_TASKS = 40
@@ -85,9 +85,9 @@ def _reset(rank: int, world: int, port: int, env: dict, cwd: str, spec: dict) ->
 
 
 def _teardown() -> None:
-    """Leave no process group and no engine behind (``petra_ds.shutdown``). (What DeepSpeed and petra_ds keep
+    """Leave no process group and no engine behind (``petra_ds.runtime.shutdown``). (What DeepSpeed and petra_ds keep
     at module level besides is set again by the next run: ``petra_ds.init_distributed`` its group timeout.)"""
-    from petra_ds.shutdown import shutdown
+    from petra_ds.runtime.shutdown import shutdown
 
     shutdown()
 
@@ -143,7 +143,7 @@ class World:
         return all(p.is_alive() for p in self.procs)
 
     def run(self, target: Callable[[dict], Any], spec: dict, timeout: float, grace: float | None) -> list[dict]:
-        """Outcomes by rank, as :func:`petra_ds.spawn.run_processes` reports them (``result`` or
+        """Outcomes by rank, as :func:`petra_ds.tools.spawn.run_processes` reports them (``result`` or
         ``error``); the caller kills the world when one failed."""
         self.tasks += 1
         task = (target, spec, free_port(), dict(os.environ), os.getcwd())

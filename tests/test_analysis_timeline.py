@@ -9,18 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from petra_ds.analysis.timeline import (
-    Costs,
-    StageCosts,
-    main,
-    measure_stage_costs,
-    plot_gantt,
-    predict,
-    revnet_costs,
-    seconds_per_micro_batch,
-    simulate_schedule,
-    validate,
-)
+from petra_ds.perf.timeline import (Costs, StageCosts, main, measure_stage_costs, plot_gantt, predict, revnet_costs,
+                                    seconds_per_micro_batch, simulate_schedule, validate)
 from petra_ds.schedule import PetraSchedule, Timeline
 
 F, FG, B = 1.0, 1.3, 2.1  # forward, forward with graph, backward (arbitrary units)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from petra_ds.config import PetraConfig, PetraConfigError, split_config
+from petra_ds.runtime.config import PetraConfig, PetraConfigError, split_config
 
 BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
@@ -48,7 +48,7 @@ def test_non_finite_and_check_reversible_values_are_validated():
 @pytest.mark.parametrize("name", ["PETRA", "Petra", "petra_", "petr"])
 def test_a_section_named_almost_petra_is_refused_instead_of_training_1f1b(name, world_of_one):
     import petra_ds
-    from petra_ds.config import PetraConfigError
+    from petra_ds.runtime.config import PetraConfigError
 
     with pytest.raises(PetraConfigError, match=f'has a "{name}" section, which is not "petra"'):
         petra_ds.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1, name: {}})

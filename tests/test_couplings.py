@@ -4,14 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from petra_ds.nn import (
-    AdditiveCoupling,
-    Merge,
-    ReversibleSequential,
-    Split,
-    SwapCoupling,
-    reconstruction_error,
-)
+from petra_ds.nn import AdditiveCoupling, Merge, ReversibleSequential, Split, SwapCoupling, reconstruction_error
 
 SEEDS = [0, 1, 2]
 

@@ -4,9 +4,9 @@ tests/oracle.py (float64, the toy model, dropout on), and what must stay exact: 
 import pytest
 import torch
 
-from petra_ds.compensation import DelayCompensation, LrRescale, WeightPrediction
-from petra_ds.config import PetraConfig, PetraConfigError
-from petra_ds.toy import toy_data
+from petra_ds.runtime.compensation import DelayCompensation, LrRescale, WeightPrediction
+from petra_ds.runtime.config import PetraConfig, PetraConfigError
+from petra_ds.tools.toy import toy_data
 
 import oracle
 from harness import launch, merged_params
@@ -134,7 +134,7 @@ def test_weight_stashing_and_compensation_are_not_combined():
 def test_the_examples_flag_writes_the_petra_section_and_refuses_a_backprop_config():
     import argparse
 
-    from petra_ds.runs import add_run_arguments, apply_run_arguments
+    from petra_ds.tools.runs import add_run_arguments, apply_run_arguments
 
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
@@ -321,7 +321,7 @@ def test_muon_tags_the_hidden_matrices_of_a_pipeline(world_of_one):
     from deepspeed.runtime.pipe.module import PipelineModule
 
     from petra_ds.models.transformer import RevGPTConfig, revgpt_layers
-    from petra_ds.module import tag_muon_parameters
+    from petra_ds.pipeline.module import tag_muon_parameters
 
     model = PipelineModule(revgpt_layers(RevGPTConfig(vocab_size=50, seq_len=8, d_model=16, n_layers=2, n_heads=2)),
                            num_stages=1, partition_method="uniform")

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from petra_ds.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
+from petra_ds.tools.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
 from subprocess_env import ROOT, launcher_env
 from test_example_resume import _launch, _layer_files, _rows
 from test_lm_example import SMALL, _files

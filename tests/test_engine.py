@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from petra_ds.schedule import delay
-from petra_ds.toy import toy_data
+from petra_ds.tools.toy import toy_data
 
 import oracle
 from harness import launch, merged_grads, merged_params
@@ -156,7 +156,7 @@ PLAIN_LOAD = """
 import sys, torch, petra_ds
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from petra_ds.toy import toy_layer_specs
+from petra_ds.tools.toy import toy_layer_specs
 petra_ds.init_distributed(dist_backend="gloo")
 torch.set_default_dtype(torch.float64)
 module = PipelineModule(toy_layer_specs(0.1), num_stages=1, loss_fn=torch.nn.CrossEntropyLoss(),

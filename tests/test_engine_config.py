@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from petra_ds.messages import MessageLayoutError
+from petra_ds.runtime.messages import MessageLayoutError
 
 from harness import launch
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from petra_ds.data.stream import EpochBatches, KeyedSamples
-from petra_ds.launch import free_port
-from petra_ds.runs import RunFiles
+from petra_ds.runtime.distributed import free_port
+from petra_ds.tools.runs import RunFiles
 from subprocess_env import ROOT, launcher_env
 
 from test_lm_example import SMALL, _files

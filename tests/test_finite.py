@@ -1,4 +1,4 @@
-"""A NaN or Inf is named where it first appears (``petra_ds.finite``): what it is (a micro-batch, an
+"""A NaN or Inf is named where it first appears (``petra_ds.runtime.finite``): what it is (a micro-batch, an
 activation, a reconstruction, a loss, a gradient; NaN or Inf), its stage, micro-batch and clock, never as a
 wrong inverse; ``"check_finite": false`` turns the checks off.
 
@@ -20,7 +20,7 @@ from torch import nn
 import petra_ds
 from petra_ds.nn import AdditiveCoupling, Reversible, ReversibilityError, check_reversible
 from petra_ds.schedule import backward_micro_batch, forward_micro_batch
-from petra_ds.toy import CLASSES, IN_FEATURES, toy_data, toy_layer_specs
+from petra_ds.tools.toy import CLASSES, IN_FEATURES, toy_data, toy_layer_specs
 
 J, K, MARKED = 3, 2, 3  # stages, micro-batches per train_batch, the micro-batch that misbehaves
 MARK = 1000.0

@@ -7,9 +7,9 @@ import torch
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 import petra_ds
-from petra_ds.analysis import gradient_quality as gq
+from petra_ds.diagnostics import gradient_quality as gq
 from petra_ds.schedule import delay
-from petra_ds.toy import toy_data
+from petra_ds.tools.toy import toy_data
 
 import oracle
 from harness import launch, model_for, parameter_names

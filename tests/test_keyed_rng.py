@@ -3,7 +3,8 @@
 import torch
 from torch import nn
 
-from petra_ds.nn import AdditiveCoupling, SwapCoupling, ReversibleSequential, derive_seed, micro_batch_rng, reconstruction_error
+from petra_ds.nn import (AdditiveCoupling, SwapCoupling, ReversibleSequential, derive_seed, micro_batch_rng,
+                         reconstruction_error)
 
 
 def dropout_mlp(d=8, p=0.5):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from petra_ds.launch import free_port
+from petra_ds.runtime.distributed import free_port
 from subprocess_env import ROOT, launcher_env
 
 SCRIPT = os.path.join(ROOT, "examples", "quickstart", "train.py")
@@ -54,7 +54,7 @@ def test_rank_zero_is_told_before_deepspeed_compiles_its_cpu_communication_op(tm
     C++ compiler): init_distributed says so first, unless torch's extension directory holds the build."""
     from deepspeed.accelerator import get_accelerator
 
-    from petra_ds.launch import shm_comm_build_note
+    from petra_ds.runtime.distributed import shm_comm_build_note
 
     if get_accelerator().device_name() != "cpu":
         pytest.skip("the op is built on CPU machines only")
@@ -77,7 +77,7 @@ def test_torchruns_shared_store_is_refused_to_a_restarted_worker_and_named_befor
     import pytest
     from deepspeed.utils import logger
 
-    from petra_ds.launch import SEPARATE_STORE, check_elastic_store
+    from petra_ds.runtime.distributed import SEPARATE_STORE, check_elastic_store
 
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3", "RANK": "0"}
     records = []

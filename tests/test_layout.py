@@ -1,4 +1,4 @@
-"""The run layout fitted to the launched processes (petra_ds.runs.choose_layout), and CIFAR-10's message
+"""The run layout fitted to the launched processes (petra_ds.tools.runs.choose_layout), and CIFAR-10's message
 when its files are missing offline."""
 
 import os
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from petra_ds.runs import Layout, choose_layout
+from petra_ds.tools.runs import Layout, choose_layout
 from subprocess_env import ROOT, launcher_env
 
 
@@ -151,7 +151,7 @@ def test_the_revnet_example_exits_cleanly_without_cifar10(tmp_path):
 ])
 def test_a_global_batch_is_split_so_the_first_stage_is_at_most_a_step_behind(global_batch, replicas, stages,
                                                                                micro_batches, expected):
-    from petra_ds.runs import split_global_batch
+    from petra_ds.tools.runs import split_global_batch
 
     assert split_global_batch(global_batch, replicas, stages, micro_batches) == expected
 
@@ -160,7 +160,7 @@ def test_a_global_batch_is_split_so_the_first_stage_is_at_most_a_step_behind(glo
                                            ((16, 1, 4, 3), "--micro-batches 3 does not divide the 16 samples"),
                                            ((0, 1, 4, None), "--global-batch must be an integer >= 1")])
 def test_a_global_batch_that_cannot_be_split_names_the_fix(args, message):
-    from petra_ds.runs import split_global_batch
+    from petra_ds.tools.runs import split_global_batch
 
     with pytest.raises(ValueError, match=message):
         split_global_batch(*args)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from petra_ds.launch import free_port
+from petra_ds.runtime.distributed import free_port
 from subprocess_env import ROOT, launcher_env
 
 from test_text_data import corpus
@@ -74,7 +74,7 @@ def test_profile_partition_cuts_petra_and_its_baseline_from_one_costs_file(tmp_p
     file; PETRA (J = 4 stages) and DeepSpeed's 1F1B (2 stages) each cut it by their own rule, as
     recomputed here. A costs file for another model is refused before training."""
     from harness import launch, run_example
-    from petra_ds.partition import balanced_parts, load_costs, save_costs
+    from petra_ds.pipeline.partition import balanced_parts, load_costs, save_costs
 
     out = tmp_path / "run"
     argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", config), "--model", "revgpt", "--tie-embeddings",

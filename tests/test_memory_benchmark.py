@@ -1,4 +1,4 @@
-"""The held-bytes instrument (petra_ds.analysis.held) and benchmarks/memory.py.
+"""The held-bytes instrument (petra_ds.diagnostics.held) and benchmarks/memory.py.
 
 Oracles: exact byte counts on hand-built graphs; PETRA's reversible stages hold no activation at any clock
 end; the input-buffer ablation holds 2(J-1-j) inputs of known size at stage j (and agrees with the
@@ -8,18 +8,17 @@ min(k, J-j) micro-batches' activations, so its first stage holds min(k, J).
 
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
 
-from petra_ds.analysis.held import (
-    HeldTracker,
-    StepObserved,
-    activations,
-    launch,
-)
+from petra_ds.diagnostics.held import HeldTracker, StepObserved, activations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from memory_worker import launch  # noqa: E402
 F64 = 8
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from petra_ds.launch import free_port
+from petra_ds.runtime.distributed import free_port
 from subprocess_env import ROOT, launcher_env
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -6,14 +6,8 @@ import json
 import pytest
 
 from legacy_posting import legacy_trace
-from petra_ds.nccl_replay import (
-    NcclHang,
-    NcclPairingError,
-    NcclReplayError,
-    NcclRuleError,
-    load_traces,
-    replay_nccl,
-)
+from petra_ds.verify.nccl_replay import (NcclHang, NcclPairingError, NcclReplayError, NcclRuleError, load_traces,
+                                         replay_nccl)
 
 
 def send(peer, numel, channel):

@@ -9,8 +9,8 @@ The negative control (the old posting, reported as a hang) is in ``test_nccl_rep
 
 import pytest
 
-from petra_ds.nccl_replay import load_traces, main, replay_nccl
-from petra_ds.transport import TRACE_ENV
+from petra_ds.verify.nccl_replay import load_traces, main, replay_nccl
+from petra_ds.runtime.transport import TRACE_ENV
 
 from harness import launch
 

@@ -1,4 +1,4 @@
-"""The cost-balanced partition (petra_ds.partition) against brute force, and through PetraPipelineModule."""
+"""The cost-balanced partition (petra_ds.pipeline.partition) against brute force, and through PetraPipelineModule."""
 
 import itertools
 import json
@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import petra_ds
-from petra_ds.module import spec_is_reversible
-from petra_ds.partition import RULES, LayerCost, balanced_parts, load_costs, stage_cost
-from petra_ds.toy import toy_layer_specs
+from petra_ds.pipeline.module import spec_is_reversible
+from petra_ds.pipeline.partition import RULES, LayerCost, balanced_parts, load_costs, stage_cost
+from petra_ds.tools.toy import toy_layer_specs
 
 
 def all_partitions(n: int, J: int):
@@ -112,8 +112,8 @@ def test_profile_without_costs_or_with_the_wrong_count_says_what_to_pass(world_o
 def test_measured_costs_have_a_reconstruction_exactly_for_the_reversible_layers_and_leave_the_model_alone():
     import torch
 
-    from petra_ds.analysis.measure import measure_layer_costs
-    from petra_ds.toy import toy_data
+    from petra_ds.perf.measure import measure_layer_costs
+    from petra_ds.tools.toy import toy_data
 
     torch.manual_seed(0)
     specs = toy_layer_specs(dropout=0.0, batchnorm=True)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from petra_ds import spawn
+from petra_ds.tools import spawn
 
 import pool
 from harness import launch

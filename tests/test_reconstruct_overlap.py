@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import petra_ds
-from petra_ds.config import PetraConfig, PetraConfigError
+from petra_ds.runtime.config import PetraConfig, PetraConfigError
 from petra_ds.nn import AdditiveCoupling, ReversibleSequential, SwapCoupling
 from petra_ds.nn.reversible import SequentialTape, reconstruct, reconstruct_and_backward
-from petra_ds.stage import Stage, StageOptions
-from petra_ds.toy import Additive, Swap
+from petra_ds.runtime.stage import Stage, StageOptions
+from petra_ds.tools.toy import Additive, Swap
 
 from harness import launch, run_rank
 
@@ -31,7 +31,7 @@ def _one_thread():
 
 
 BLOCKS = {"additive": [Additive] * 3, "swap": [Swap] * 3, "mixed": [Swap, Additive, Swap, Additive]}
-WIDTH = 4  # petra_ds.toy's stream width
+WIDTH = 4  # petra_ds.tools.toy's stream width
 
 
 def stage_pair(blocks, dropout, batchnorm, **options):
@@ -58,8 +58,8 @@ def train(stage, data, deltas, lr=0.1):
     ys = [stage.forward(m, x) for m, x in enumerate(data)]
     out = []
     for m, (y, delta) in enumerate(zip(ys, deltas)):
-        stage.reconstruct(m, y)
-        dx, x_tilde = stage.backward(m, delta)
+        stage.reconstruct(m, y, delta)
+        dx, x_tilde = stage.backward(m)
         out.append((dx, x_tilde, [p.grad.clone() for p in stage.params]))
         if m % 2 == 1:
             with torch.no_grad():
@@ -96,8 +96,8 @@ def test_block_by_block_is_bit_identical_to_the_plain_order(blocks, dropout, bat
     if dropout and not bf16:  # keyed masks: without them x~ would be far from x even before the first step
         fresh, _ = stage_pair(blocks, dropout, batchnorm)
         y = fresh.forward(0, data[0])
-        fresh.reconstruct(0, y)
-        _, x_tilde = fresh.backward(0, deltas[0])
+        fresh.reconstruct(0, y, deltas[0])
+        _, x_tilde = fresh.backward(0)
         assert max((a - b).abs().max().item() for a, b in zip(x_tilde, data[0])) < 1e-12
 
 
@@ -148,7 +148,7 @@ def test_the_chain_order_matches_its_tape_and_walks_nested_chains():
 def test_at_most_two_blocks_graphs_are_alive_at_once():
     """The plain order holds the graphs of all the stage's blocks before its first VJP; block by block
     holds two (the block being differentiated and the one being rebuilt): 2/4 of it for four blocks."""
-    from petra_ds.analysis.held import HeldTracker
+    from petra_ds.diagnostics.held import HeldTracker
 
     torch.set_default_dtype(torch.float64)
     peaks = []
@@ -159,8 +159,8 @@ def test_at_most_two_blocks_graphs_are_alive_at_once():
         y = stage.forward(0, x)
         tracker = HeldTracker(exclude=stage.params)
         with tracker.recording():
-            stage.reconstruct(0, y)
-            stage.backward(0, y)
+            stage.reconstruct(0, y, y)
+            stage.backward(0)
         peaks.append(tracker.peak_bytes)
     plain, overlap = peaks
     assert 0.4 * plain < overlap <= 0.55 * plain, peaks
@@ -284,12 +284,12 @@ def test_deferred_reconstruction_contract():
     x = (torch.randn(3, WIDTH), torch.randn(3, WIDTH))
     y = stage.forward(0, x)
     with pytest.raises(RuntimeError, match="without its reconstruction"):
-        stage.backward(0, y)
-    assert stage.reconstruct(0, y) is None
+        stage.backward(0)
+    assert stage.reconstruct(0, y, y) is None
     with pytest.raises(RuntimeError, match="in the middle of a clock"):
         stage.state_dict()
-    dx, x_tilde = stage.backward(0, y)
-    assert len(dx) == len(x_tilde) == 2 and stage.deferred is None
+    dx, x_tilde = stage.backward(0)
+    assert len(dx) == len(x_tilde) == 2 and stage.reconstruction is None
     assert max((a - b).abs().max().item() for a, b in zip(x_tilde, x)) < 1e-12
 
 

@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from petra_ds import checkpoint
+from petra_ds.runtime import checkpoint
 
 from harness import launch, merged_params, run_processes
 from test_engine import SGD, run as engine_run

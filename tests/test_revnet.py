@@ -5,7 +5,7 @@ import torch
 import torchvision
 
 from petra_ds.models.revnet import RevBlock, _plan, build_sequential, resnet_layers, revnet_layers
-from petra_ds.module import spec_is_reversible
+from petra_ds.pipeline.module import spec_is_reversible
 from petra_ds.nn import check_reversible
 
 PAPER_PARAMS = {18: 12.2e6, 34: 22.3e6, 50: 30.4e6}  # Tab. 2, 1000-class head

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from petra_ds.launch import free_port
+from petra_ds.runtime.distributed import free_port
 from subprocess_env import ROOT, launcher_env
 
 
@@ -49,8 +49,8 @@ def test_profile_partition_measures_once_and_every_rank_cuts_from_the_file(tmp_p
     from harness import launch, run_example
     from petra_ds.data import INFO
     from petra_ds.models.revnet import revnet_layers
-    from petra_ds.module import spec_is_reversible
-    from petra_ds.partition import balanced_parts, load_costs
+    from petra_ds.pipeline.module import spec_is_reversible
+    from petra_ds.pipeline.partition import balanced_parts, load_costs
 
     out = tmp_path / "run"
     argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra.json"), "--dataset", "digits", "--width", "8",

@@ -1,4 +1,4 @@
-"""The examples' checkpoints (petra_ds.run_checkpoints): only the newest few are kept, a damaged newest one
+"""The examples' checkpoints (petra_ds.tools.run_checkpoints): only the newest few are kept, a damaged newest one
 is named with what is wrong, and ``--resume auto`` falls back to the one before and continues from it."""
 
 import itertools
@@ -6,15 +6,15 @@ import os
 
 import torch
 
-from petra_ds.spawn import launch
+from petra_ds.tools.spawn import launch
 
 
 def build_engine():
     import petra_ds
     from torch import nn
 
-    from petra_ds.runs import run_layout
-    from petra_ds.toy import toy_layer_specs
+    from petra_ds.tools.runs import run_layout
+    from petra_ds.tools.toy import toy_layer_specs
 
     layers = toy_layer_specs(dropout=0.0)
     layout = run_layout(len(layers))
@@ -28,7 +28,7 @@ def build_engine():
 
 
 def resume_outcome(engine, out: str, fall_back: bool) -> dict:
-    from petra_ds.run_checkpoints import resume
+    from petra_ds.tools.run_checkpoints import resume
 
     try:
         state = resume(engine, out, fall_back=fall_back)
@@ -44,8 +44,8 @@ def damage_and_resume(spec: dict) -> dict:
     import petra_ds
     from deepspeed import comm as dist
 
-    from petra_ds.run_checkpoints import checkpoint_dir, save, tags
-    from petra_ds.toy import toy_data
+    from petra_ds.tools.run_checkpoints import checkpoint_dir, save, tags
+    from petra_ds.tools.toy import toy_data
 
     petra_ds.init_distributed()
     engine = build_engine()

@@ -1,4 +1,4 @@
-"""petra_ds.run_partition in one process: the shared costs file, the agreement check, the atomic write."""
+"""petra_ds.tools.run_partition in one process: the shared costs file, the agreement check, the atomic write."""
 
 import json
 import os
@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from petra_ds import checkpoint
-from petra_ds.partition import LayerCost, load_costs, save_costs
-from petra_ds.run_partition import COSTS_FILE, agreed_partition, shared_layer_costs
-from petra_ds.toy import toy_data, toy_layer_specs
+from petra_ds.runtime import checkpoint
+from petra_ds.pipeline.partition import LayerCost, load_costs, save_costs
+from petra_ds.tools.run_partition import COSTS_FILE, agreed_partition, shared_layer_costs
+from petra_ds.tools.toy import toy_data, toy_layer_specs
 
 
 def _micro_batch():
@@ -77,7 +77,7 @@ def test_a_failed_write_leaves_the_previous_costs_file_whole(tmp_path, monkeypat
 def test_a_costs_file_without_the_profile_partition_is_refused():
     import argparse
 
-    from petra_ds.runs import add_run_arguments, apply_run_arguments
+    from petra_ds.tools.runs import add_run_arguments, apply_run_arguments
 
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
@@ -91,8 +91,8 @@ def test_the_module_cuts_for_the_engines_input_buffer(world_of_one):
     """A reversible middle stage that keeps its inputs ("all") recomputes instead of reconstructing, so
     with a cheap reconstruction and a costly recompute the balanced cut moves."""
     import petra_ds
-    from petra_ds.module import spec_is_reversible
-    from petra_ds.partition import balanced_parts
+    from petra_ds.pipeline.module import spec_is_reversible
+    from petra_ds.pipeline.partition import balanced_parts
 
     specs = toy_layer_specs()
     costs = [LayerCost(1.0, 3.0, 1.0, 0.1) if spec_is_reversible(s) else LayerCost(1.0, 1.0, 1.0) for s in specs]

@@ -4,18 +4,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
 
-from petra_ds.replay import ScheduleError, replay, streams_for
-from petra_ds.schedule import (
-    AccumulateAndStep,
-    CommitP2P,
-    DelayedBackward,
-    ForwardPass,
-    PetraSchedule,
-    ReverseReconstruct,
-    SendActivation,
-    Timeline,
-    delay,
-)
+from petra_ds.verify.replay import ScheduleError, replay, streams_for
+from petra_ds.schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, ForwardPass, PetraSchedule,
+                               ReverseReconstruct, SendActivation, Timeline, delay)
 
 
 def mixed_reversibility(J):

@@ -4,7 +4,7 @@ tests/test_schedule.py replays fixed layouts and checks, over random window sequ
 pipeline drains with the right number of backwards and steps. Here every random configuration
 (J = ranks x stages_per_rank, k, train_batch calls that feed all, some or none of their k clocks,
 drains, reversible stages, input_buffer "all" or "non_reversible", tied weights) is replayed through
-``petra_ds.replay`` and its report is compared with what the equations say, computed independently
+``petra_ds.verify.replay`` and its report is compared with what the equations say, computed independently
 of ``PetraSchedule``: which micro-batches exist, at which clock each forward, backward, step and
 message happens.
 """
@@ -15,25 +15,11 @@ from collections import Counter
 
 from hypothesis import given, settings, strategies as st
 
-from petra_ds.config import INPUT_BUFFERS
-from petra_ds.replay import replay, streams_for
-from petra_ds.schedule import (
-    PetraSchedule,
-    RecvActivation,
-    RecvGrad,
-    RecvTiedGrad,
-    RecvTiedWeight,
-    ReverseReconstruct,
-    SendActivation,
-    SendGrad,
-    SendTiedGrad,
-    SendTiedWeight,
-    Timeline,
-    Window,
-    backward_micro_batch,
-    delay,
-    forward_micro_batch,
-)
+from petra_ds.runtime.config import INPUT_BUFFERS
+from petra_ds.verify.replay import replay, streams_for
+from petra_ds.schedule import (PetraSchedule, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight,
+                               ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad, SendTiedWeight, Timeline,
+                               Window, backward_micro_batch, delay, forward_micro_batch)
 
 DRAIN = None
 
@@ -151,15 +137,15 @@ def test_every_message_travels_exactly_one_clock(run):
         elif isinstance(cmd, RecvGrad):
             recvs[("grad", cmd.stage + 1, cmd.stage, cmd.micro_batch, cmd.with_input, clock)] += 1
         elif isinstance(cmd, SendTiedGrad):
-            sends[("tied_grad", cmd.key, cmd.stage, cmd.owner, cmd.step, clock)] += 1
+            sends[("tied_grad", cmd.tie, cmd.stage, cmd.owner, cmd.step, clock)] += 1
             assert report.steps[cmd.stage][cmd.step - 1] == clock < report.steps[cmd.owner][cmd.step - 1]
         elif isinstance(cmd, RecvTiedGrad):
-            recvs[("tied_grad", cmd.key, cmd.reader, cmd.stage, cmd.step, clock)] += 1
+            recvs[("tied_grad", cmd.tie, cmd.reader, cmd.stage, cmd.step, clock)] += 1
         elif isinstance(cmd, SendTiedWeight):
-            sends[("tied_weight", cmd.key, cmd.stage, cmd.reader, cmd.step, clock)] += 1
+            sends[("tied_weight", cmd.tie, cmd.stage, cmd.reader, cmd.step, clock)] += 1
             assert report.steps[cmd.stage][cmd.step - 1] == clock
         elif isinstance(cmd, RecvTiedWeight):
-            recvs[("tied_weight", cmd.key, cmd.owner, cmd.stage, cmd.step, clock)] += 1
+            recvs[("tied_weight", cmd.tie, cmd.owner, cmd.stage, cmd.step, clock)] += 1
     assert sends == recvs
     assert all(count == 1 for count in sends.values())
     fed = len(expected_feed(run))

@@ -6,13 +6,13 @@ import pytest
 from torch import nn
 
 import petra_ds
-from petra_ds.settings import format_settings
+from petra_ds.diagnostics.settings import format_settings
 
 
 def toy_engine(config_extra: dict, petra: bool = True, compensation="weight_prediction"):
     from deepspeed.pipe import PipelineModule
 
-    from petra_ds.toy import toy_layer_specs
+    from petra_ds.tools.toy import toy_layer_specs
 
     layers = toy_layer_specs(dropout=0.0)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,

@@ -1,4 +1,4 @@
-"""A finished run exits 0: ``petra_ds.shutdown.shutdown`` ends the process groups, and joins gloo's threads,
+"""A finished run exits 0: ``petra_ds.runtime.shutdown.shutdown`` ends the process groups, and joins gloo's threads,
 before the interpreter's teardown, where a group freed late aborted finished runs ("terminate called
 without an active exception")."""
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from petra_ds.launch import free_port
-from petra_ds.spawn import launch
+from petra_ds.runtime.distributed import free_port
+from petra_ds.tools.spawn import launch
 from subprocess_env import ROOT, launcher_env
 from test_run_checkpoints import build_engine
 
@@ -20,10 +20,10 @@ def train_then_shut_down(spec: dict) -> dict:
     """A 2-rank PETRA run of the quickstart's toy network (J = 8); gloo's threads with the engine alive,
     after it is gone, and after shutdown."""
     import petra_ds
-    from petra_ds.shutdown import communication_threads, shutdown
+    from petra_ds.runtime.shutdown import communication_threads, shutdown
 
     def train() -> list[str]:
-        from petra_ds.toy import toy_data
+        from petra_ds.tools.toy import toy_data
 
         petra_ds.init_distributed()
         engine = build_engine()
@@ -49,7 +49,7 @@ def test_shutdown_joins_the_pipeline_groups_threads():
 
 
 def test_shutdown_without_a_process_group_does_nothing():
-    from petra_ds.shutdown import shutdown
+    from petra_ds.runtime.shutdown import shutdown
 
     assert not torch.distributed.is_initialized()
     shutdown()

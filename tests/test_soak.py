@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from petra_ds.spawn import launch
+from petra_ds.tools.spawn import launch
 from subprocess_env import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -10,18 +10,12 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds
 from torch.distributed import pipelining
 
-from petra_ds.analysis import torch_programs
-from petra_ds.analysis.costs import Costs, StageCosts
-from petra_ds.analysis.predict import predict, seconds_per_micro_batch
-from petra_ds.analysis.programs import simulate_schedule
-from petra_ds.analysis.torch_programs import (
-    INPUT_GRAD_SHARE,
-    SCHEDULES,
-    TORCH_VARIANTS,
-    UnsupportedMicroBatches,
-    placement,
-    rank_actions,
-)
+from petra_ds.perf import torch_programs
+from petra_ds.perf.costs import Costs, StageCosts
+from petra_ds.perf.predict import predict, seconds_per_micro_batch
+from petra_ds.perf.programs import simulate_schedule
+from petra_ds.perf.torch_programs import (INPUT_GRAD_SHARE, SCHEDULES, TORCH_VARIANTS, UnsupportedMicroBatches,
+                                          placement, rank_actions)
 
 FG, B = 1.3, 2.1  # forward with graph, backward (arbitrary units)
 ZERO_BUBBLE = ("torch_interleaved_zb", "torch_zbv", "torch_dualpipev")

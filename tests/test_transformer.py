@@ -8,16 +8,10 @@ import pytest
 import torch
 from transformers import ReformerConfig, ReformerModelWithLMHead
 
-from petra_ds.models.reformer import (
-    ReformerBlock,
-    layer_states,
-    reformer_layers,
-    reformer_state_dict,
-    to_reformer,
-)
+from petra_ds.models.reformer import ReformerBlock, layer_states, reformer_layers, reformer_state_dict, to_reformer
 from petra_ds.models.transformer import RevGPTBlock, RevGPTConfig, lm_loss, revgpt_layers
 from petra_ds.nn import ReversibleSequential, micro_batch_rng, reconstruction_error
-from petra_ds.toy import revgpt_tiny_config, token_data
+from petra_ds.tools.toy import revgpt_tiny_config, token_data
 
 import oracle
 from harness import launch, merged_grads

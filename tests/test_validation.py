@@ -16,9 +16,10 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import petra_ds
-from petra_ds.config import BN_RUNNING_STATS, INPUT_BUFFERS, NON_FINITE, PetraConfig, PetraConfigError, split_config
-from petra_ds.messages import MessageLayoutError
-from petra_ds.toy import toy_data, toy_layer_specs
+from petra_ds.runtime.config import (BN_RUNNING_STATS, INPUT_BUFFERS, NON_FINITE, PetraConfig, PetraConfigError,
+                                     split_config)
+from petra_ds.runtime.messages import MessageLayoutError
+from petra_ds.tools.toy import toy_data, toy_layer_specs
 
 BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}

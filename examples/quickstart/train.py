@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 examples/quickstart/train.py --deepspeed_config ds_configs/quickstart.json
     python examples/quickstart/train.py --deepspeed_config ds_configs/quickstart.json   # one process, all stages
 
-The layout fits the processes launched (petra_ds.runs.choose_layout, printed by rank 0; it overrides the
+The layout fits the processes launched (petra_ds.tools.runs.choose_layout, printed by rank 0; it overrides the
 config's petra.stages_per_rank): one process hosts all J = 9 stages, one per layer (the paper's
 single-device setting on the same engine); 4 processes are 4 pipeline ranks of 2 stages each (J = 8, one
 stage holding two layers); more than 9 processes add data-parallel replicas, each training on its own
@@ -21,9 +21,9 @@ from deepspeed import comm as dist
 from torch import nn
 
 import petra_ds
-from petra_ds.runs import run_layout, run_main
+from petra_ds.tools.runs import run_layout, run_main
 from petra_ds.schedule import delay
-from petra_ds.toy import toy_data, toy_layer_specs
+from petra_ds.tools.toy import toy_data, toy_layer_specs
 
 
 def main() -> None:

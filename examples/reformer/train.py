@@ -9,7 +9,7 @@
     ... --dataset wikitext --dataset-config wikitext-103-raw-v1 --tokenizer gpt2        # online
 
 A config with a "petra" section trains with PETRA; one without with DeepSpeed's synchronous 1F1B.
-The layout fits the processes launched (petra_ds.runs.choose_layout; rank 0 prints it): without --stages
+The layout fits the processes launched (petra_ds.tools.runs.choose_layout; rank 0 prints it): without --stages
 and --data-parallel, the fewest data-parallel replicas that leave at most one pipeline rank per layer and
 as many PETRA stages per rank as the layers allow (the default RevGPT's 11 layers on 4 processes: J = 8,
 three stages of two layers; on one process: J = 11).
@@ -26,7 +26,7 @@ from the latest one: step count, optimizer and LR schedule, the data stream's po
 error when there is none; ``--resume auto`` starts fresh then).
 
 ``--partition profile`` cuts the layers where the stages' measured costs balance instead of "uniform"
-(petra_ds.run_partition): rank 0 times every layer on one training micro-batch and writes
+(petra_ds.tools.run_partition): rank 0 times every layer on one training micro-batch and writes
 <output-dir>/layer_costs.json, which every rank cuts from (``--layer-costs FILE`` reuses an earlier one);
 the 1F1B baseline is cut from the same costs, balanced for its own schedule. summary.json records the
 partition: method, layer boundaries, costs file.
@@ -47,12 +47,13 @@ from deepspeed import comm as dist
 from tqdm import tqdm
 
 import petra_ds
-from petra_ds.config import MUON_LR_RATIO, uses_muon
+from petra_ds.runtime.config import MUON_LR_RATIO, uses_muon
 from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
-from petra_ds.run_partition import agreed_partition, baseline_module, shared_layer_costs
-from petra_ds.run_checkpoints import resume, save
-from petra_ds.runs import RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments, run_layout, run_main
+from petra_ds.tools.run_partition import agreed_partition, baseline_module, shared_layer_costs
+from petra_ds.tools.run_checkpoints import resume, save
+from petra_ds.tools.runs import (RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments, run_layout,
+                                 run_main)
 
 
 def parse_args() -> argparse.Namespace:

@@ -7,9 +7,9 @@
 
 A config with a "petra" section trains with PETRA (petra_ds.initialize); one without trains with
 DeepSpeed's synchronous 1F1B schedule. Without an "optimizer" section the paper's recipe is used
-(petra_ds.recipe).
+(petra_ds.tools.recipe).
 
-The layout fits the processes launched (petra_ds.runs.choose_layout; rank 0 prints it): without --stages
+The layout fits the processes launched (petra_ds.tools.runs.choose_layout; rank 0 prints it): without --stages
 and --data-parallel, the fewest data-parallel replicas that leave at most one pipeline rank per layer, and
 as many PETRA stages per rank as the layers allow: one stage per residual block (10 for RevNet18, 18 for
 RevNet34/50) when the pipeline ranks divide that count, otherwise a few stages of two blocks (RevNet18 on
@@ -22,7 +22,7 @@ is scikit-learn's bundled set (offline), imagenet32 / imagenet read the folders 
 the latest one: step count, optimizer and LR schedule, the data stream's position, metrics.jsonl (an error
 when there is none; --resume auto starts fresh then).
 
---partition profile cuts the layers where the stages' measured costs balance (petra_ds.run_partition): rank
+--partition profile cuts the layers where the stages' measured costs balance (petra_ds.tools.run_partition): rank
 0 times every layer on one training micro-batch and writes <output-dir>/layer_costs.json, which every rank
 cuts from (--layer-costs FILE reuses an earlier one); the 1F1B baseline is cut from the same costs, balanced
 for its own schedule. summary.json records the partition: method, layer boundaries, costs file.
@@ -46,11 +46,11 @@ import petra_ds
 from petra_ds.data import INFO, build_dataset, make_loader
 from petra_ds.data.stream import resumable_loader
 from petra_ds.models.revnet import resnet_layers, revnet_layers
-from petra_ds.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
-from petra_ds.run_partition import agreed_partition, baseline_module, shared_layer_costs
-from petra_ds.run_checkpoints import resume, save
-from petra_ds.runs import (Layout, RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments,
-                           run_layout, run_main)
+from petra_ds.tools.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
+from petra_ds.tools.run_partition import agreed_partition, baseline_module, shared_layer_costs
+from petra_ds.tools.run_checkpoints import resume, save
+from petra_ds.tools.runs import (Layout, RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments,
+                                 run_layout, run_main)
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
 

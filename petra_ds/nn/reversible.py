@@ -28,14 +28,14 @@ def as_tuple(x: Activation) -> tuple[Tensor, ...]:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
-def like(template: Activation, parts: Sequence[Tensor]) -> Activation:
+def shaped_like(template: Activation, parts: Sequence[Tensor]) -> Activation:
     """``parts`` shaped as ``template`` (a bare tensor or a tuple)."""
     return tuple(parts) if isinstance(template, (tuple, list)) else parts[0]
 
 
 def detach_leaf(x: Activation) -> Activation:
     """Fresh autograd leaves holding the values of ``x`` (floating tensors require grad)."""
-    return like(x, [t.detach().requires_grad_(t.is_floating_point()) for t in as_tuple(x)])
+    return shaped_like(x, [t.detach().requires_grad_(t.is_floating_point()) for t in as_tuple(x)])
 
 
 def vjp_into(output: Tensor, grad_output: Tensor | None, leaf: Tensor | None = None) -> Tensor | None:
@@ -87,7 +87,7 @@ class GraphTape(Tape):
         inputs = self.inputs
         dx = [_grad_or_zeros(leaf) for leaf in as_tuple(inputs)]
         self.inputs = self.outputs = None
-        return like(inputs, dx)
+        return shaped_like(inputs, dx)
 
 
 class SequentialTape(Tape):
@@ -203,7 +203,7 @@ class Reversible(nn.Module):
         x_leaf = detach_leaf(x)
         with torch.enable_grad():
             y_again = self.forward(x_leaf)
-        return like(x, [t.detach() for t in as_tuple(x)]), GraphTape(x_leaf, y_again)
+        return shaped_like(x, [t.detach() for t in as_tuple(x)]), GraphTape(x_leaf, y_again)
 
 
 def is_reversible(module: nn.Module) -> bool:

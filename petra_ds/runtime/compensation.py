@@ -1,0 +1,298 @@
+"""Delay compensation: what stage j does about its gradients arriving tau_j = 2(J-1-j) clocks late.
+
+Stage j runs micro-batch m's forward at one clock and its backward tau_j clocks later, with the
+parameters as they are then; about s_j = tau_j / k optimizer steps of that stage fall in between. Plain
+PETRA (the paper, ``"none"``) applies the gradient as it comes. The methods below are from the
+asynchronous-pipeline literature, chosen because they respect PETRA's constraint: nothing is kept per
+micro-batch in flight (no weight stash), at most one extra parameter-sized buffer per stage.
+
+- ``"weight_prediction"`` (SpecTrain, Chen et al. 2018; PipeMare's discrepancy correction, Yang et al.
+  2021, turned forward in time): the forward runs with ``w + scale * s_j * d``, where ``d`` is the stage's
+  last update (``beta`` > 0: an exponential average of its updates). The weights the forward uses then
+  approximate the ones its backward will use, so the gradient is less stale and a reversible stage
+  reconstructs its input from weights close to the forward's. One persistent buffer ``d`` per stage
+  (like an optimizer moment) and one temporary (the predicted weights during a forward, or the
+  weights before a step while ``d`` is formed).
+- ``"lr_rescale"`` (PipeMare's learning-rate rescheduling, Yang et al. 2021): stage j's step size is
+  ``lr * max(1, s_j) ** -p_t`` with ``p_t = max(0, 1 - (t - 1) / anneal_steps)`` at its step t: delayed stages
+  start with a step size divided by their delay and reach the schedule's after ``anneal_steps``.
+  No buffer at all.
+- ``"adaptive_momentum"`` (the delay-adaptive momentum of Ajanthan et al., ICML 2025, with their delay in
+  stages replaced by PETRA's delay in optimizer steps): stage j's first momentum coefficient (Adam's beta1,
+  SGD's momentum) becomes ``b + (beta1_max - b) * s_j / (s_0 + 1)``, ``b`` the configured one; the most
+  delayed stage averages over the longest horizon. Meant for a Nesterov optimizer such as NAdam, whose
+  gradient weight ``1 - beta1`` then shrinks where the gradient is stalest. No buffer at all.
+
+Methods combine as a list, ``["weight_prediction", "adaptive_momentum"]``: the first one's forward weights
+and step wrap the next one's. The last stage has s_j = 0: every method leaves it as it is.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from ..schedule import delay
+from ..util.checks import positive_int
+
+METHODS = ("none", "weight_prediction", "lr_rescale", "adaptive_momentum")
+
+
+class DelayCompensationError(ValueError):
+    """A ``"petra": {"delay_compensation": ...}`` value that cannot run; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class DelayCompensation:
+    """Parsed ``"petra": {"delay_compensation": ...}``: a method name, or ``{"method": ..., params}``."""
+
+    method: str = "none"
+    #: weight_prediction: the extrapolation is ``scale * s_j`` updates ahead
+    scale: float = 1.0
+    #: weight_prediction: d is an exponential average of the updates with this decay (0: the last update)
+    beta: float = 0.0
+    #: lr_rescale: optimizer steps over which a delayed stage's step size returns to the schedule's
+    anneal_steps: int = 100
+    #: adaptive_momentum: the momentum coefficient a stage s_0 + 1 steps behind would get
+    beta1_max: float = 0.99
+
+    @classmethod
+    def parse(cls, value: Any) -> "DelayCompensation | Combined":
+        if isinstance(value, (DelayCompensation, Combined)):
+            return value
+        if value is None:
+            return cls()
+        if isinstance(value, (list, tuple)):
+            if not all(isinstance(v, (str, Mapping)) for v in value):
+                raise DelayCompensationError(
+                    f'"petra.delay_compensation" as a list holds method names or objects such as '
+                    f'{{"method": "weight_prediction"}}, got {value!r}')
+            return Combined.of([cls.parse(v) for v in value])
+        if isinstance(value, str):
+            value = {"method": value}
+        if not isinstance(value, Mapping):
+            raise DelayCompensationError(
+                f'"petra.delay_compensation" must be a method name {METHODS}, an object such as '
+                f'{{"method": "weight_prediction", "scale": 1.0}} or a list of them, got {value!r}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise DelayCompensationError(
+                f'unknown key(s) {unknown} in "petra.delay_compensation"; the known keys are {sorted(known)}')
+        parsed = cls(**value)
+        parsed.validate()
+        return parsed
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise DelayCompensationError(
+                f'"petra.delay_compensation.method" must be one of {METHODS}, got {self.method!r}')
+        if not _number(self.scale) or self.scale < 0:
+            raise DelayCompensationError(
+                f'"petra.delay_compensation.scale" must be a number >= 0, got {self.scale!r}')
+        if not _number(self.beta1_max) or not 0 <= self.beta1_max < 1:
+            raise DelayCompensationError(
+                f'"petra.delay_compensation.beta1_max" must be in [0, 1), got {self.beta1_max!r}')
+        if not _number(self.beta) or not 0 <= self.beta < 1:
+            raise DelayCompensationError(
+                f'"petra.delay_compensation.beta" must be in [0, 1), got {self.beta!r}')
+        positive_int(self.anneal_steps, '"petra.delay_compensation.anneal_steps"', DelayCompensationError)
+
+    def for_stage(self, params: Sequence[Tensor], stage: int, num_stages: int, k: int) -> "StageCompensation":
+        """The per-stage object for ``stage`` of ``num_stages`` stepping every ``k`` micro-batches: its
+        gradients are s_j = tau_j / k optimizer steps late, the first stage's s_0."""
+        steps_behind, most_behind = delay(stage, num_stages) / k, delay(0, num_stages) / k
+        if self.method == "weight_prediction" and steps_behind > 0:
+            return WeightPrediction(params, self.scale * steps_behind, self.beta)
+        if self.method == "lr_rescale" and steps_behind > 0:
+            return LrRescale(steps_behind, self.anneal_steps)
+        if self.method == "adaptive_momentum" and steps_behind > 0:
+            return AdaptiveMomentum(steps_behind / (most_behind + 1), self.beta1_max)
+        return NoCompensation()
+
+
+@dataclass(frozen=True)
+class Combined:
+    """Several methods at once, applied in the order given (``"delay_compensation": [a, b]``)."""
+
+    parts: tuple[DelayCompensation, ...]
+
+    @classmethod
+    def of(cls, parts: Sequence[DelayCompensation | "Combined"]) -> "DelayCompensation | Combined":
+        flat = [p for part in parts for p in (part.parts if isinstance(part, Combined) else (part,))]
+        flat = [p for p in flat if p.method != "none"]
+        names = [p.method for p in flat]
+        if len(set(names)) != len(names):
+            raise DelayCompensationError(
+                f'"petra.delay_compensation" names a method twice ({names}); give each method once, with all '
+                "its parameters in one object")
+        if len(flat) < 2:
+            return flat[0] if flat else DelayCompensation()
+        return cls(tuple(flat))
+
+    @property
+    def method(self) -> str:
+        return "+".join(p.method for p in self.parts)
+
+    def for_stage(self, params: Sequence[Tensor], stage: int, num_stages: int, k: int) -> "StageCompensation":
+        return Chain([p.for_stage(params, stage, num_stages, k) for p in self.parts])
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class StageCompensation:
+    """What a delay compensation does at one stage: the weights its forward runs with and how it takes an
+    optimizer step. The methods override what they change; :class:`NoCompensation` changes nothing."""
+
+    def forward_weights(self) -> ContextManager[None]:
+        """The weights a forward runs with (entered around the stage's forward only)."""
+        return nullcontext()
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        """Take the stage's ``step``-th optimizer step (1-based)."""
+        optimizer_step()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
+
+
+class NoCompensation(StageCompensation):
+    """``"none"``, plain PETRA: the forward uses the current weights, the optimizer steps as configured."""
+
+
+class WeightPrediction(StageCompensation):
+    """Forward with ``w_hat = w + ahead * d``; ``d`` is the stage's (averaged) last update."""
+
+    def __init__(self, params: Sequence[Tensor], ahead: float, beta: float) -> None:
+        self.params = list(params)
+        self.ahead = ahead
+        self.beta = beta
+        self.d: list[Tensor] | None = None  # None until the first step: nothing to extrapolate yet
+
+    @contextmanager
+    def forward_weights(self) -> Iterator[None]:
+        if self.d is None or self.ahead == 0:
+            yield
+            return
+        current = [p.data for p in self.params]
+        with torch.no_grad():
+            predicted = [w + self.ahead * d for w, d in zip(current, self.d)]
+        try:
+            for p, w_hat in zip(self.params, predicted):
+                p.data = w_hat
+            yield
+        finally:
+            for p, w in zip(self.params, current):
+                p.data = w
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        with torch.no_grad():
+            before = [p.detach().clone() for p in self.params]
+        optimizer_step()
+        with torch.no_grad():
+            for w, p in zip(before, self.params):  # in place: the update is w_after - w_before
+                w.sub_(p.detach()).neg_()
+            if self.d is None or self.beta == 0:
+                self.d = before
+            else:
+                for d, u in zip(self.d, before):
+                    d.mul_(self.beta).add_(u, alpha=1 - self.beta)
+
+    def state_dict(self) -> dict:
+        """The averaged update itself, not a copy: a checkpoint writes it at once, and the memory report
+        counts it without allocating it twice."""
+        return {"d": self.d}
+
+    def load_state_dict(self, state: dict) -> None:
+        d = state.get("d")
+        self.d = None if d is None else [t.to(p.device).clone() for t, p in zip(d, self.params)]
+
+
+class LrRescale(StageCompensation):
+    """PipeMare's step size ``lr * max(1, s) ** -p_t``, ``p_t = max(0, 1 - (t - 1) / anneal_steps)``."""
+
+    def __init__(self, steps_behind: float, anneal_steps: int) -> None:
+        self.delay = max(1.0, steps_behind)
+        self.anneal_steps = anneal_steps
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the scheduled learning rate at the stage's ``step``-th step (1-based)."""
+        p = max(0.0, 1.0 - (step - 1) / self.anneal_steps)
+        return self.delay ** -p
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        groups = optimizer.param_groups
+        scheduled = [g["lr"] for g in groups]
+        factor = self.factor(step)
+        for g in groups:
+            g["lr"] = g["lr"] * factor
+        try:
+            optimizer_step()
+        finally:  # the scheduler owns the learning rate: give it back what it set
+            for g, lr in zip(groups, scheduled):
+                g["lr"] = lr
+
+
+class AdaptiveMomentum(StageCompensation):
+    """The stage's first momentum coefficient moved ``fraction`` of the way from the configured one ``b`` to
+    ``beta1_max``: ``b + (beta1_max - b) * fraction``, ``fraction = s_j / (s_0 + 1)``.
+
+    ``b`` is kept in each parameter group (``"configured_beta1"``), so it is checkpointed with the
+    optimizer and a resumed run does not move an already moved coefficient again."""
+
+    def __init__(self, fraction: float, beta1_max: float) -> None:
+        self.fraction = fraction
+        self.beta1_max = beta1_max
+
+    def beta1(self, configured: float) -> float:
+        return configured + (self.beta1_max - configured) * self.fraction
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        for group in optimizer.param_groups:
+            if "betas" in group:
+                b = group.setdefault("configured_beta1", group["betas"][0])
+                group["betas"] = (self.beta1(b), *group["betas"][1:])
+            elif "momentum" in group:
+                b = group.setdefault("configured_beta1", group["momentum"])
+                group["momentum"] = self.beta1(b)
+            else:
+                raise DelayCompensationError(
+                    f'"adaptive_momentum" needs an optimizer with "betas" or "momentum", and '
+                    f"{type(optimizer).__name__} has neither; use another delay compensation")
+        optimizer_step()
+
+
+class Chain(StageCompensation):
+    """Several stage compensations: the first one's forward weights and step wrap the next one's."""
+
+    def __init__(self, parts: Sequence[StageCompensation]) -> None:
+        self.parts = list(parts)
+
+    @contextmanager
+    def forward_weights(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.forward_weights())
+            yield
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        take = optimizer_step
+        for part in reversed(self.parts):
+            take = (lambda part, inner: lambda: part.step(inner, optimizer, step))(part, take)
+        take()
+
+    def state_dict(self) -> dict:
+        return {"parts": [part.state_dict() for part in self.parts]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for part, s in zip(self.parts, state.get("parts", [{}] * len(self.parts))):
+            part.load_state_dict(s)

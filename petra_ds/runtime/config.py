@@ -1,0 +1,209 @@
+"""The ``"petra"`` section of a DeepSpeed config, and what PETRA cannot take from the rest of it."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from ..util.checks import positive_int
+from .compensation import Combined, DelayCompensation, DelayCompensationError
+
+INPUT_BUFFERS = ("non_reversible", "all")
+BN_RUNNING_STATS = ("backward", "forward")
+NON_FINITE = ("raise", "skip")
+
+
+class PetraConfigError(ValueError):
+    """A config value PETRA cannot run with; the message names the key and what to change."""
+
+
+@dataclass(frozen=True)
+class PetraConfig:
+    """Parsed ``"petra"`` section (its keys: README, "Using PETRA from DeepSpeed code")."""
+
+    stages_per_rank: int = 1
+    input_buffer: str = "non_reversible"
+    param_buffer: bool = False
+    bn_running_stats: str = "backward"
+    seed: int = 0
+    #: a non-finite loss or gradient: "raise" (naming stage, micro-batch / step and clock) or "skip" the
+    #: stage's update for that step; parameters are never overwritten with NaN
+    non_finite: str = "raise"
+    #: find the first NaN / Inf in a micro-batch, an activation, a reconstruction or a gradient and stop with a
+    #: ``NonFiniteError`` naming it, its stage, micro-batch and clock (``petra_ds.runtime.finite``; logged instead under
+    #: ``non_finite: "skip"``). Device-side checks, read once per ``train_batch``
+    check_finite: bool = True
+    #: check every layer declared reversible once, on its first input (``inverse(forward(x)) == x``)
+    check_reversible: bool = True
+    #: every this many optimizer steps, compare PETRA's gradient with the delayed and the end-to-end
+    #: gradient per stage (``petra_ds.diagnostics.gradient_quality``); 0 turns it off. A diagnostic: it does
+    #: not change training, and a checkpoint may be resumed with another value
+    gradient_quality_every: int = 0
+    #: a reversible stage's backward goes block by block from its last block (reconstruct the block's input,
+    #: then backpropagate through it) instead of reconstructing every block first; on CUDA the
+    #: reconstruction of block i-1 runs on a second stream while block i's gradients are computed
+    #: (PaReprop). The same arithmetic, so the same gradients (bit for bit on CPU); at most two blocks'
+    #: graphs are alive at once instead of the whole stage's. A speed / memory setting: it does not change
+    #: training
+    reconstruct_overlap: bool = False
+    #: what each stage does about its delay tau_j (``petra_ds.runtime.compensation``): "none" (the paper's PETRA),
+    #: "weight_prediction", "lr_rescale" or "adaptive_momentum", an object {"method": ..., its parameters},
+    #: or a list of them applied together
+    delay_compensation: DelayCompensation | Combined = DelayCompensation()
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> "PetraConfig":
+        if section is not None and not isinstance(section, Mapping):
+            raise PetraConfigError(
+                f'the "petra" config section must be an object of keys such as "stages_per_rank", got '
+                f'{section!r}; use "petra": {{}} for the defaults')
+        section = dict(section or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise PetraConfigError(
+                f'unknown key(s) {unknown} in the "petra" config section; the known keys are {sorted(known)}'
+            )
+        try:
+            section["delay_compensation"] = DelayCompensation.parse(section.get("delay_compensation"))
+        except DelayCompensationError as error:
+            raise PetraConfigError(str(error)) from None
+        config = cls(**section)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        positive_int(self.stages_per_rank, '"petra.stages_per_rank"', PetraConfigError)
+        if self.input_buffer not in INPUT_BUFFERS:
+            raise PetraConfigError(f'"petra.input_buffer" must be one of {INPUT_BUFFERS}, got {self.input_buffer!r}')
+        if not isinstance(self.param_buffer, bool):
+            raise PetraConfigError(f'"petra.param_buffer" must be true or false, got {self.param_buffer!r}')
+        if self.bn_running_stats not in BN_RUNNING_STATS:
+            raise PetraConfigError(
+                f'"petra.bn_running_stats" must be one of {BN_RUNNING_STATS}, got {self.bn_running_stats!r}')
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise PetraConfigError(f'"petra.seed" must be an integer, got {self.seed!r}')
+        if self.non_finite not in NON_FINITE:
+            raise PetraConfigError(f'"petra.non_finite" must be one of {NON_FINITE}, got {self.non_finite!r}')
+        if not isinstance(self.check_finite, bool):
+            raise PetraConfigError(f'"petra.check_finite" must be true or false, got {self.check_finite!r}')
+        if not isinstance(self.check_reversible, bool):
+            raise PetraConfigError(f'"petra.check_reversible" must be true or false, got {self.check_reversible!r}')
+        if not isinstance(self.reconstruct_overlap, bool):
+            raise PetraConfigError(
+                f'"petra.reconstruct_overlap" must be true or false, got {self.reconstruct_overlap!r}')
+        if self.param_buffer and self.delay_compensation.method != "none":
+            raise PetraConfigError(
+                '"petra.param_buffer" (weight stashing) already runs each backward with its forward\'s weights; '
+                'it cannot be combined with "petra.delay_compensation": remove one of them')
+        every = self.gradient_quality_every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise PetraConfigError(
+                f'"petra.gradient_quality_every" must be an integer >= 0 (0: off), got {every!r}')
+
+
+#: DeepSpeed's "muon" without a "muon_lr": the examples and benchmarks give the hidden matrices this many
+#: times the AdamW lr (Muon's step is in spectral units)
+MUON_LR_RATIO = 20
+
+
+def uses_muon(config: Mapping[str, Any]) -> bool:
+    """Whether the config trains with DeepSpeed's Muon (hidden matrices) and AdamW for the other parameters."""
+    return str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
+
+
+def check_section_names(config: Mapping[str, Any]) -> None:
+    """A section named like "petra" but not exactly so ("PETRA", "Petra", "petra_") would otherwise be
+    ignored, and the run would silently train DeepSpeed's 1F1B."""
+    for key in config:
+        if key != "petra" and isinstance(key, str) and \
+                difflib.SequenceMatcher(None, key.lower().strip(" _-"), "petra").ratio() >= 0.8:
+            raise PetraConfigError(
+                f'the config has a "{key}" section, which is not "petra": PETRA reads only "petra" (lower case). '
+                'Rename it to train with PETRA, or remove it to train with DeepSpeed\'s 1F1B')
+
+
+def check_stages_per_rank(petra: PetraConfig, built: int) -> None:
+    """The model must be built with the ``stages_per_rank`` the config names."""
+    if built != petra.stages_per_rank:
+        raise PetraConfigError(
+            f'"petra.stages_per_rank" is {petra.stages_per_rank} but the model was built with '
+            f"stages_per_rank={built}; build it with petra_ds.PetraPipelineModule(..., stages_per_rank=...) "
+            "matching the config")
+
+
+def split_config(config: Mapping[str, Any]) -> tuple[PetraConfig, dict[str, Any], bool]:
+    """(PETRA's section, the config DeepSpeed's engine is built with, whether bf16 autocast is on).
+
+    DeepSpeed would cast the model to bf16 and wrap the optimizer in a BF16 optimizer whose overflow
+    check and gradient norm are collectives over every stage; PETRA keeps fp32 parameters and runs
+    bf16 autocast itself, so the ``bf16`` section is taken out here.
+    """
+    config = dict(config)
+    petra = PetraConfig.from_dict(config.pop("petra", None))
+    bf16_enabled = bool(_section(config, "bf16").get("enabled", False))
+    config.pop("bf16", None)
+    if _section(config, "fp16").get("enabled", False):
+        raise PetraConfigError(
+            '"fp16" is not supported with PETRA: loss scaling needs an overflow check across all stages, '
+            'which stages that step at different clocks cannot run; use "bf16": {"enabled": true} instead')
+    if _section(config, "torch_autocast").get("enabled", False):
+        raise PetraConfigError(
+            '"torch_autocast" is not supported with PETRA: its engine runs the stages itself, so DeepSpeed\'s '
+            'autocast would be silently ignored; use "bf16": {"enabled": true} (bf16 autocast, fp32 parameters)')
+    clipping = config.get("gradient_clipping") or 0.0
+    if not isinstance(clipping, (int, float)) or isinstance(clipping, bool) or clipping < 0:
+        raise PetraConfigError(
+            f'"gradient_clipping" must be a number >= 0 (0: off; with PETRA each stage clips its own gradient '
+            f'norm to it), got {clipping!r}')
+    _check_zero(config.get("zero_optimization"))
+    gas = config.get("gradient_accumulation_steps", 1)
+    if gas is not None and (not isinstance(gas, int) or isinstance(gas, bool)):
+        raise PetraConfigError(f'"gradient_accumulation_steps" (PETRA\'s k) must be an integer >= 1, got {gas!r}')
+    if gas is not None and gas < 1:
+        raise PetraConfigError(f'"gradient_accumulation_steps" (PETRA\'s k) must be >= 1, got {gas}')
+    return petra, config, bf16_enabled
+
+
+ZERO_OFFLOAD_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param")
+
+
+def _section(config: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """``config[key]`` as a dict (empty when absent or null), so that a malformed section is refused by
+    name instead of failing on an attribute lookup."""
+    value = config.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise PetraConfigError(f'"{key}" must be an object ({{"enabled": ...}}), got {value!r}')
+    return dict(value)
+
+
+def _check_zero(zero: Any) -> None:
+    """ZeRO partitions optimizer states and reduces gradients for the whole model at one step, while
+    PETRA's stages step at different clocks: only stage 0 runs. Offload settings are read by ZeRO alone,
+    so at stage 0 DeepSpeed would ignore them without a word; they are refused instead."""
+    if zero is None or zero is False:
+        return
+    if zero is True:  # DeepSpeed's legacy spelling of stage 1
+        raise PetraConfigError('"zero_optimization": true (ZeRO stage 1) is not supported with PETRA: ZeRO '
+                               'partitions and reduces gradients across the whole model at one step; remove it')
+    if not isinstance(zero, Mapping):
+        raise PetraConfigError(f'"zero_optimization" must be an object such as {{"stage": 0}}, got {zero!r}')
+    stage = zero.get("stage", 0)
+    try:
+        stage_number = int(stage or 0)
+    except (TypeError, ValueError):
+        raise PetraConfigError(f'"zero_optimization.stage" must be 0 with PETRA, got {stage!r}') from None
+    if stage_number != 0:
+        raise PetraConfigError(
+            f'"zero_optimization.stage" {stage} is not supported with PETRA: ZeRO partitions and '
+            'reduces gradients across the whole model at one step; set it to 0')
+    for key in ZERO_OFFLOAD_KEYS:
+        value = zero.get(key)
+        if not value or (isinstance(value, Mapping) and value.get("device") in (None, "none")):
+            continue
+        raise PetraConfigError(
+            f'"zero_optimization.{key}" is not supported with PETRA: offloading is part of ZeRO (stage >= 1), '
+            'which PETRA cannot run, so it would be ignored; remove it')

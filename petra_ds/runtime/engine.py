@@ -1,0 +1,449 @@
+"""PetraEngine: DeepSpeed's PipelineEngine running the PETRA schedule.
+
+The engine executes instructions and holds what is in flight between them; everything else plugs in
+(ARCHITECTURE.md). As DeepSpeed's DualPipeV engine does, a ``PipeSchedule`` subclass
+(``schedule/schedules.py``) produces the instructions, for training and for ``eval_batch``, and this
+subclass sets ``_INSTRUCTION_MAP``: one handler per PETRA instruction, reading each instruction's channel
+and key from the instruction itself. Each stage steps its own optimizer after its k-th backward, reducing
+its gradients (and batch-norm running statistics) inside its data-parallel group only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from torch import Tensor
+
+from ..nn.batchnorm import BatchNormPolicy, running_stat_tensors
+from ..pipeline.module import layer_module, stage_layers, stage_reversible, stages_per_rank_of
+from ..pipeline.ties import TiedWeights
+from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, EvalForward, EvalSchedule, FedMicroBatches,
+                        ForwardPass, LoadMicroBatch, PetraSchedule, PostP2P, RecvActivation, RecvGrad, RecvTiedGrad,
+                        RecvTiedWeight, ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad, SendTiedWeight,
+                        Timeline, Window, channels)
+from . import checkpoint, messages
+from .config import PetraConfig, check_stages_per_rank
+from .finite import FiniteWatch, gradients_finite
+from .memory import memory_report
+from .observe import Callbacks, Holdings, Observer
+from .optimizers import StageOptimizers, StageSchedulers, single_or_combined, stage_optimizers, stage_schedulers
+from .stage import Stage, StageOptions
+from .transport import Transport
+
+
+class PetraEngine(PipelineEngine):
+    """Runs PETRA on a ``PipelineModule``; created by :func:`petra_ds.initialize`."""
+
+    def __init__(self, *args, petra_config: PetraConfig, bf16: bool = False, **kwargs) -> None:
+        self.petra_config = petra_config
+        super().__init__(*args, **kwargs)
+        if not hasattr(self, "ties"):  # no optimizer configured: _configure_optimizer did not run
+            self.ties = TiedWeights(self.module, self._local_range())
+        module = self.module
+        self.stages_per_rank = stages_per_rank_of(module)
+        check_stages_per_rank(petra_config, self.stages_per_rank)
+        #: P and J: DeepSpeed's ``num_stages`` / ``stage_id`` count pipeline ranks; PETRA's stages are J = P x S
+        self.pipeline_ranks = self.num_stages
+        self.num_petra_stages = self.pipeline_ranks * self.stages_per_rank
+        self.local_stage_ids = self._local_range()
+        self.reversible = stage_reversible(module)
+        options = StageOptions(
+            gradient_accumulation_steps=self.micro_batches, seed=petra_config.seed,
+            replica=self.grid.data_parallel_id, input_buffer=petra_config.input_buffer,
+            param_buffer=petra_config.param_buffer, bn_policy=BatchNormPolicy(petra_config.bn_running_stats),
+            autocast_dtype=torch.bfloat16 if bf16 else None, device_type=self.device.type,
+            check_reversible=petra_config.check_reversible, reconstruct_overlap=petra_config.reconstruct_overlap)
+        self.stages: dict[int, Stage] = {}
+        #: what the stages read and make, checked for NaN / Inf on the device, read once per window
+        self.finite = FiniteWatch(lambda: self.clock_now, self.local_stage_ids, self.num_petra_stages,
+                                  check_finite=petra_config.check_finite, non_finite=petra_config.non_finite)
+        for j in self.local_stage_ids:
+            last = j == self.num_petra_stages - 1
+            stage = Stage(j, self.num_petra_stages, stage_layers(module, j), options,
+                          loss_fn=module.loss_fn if last else None)
+            if stage.reversible != self.reversible[j]:
+                raise TypeError(f"stage {j}: its built layers and their specs disagree on reversibility")
+            stage.stepped = [p for p in stage.stepped if id(p) not in self.ties.reader_ids(j)]
+            stage.compensation = petra_config.delay_compensation.for_stage(
+                stage.stepped, j, self.num_petra_stages, self.micro_batches)
+            stage.finite = self.finite
+            self.stages[j] = stage
+        self.timeline = Timeline(self.num_petra_stages)
+        self.stage_steps = {j: 0 for j in self.local_stage_ids}
+        #: messages received for the next clock, by ``channels.Key`` (the receiving stage first)
+        self.inbox: dict[channels.Key, tuple] = {}
+        self._outbox: dict[int, dict[channels.Key, tuple]] = {j: {} for j in self.local_stage_ids}
+        self._loaded: dict[int, tuple[Any, Any]] = {}  # stage 0's micro-batches read, not yet run
+        self.clock_now, self._window_losses, self._data = 0, [], None
+        #: every message and collective of this rank (``PETRA_DS_COMM_TRACE=<dir>`` records them)
+        self.transport = Transport(rank=self.global_rank, device=self.device, local_stages=self.local_stage_ids,
+                                   stage_rank=self.stage_rank, clock=lambda: self.clock_now)
+        self._first_inputs_layout: messages.Layout | None = None
+        self._eval: dict[str, Any] | None = None  # an eval_batch call's options and results
+        self._callbacks = Callbacks()
+        #: what watches the clocks (``observe``); the gradient-quality study is one of them when enabled
+        self.observers: list[Observer] = [self._callbacks]
+        self.gradient_quality: Observer | None = None
+        #: (stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``)
+        self.skipped_steps: list[tuple[int, int]] = []
+        self._configure_python_gc()
+
+    # --- observers ---
+
+    def observe(self, observer: Observer) -> Observer:
+        """Call ``observer``'s hooks from now on (see :mod:`petra_ds.runtime.observe`); returns it."""
+        self.observers.append(observer)
+        return observer
+
+    @property
+    def step_observers(self) -> list:
+        """``f(stage_index, stage)`` after the data-parallel reduction, before each optimizer step."""
+        return self._callbacks.steps
+
+    @property
+    def clock_observers(self) -> list:
+        """``f(engine, clock)`` at the end of every clock."""
+        return self._callbacks.clocks
+
+    def _notify(self, hook: str, *args: Any) -> None:
+        for observer in self.observers:
+            getattr(observer, hook)(self, *args)
+
+    def holdings(self, stage: int) -> Holdings:
+        """What ``stage`` keeps alive now beyond its model and optimizer (a read-only view)."""
+        own = self.stages[stage].held()
+        loaded = tuple(self._loaded.values()) if stage == 0 else ()
+        mine = tuple(v for key, v in self.inbox.items() if key[0] == stage) + tuple(self._outbox[stage].values())
+        return Holdings(data=(*own["data"], *loaded), inputs=own["inputs"], outputs=own["outputs"],
+                        param_stash=own["param_stash"], messages=(*mine, *own["messages"]))
+
+    # --- optimizers and schedulers, one per local stage (DeepSpeed's constructor calls these) ---
+
+    def _local_range(self) -> range:
+        spr = stages_per_rank_of(self.module)
+        rank = self.module.mpu().get_stage_id()
+        return range(rank * spr, (rank + 1) * spr)
+
+    def _configure_optimizer(self, client_optimizer, model_parameters) -> None:
+        self.ties = TiedWeights(self.module, self._local_range())
+        stage_params = {}
+        for j in self._local_range():
+            modules = [layer_module(layer) for layer in stage_layers(self.module, j)]
+            ids = {id(p) for m in modules if m is not None for p in m.parameters()}
+            stage_params[j] = ids - self.ties.reader_ids(j)
+        self.stage_optimizers = stage_optimizers(client_optimizer, model_parameters, self.module, stage_params,
+                                                 self.ties.copy_of, self._configure_basic_optimizer)
+        combined = single_or_combined(self.stage_optimizers, StageOptimizers)
+        self.basic_optimizer = self.optimizer = combined or StageOptimizers([])
+
+    def _configure_lr_scheduler(self) -> None:
+        self.stage_schedulers = stage_schedulers(self.client_lr_scheduler, self.stage_optimizers,
+                                                 self._scheduler_from_config)
+        self.lr_scheduler = single_or_combined(self.stage_schedulers, StageSchedulers)
+
+    # --- public API ---
+
+    def train_batch(self, data_iter: Iterator | None = None) -> Tensor:
+        """Advance k clocks feeding k micro-batches; no flush. Returns the mean loss of the
+        micro-batches whose loss was computed in these clocks (NaN while the pipeline fills), the
+        same value on every rank."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled; use eval_batch() instead")
+        if data_iter is not None:
+            self._data = data_iter
+        elif self._data is None and self.training_dataloader is not None:
+            self._data = iter(self.training_dataloader)
+        if self._data is None and 0 in self.stages:
+            raise ValueError("train_batch() needs a data iterator (or training_data in initialize)")
+        self.module.train()
+        loss = self._run_window(self.timeline.train_window(self.micro_batches))
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.agg_train_loss = loss
+        if self.global_rank == 0 and self.monitor.enabled and not math.isnan(loss.item()):
+            self.monitor.write_events([("Train/Samples/train_loss", loss.item(), self.global_samples)])
+        return loss
+
+    def drain(self) -> Tensor:
+        """Run clocks without new data until every fed micro-batch had its backward everywhere.
+        Returns the mean loss of the micro-batches finished during the drain (NaN if none)."""
+        self.module.train()
+        return self._run_window(self.timeline.drain_window())
+
+    @property
+    def clock(self) -> int:
+        return self.timeline.clock
+
+    def stage_rank(self, stage: int) -> int:
+        """The global rank hosting PETRA stage ``stage`` in this rank's data-parallel replica."""
+        return self.grid.stage_to_global(stage_id=stage // self.stages_per_rank)
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None):
+        """Forward-only pass of ``num_micro_batches`` (default k) micro-batches through all stages (the
+        schedule's ``EvalSchedule``), with the current parameters and batch-norm running statistics.
+        Micro-batches in flight in training are not touched. Returns the mean loss (the same on every
+        rank); with ``return_logits`` also the last stage's outputs (``None`` on other ranks)."""
+        n = self.micro_batches if num_micro_batches is None else num_micro_batches
+        was_training, data, clock = self.module.training, self._data, self.clock_now
+        self.module.eval()
+        self._eval = {"compute_loss": compute_loss, "return_logits": return_logits, "losses": [], "logits": []}
+        self._data = data_iter
+        try:
+            with torch.no_grad():
+                self._exec(EvalSchedule(n, self.pipeline_ranks, self.stage_id, self.stages_per_rank))
+            losses, logits = self._eval["losses"], self._eval["logits"]
+        finally:
+            self.module.train(was_training)
+            self._data, self._eval, self.clock_now = data, None, clock
+        loss = self._reduce_loss(losses) if (compute_loss and bcast_loss) else (
+            torch.stack(losses).mean() if losses else None)
+        self.transport.save_trace()
+        if return_logits:
+            return loss, (logits if self.is_last_stage() else None)
+        return loss
+
+    # --- the executor ---
+
+    def _run_window(self, window: Window) -> Tensor:
+        self._window_losses = []
+        self._notify("window_start", window)
+        self._exec(PetraSchedule.for_window(
+            window, self.pipeline_ranks, self.stage_id, stages_per_rank=self.stages_per_rank,
+            gradient_accumulation_steps=self.micro_batches, reversible=self.reversible,
+            input_buffer=self.petra_config.input_buffer, ties=self.ties.specs()))
+        self.finite.check()
+        self.timeline.advance(window)
+        loss = self._reduce_loss(self._window_losses)
+        self._notify("window_end", window)
+        self.transport.save_trace()
+        return loss
+
+    def _exec(self, schedule: PetraSchedule | EvalSchedule) -> None:
+        """DeepSpeed's instruction loop, one clock per step. Training clocks tell the observers where the
+        schedule says their forwards end (``Clock.forwards_end``) and when they end."""
+        training = isinstance(schedule, PetraSchedule)
+        start = schedule.start_clock if training else 0
+        for clock, cmds in enumerate(schedule, start=start):
+            self.clock_now = clock
+            for i, cmd in enumerate(cmds):
+                if training and i == cmds.forwards_end:
+                    self._notify("forwards_done", clock)
+                handler = self._INSTRUCTION_MAP.get(type(cmd))
+                if handler is None:
+                    raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
+                handler(self, cmd)
+            if training:
+                self._notify("clock_end", clock)
+                if cmds.forwards_end == len(cmds):
+                    self._notify("forwards_done", clock)
+
+    def _reduce_loss(self, losses: list[Tensor]) -> Tensor:
+        """Mean over the finished micro-batches, averaged over data parallelism and broadcast from the
+        last stage: a collective at the window's end, where every rank is."""
+        nan = torch.tensor(float("nan"), dtype=torch.float32)
+        value = (torch.stack([loss.float() for loss in losses]).mean() if losses else nan).reshape(1).to(self.device)
+        if self.is_last_stage() and self.grid.data_parallel_size > 1:
+            self.transport.all_reduce(value, self.grid.get_data_parallel_group(),
+                                      "the loss reduction over data-parallel replicas")
+            value /= self.grid.data_parallel_size
+        if self.pipeline_ranks > 1:
+            self.transport.broadcast(value, self.grid.stage_to_global(stage_id=self.pipeline_ranks - 1),
+                                     self.grid.get_pipe_parallel_group(), "the loss broadcast at the end of the window")
+        return value[0]
+
+    # --- instructions: compute (one handler per class of ``schedule.instructions``) ---
+
+    def _exec_load(self, cmd: LoadMicroBatch) -> None:
+        m = cmd.micro_batch
+        if self._eval is not None:
+            ran_out = (f"the evaluation data ran out at micro-batch {m}; give eval_batch at least "
+                       "num_micro_batches micro-batches")
+        else:
+            ran_out = (f"the data iterator ran out at micro-batch {m} (clock {self.clock_now}) inside a "
+                       f"train_batch call of {self.micro_batches} clocks; give it k micro-batches per call "
+                       "(e.g. deepspeed.utils.RepeatingLoader) or call drain() to finish")
+        batch = messages.read_micro_batch(self._data, self.batch_fn, self.device, ran_out)
+        if self._eval is None:  # training exchanges shapes once; evaluation renegotiates every call
+            self._first_inputs_layout = messages.check_layout(self._first_inputs_layout, batch, m)
+        self._loaded[m] = batch
+
+    def _take_input(self, cmd: ForwardPass | EvalForward) -> tuple[Any, Any]:
+        if cmd.stage == 0:
+            return self._loaded.pop(cmd.micro_batch)
+        return self.inbox.pop(cmd.key())
+
+    def _exec_forward(self, cmd: ForwardPass) -> None:
+        stage, m = cmd.stage, cmd.micro_batch
+        st = self.stages[stage]
+        x, labels = self._take_input(cmd)
+        out = st.forward(m, x, labels)
+        self._notify("after_forward", stage, m, x, labels)
+        if st.is_last:
+            self._window_losses.append(out)
+        else:
+            self._outbox[stage][channels.forward_key(stage, m)] = (out, labels)
+
+    def _exec_eval_forward(self, cmd: EvalForward) -> None:
+        st, ev = self.stages[cmd.stage], self._eval
+        x, labels = self._take_input(cmd)
+        out = st.run(x)
+        if not st.is_last:
+            self._outbox[cmd.stage][channels.forward_key(cmd.stage, cmd.micro_batch, channels.EVAL)] = (out, labels)
+            return
+        if ev["compute_loss"]:
+            ev["losses"].append(st.loss_fn(out, labels).detach().float())
+        if ev["return_logits"]:
+            ev["logits"].append(out)
+
+    def _exec_reconstruct(self, cmd: ReverseReconstruct) -> None:
+        delta, x_tilde = self.inbox.pop(cmd.key())
+        self.stages[cmd.stage].reconstruct(cmd.micro_batch, x_tilde, delta)
+
+    def _exec_backward(self, cmd: DelayedBackward) -> None:
+        stage, m = cmd.stage, cmd.micro_batch
+        st = self.stages[stage]
+        delta = None if st.is_last or st.reconstructs else self.inbox.pop(cmd.key())[0]
+        rebuilt = st.reconstruction  # a reconstructing stage was handed delta with its reconstruction
+        self._notify("before_backward", stage, m, delta if rebuilt is None else rebuilt.delta)
+        dx, x_tilde = st.backward(m, delta)
+        self._notify("after_backward", stage, m, x_tilde)
+        if stage > 0:
+            self._outbox[stage][channels.backward_key(stage, m)] = (dx, x_tilde)
+
+    def _exec_step(self, cmd: AccumulateAndStep) -> None:
+        stage, step = cmd.stage, cmd.step
+        st = self.stages[stage]
+        index = stage - self.local_stage_ids[0]
+        optimizer = self.stage_optimizers[index]
+        params = [p for p in st.params if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.grid.data_parallel_size > 1:
+            self.transport.average_over_replicas([p.grad for p in params] + running_stat_tensors(st.norms),
+                                                 self.grid.get_data_parallel_group(),
+                                                 f"the data-parallel reduction of stage {stage}")
+        self._outbox[stage].update(self.ties.gradients(stage, step, lambda key: self.inbox.pop(key, None)))
+        finite = gradients_finite(params, f"stage {stage}, optimizer step {step}, clock {self.clock_now}",
+                                  self.petra_config.non_finite, self.finite.check)
+        if not finite:
+            self.skipped_steps.append((stage, step))
+        if finite and self.gradient_clipping() > 0:
+            torch.nn.utils.clip_grad_norm_(st.stepped, self.gradient_clipping())
+        self._notify("before_step", stage, step)
+        if optimizer is not None and finite:
+            st.compensation.step(optimizer.step, optimizer, step)
+        self._notify("after_step", stage, step)
+        for p in params:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
+            p.grad = None
+        self._outbox[stage].update(self.ties.weights(stage, step))
+        scheduler = self.stage_schedulers[index]
+        if scheduler is not None:
+            scheduler.step()
+        self.stage_steps[stage] += 1
+        if self.stage_steps[stage] != step:
+            raise RuntimeError(f"stage {stage} took step {self.stage_steps[stage]}, the schedule says {step}")
+
+    # --- instructions: messages (each names its channel and key; transport.py moves them) ---
+
+    def _exec_send(self, cmd: SendActivation | SendGrad | SendTiedGrad | SendTiedWeight) -> None:
+        fields = self._outbox[cmd.stage].pop(cmd.key())
+        self.transport.send(cmd.channel(), cmd.key(), cmd.payload(fields))
+
+    def _exec_recv(self, cmd: RecvActivation | RecvGrad | RecvTiedGrad | RecvTiedWeight) -> None:
+        self.transport.recv(cmd.channel(), cmd.key())
+
+    def _exec_post(self, cmd: PostP2P) -> None:
+        self.transport.post(f"the {cmd.batch} batch of clock {self.clock_now}",
+                            fresh_layouts=cmd.batch == channels.EVAL)
+
+    def _exec_commit(self, cmd: CommitP2P) -> None:
+        received = self.transport.commit(f"the commit of clock {self.clock_now}")
+        weights = {key: value for key, value in received.items() if self.ties.is_weights(key)}
+        self.inbox.update((key, value) for key, value in received.items() if key not in weights)
+        self.ties.apply(weights)
+
+    # --- checkpoints (petra_ds.runtime.checkpoint) ---
+
+    @property
+    def mid_clock(self) -> bool:
+        """Whether a clock's work is half done (messages in flight or produced, data loaded)."""
+        return self.transport.in_flight or any(self._outbox.values()) or bool(self._loaded)
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+        """Write layer weights in DeepSpeed's layout and every rank's in-flight PETRA state, atomically.
+
+        Called by every rank between ``train_batch`` calls; no micro-batch needs to be drained."""
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        return checkpoint.save_engine(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, **_: Any) -> tuple[str | None, dict]:
+        """Load what :meth:`save_checkpoint` wrote; training continues exactly where it stopped.
+        Returns ``(path, client_state)`` like DeepSpeed."""
+        return checkpoint.load_engine(self, load_dir, None if tag is None else str(tag), load_module_strict,
+                                      load_optimizer_states, load_lr_scheduler_states, load_module_only)
+
+    def petra_state(self) -> dict[str, Any]:
+        """What is in flight on this rank between two ``train_batch`` calls (``checkpoint.py`` writes it)."""
+        return {
+            "clock": self.timeline.clock, "feed": self.timeline.feed.intervals, "global_steps": self.global_steps,
+            "global_samples": self.global_samples, "stage_steps": dict(self.stage_steps),
+            "optimizers": [None if opt is None else opt.state_dict() for opt in self.stage_optimizers],
+            "schedulers": [s.state_dict() if s is not None else None for s in self.stage_schedulers],
+            "stages": {j: st.state_dict() for j, st in self.stages.items()},
+            "inbox": {tuple(k): v for k, v in self.inbox.items()},
+            "reader_tied_modules": self.ties.reader_states(self.stages),
+        }
+
+    def load_petra_state(self, state: dict[str, Any], optimizer_states: bool = True,
+                         scheduler_states: bool = True) -> None:
+        """Continue from :meth:`petra_state` (the optimizers' and schedulers' states when asked)."""
+        fed = FedMicroBatches(tuple(map(tuple, state["feed"])))
+        self.timeline = Timeline(self.num_petra_stages, state["clock"], fed)
+        self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
+        self.stage_steps = dict(state["stage_steps"])
+        pairs = [(self.stage_optimizers, state["optimizers"], optimizer_states),
+                 (self.stage_schedulers, state["schedulers"], scheduler_states)]
+        for objects, states, wanted in pairs:
+            for obj, sd in zip(objects, states):
+                if wanted and obj is not None and sd is not None:
+                    obj.load_state_dict(sd)
+        for j, st in self.stages.items():
+            st.load_state_dict(state["stages"][j])
+        self.inbox = {channels.Key(*k): v for k, v in state["inbox"].items()}
+        self.ties.load_reader_states(self.stages, state["reader_tied_modules"])
+
+    # --- introspection ---
+
+    def memory_report(self) -> dict[int, dict[str, int]]:
+        """Per local stage, bytes held now (see :func:`petra_ds.runtime.memory.memory_report`)."""
+        return memory_report(self)
+
+    #: one handler per PETRA instruction, and nothing else. DualPipeV merges DeepSpeed's map into its own
+    #: because its schedule still runs DeepSpeed's instructions; a PETRA schedule produces only
+    #: ``schedule.INSTRUCTIONS``, so DeepSpeed's handlers (written for 1F1B's buffers) stay out of reach.
+    _INSTRUCTION_MAP = {
+        LoadMicroBatch: _exec_load,
+        ForwardPass: _exec_forward,
+        EvalForward: _exec_eval_forward,
+        ReverseReconstruct: _exec_reconstruct,
+        DelayedBackward: _exec_backward,
+        AccumulateAndStep: _exec_step,
+        SendActivation: _exec_send,
+        RecvActivation: _exec_recv,
+        SendGrad: _exec_send,
+        RecvGrad: _exec_recv,
+        SendTiedGrad: _exec_send,
+        RecvTiedGrad: _exec_recv,
+        SendTiedWeight: _exec_send,
+        RecvTiedWeight: _exec_recv,
+        PostP2P: _exec_post,
+        CommitP2P: _exec_commit,
+    }

@@ -1,0 +1,71 @@
+"""Bytes held, counted in one place: by tensor (the ledger a PETRA stage keeps) and by distinct storage (what
+the held-bytes tracker, ``petra_ds.diagnostics.held``, adds up).
+
+``engine.memory_report()`` returns the ledger, read from the engine's public views; the tracker measures
+the same :class:`petra_ds.runtime.observe.Holdings` view by storage, and the tests hold the two to each other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+from torch import Tensor
+
+from ..util.nested import tensors_in
+
+if TYPE_CHECKING:
+    from .engine import PetraEngine
+
+#: a storage's identity: (device, address of its first byte)
+StorageKey = tuple[str, int]
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor inside ``obj`` (nested), each tensor counted whole."""
+    return sum(t.numel() * t.element_size() for t in tensors_in(obj))
+
+
+def storage(t: Tensor) -> tuple[StorageKey, int]:
+    """(identity, bytes) of the storage behind ``t``: views of one storage share it."""
+    s = t.untyped_storage()
+    return (str(t.device), s.data_ptr()), s.nbytes()
+
+
+def storage_bytes(obj: Any, seen: set[StorageKey]) -> int:
+    """Bytes of the storages behind the tensors in ``obj`` not in ``seen`` (each once); adds them to ``seen``."""
+    total = 0
+    for t in tensors_in(obj):
+        key, nbytes = storage(t)
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
+    return total
+
+
+def storage_keys(tensors: Iterable[Tensor]) -> set[StorageKey]:
+    return {storage(t)[0] for t in tensors}
+
+
+def memory_report(engine: PetraEngine) -> dict[int, dict[str, int]]:
+    """Per local stage, bytes held now: parameters, gradients, optimizer state, input buffer (now and
+    peak), parameter buffer (now and peak), stage 0's raw micro-batches, messages held, the delay
+    compensation's state (weight prediction's averaged update)."""
+    report = {}
+    for j, st in engine.stages.items():
+        optimizer = engine.stage_optimizers[j - engine.local_stage_ids[0]]
+        state = {} if optimizer is None else optimizer.state
+        held = engine.holdings(j)
+        report[j] = {
+            "params": tensor_bytes(st.params),
+            "grads": tensor_bytes([p.grad for p in st.params if p.grad is not None]),
+            "optimizer_state": sum(tensor_bytes(list(s.values())) for s in state.values()),
+            "input_buffer": tensor_bytes(held.inputs),
+            "input_buffer_peak": st.peak_input_bytes,
+            "input_buffer_micro_batches": len(held.inputs),
+            "param_buffer": tensor_bytes(held.param_stash),
+            "param_buffer_peak": st.peak_param_buffer_bytes,
+            "raw_micro_batches": tensor_bytes(held.data),
+            "messages": tensor_bytes(held.messages),
+            "delay_compensation": tensor_bytes(st.compensation.state_dict()),
+        }
+    return report

@@ -1,0 +1,100 @@
+"""How diagnostics, measurement and benchmarks watch the engine without reaching into it.
+
+The engine executes instructions; at fixed points of a clock it calls every registered
+:class:`Observer` (``engine.observe(observer)``). An observer reads the engine and its stages through
+their public attributes and the read-only :class:`Holdings` view, and talks to other ranks through
+``engine.transport``; it never patches the engine or reads its private state. The points, in the order a
+clock meets them::
+
+    window_start -> [after_forward ... forwards_done] -> [before_backward, after_backward ...]
+                 -> before_step, after_step ... -> clock_end -> ... -> window_end
+
+``forwards_done`` comes once per clock after its forwards and the activations' batch, before any
+backward or parameter change (what the gradient-quality probe needs). Observers that change what the
+engine computes do not exist: every hook runs with the training math already decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ..schedule import Window
+    from .engine import PetraEngine
+    from .stage import Stage
+
+
+class Observer:
+    """No-op hooks; override the ones you need. ``engine`` is the :class:`petra_ds.PetraEngine`."""
+
+    def window_start(self, engine: PetraEngine, window: Window) -> None:
+        """A ``train_batch`` or ``drain`` call begins its clocks."""
+
+    def after_forward(self, engine: PetraEngine, stage: int, micro_batch: int, x: Any, labels: Any) -> None:
+        """``stage`` ran the forward of ``micro_batch`` on input ``x`` (the last stage: its loss)."""
+
+    def forwards_done(self, engine: PetraEngine, clock: int) -> None:
+        """Every forward of ``clock`` ran and its activations were posted; nothing has stepped yet."""
+
+    def before_backward(self, engine: PetraEngine, stage: int, micro_batch: int, delta: Any) -> None:
+        """``stage`` is about to run the backward of ``micro_batch`` with incoming gradient ``delta``."""
+
+    def after_backward(self, engine: PetraEngine, stage: int, micro_batch: int, x_tilde: Any) -> None:
+        """``stage`` accumulated the gradient of ``micro_batch``; ``x_tilde`` is the input it used."""
+
+    def before_step(self, engine: PetraEngine, stage: int, step: int) -> None:
+        """``stage``'s gradients are reduced (data parallel, tied weights, clipped); its optimizer
+        steps next."""
+
+    def after_step(self, engine: PetraEngine, stage: int, step: int) -> None:
+        """``stage``'s optimizer stepped (or skipped a non-finite step); its gradients are not yet cleared."""
+
+    def clock_end(self, engine: PetraEngine, clock: int) -> None:
+        """``clock`` finished: its messages arrived, every stage is between two clocks."""
+
+    def window_end(self, engine: PetraEngine, window: Window) -> None:
+        """The window's clocks ran and the loss was reduced, on every rank (collectives are safe here)."""
+
+
+class Callbacks(Observer):
+    """``engine.step_observers`` (``f(stage_index, stage)`` before each step) and
+    ``engine.clock_observers`` (``f(engine, clock)`` at each clock's end), as one observer."""
+
+    def __init__(self) -> None:
+        self.steps: list[Callable[[int, "Stage"], None]] = []
+        self.clocks: list[Callable[[Any, int], None]] = []
+
+    def before_step(self, engine: PetraEngine, stage: int, step: int) -> None:
+        for observe in self.steps:
+            observe(stage, engine.stages[stage])
+
+    def clock_end(self, engine: PetraEngine, clock: int) -> None:
+        for observe in self.clocks:
+            observe(engine, clock)
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What one stage keeps alive between two clocks beyond its model and optimizer, by category
+    (references to the engine's and the stage's own containers, never copies). The memory ledger
+    (``engine.memory_report``) and the held-bytes tracker (``petra_ds.diagnostics.held``) both count this
+    one view.
+
+    - ``data``: stage 0's raw micro-batches, and those loaded but not yet run;
+    - ``inputs``: a non-reversible stage's exact inputs (its FIFO);
+    - ``outputs``: what a clock keeps inside itself (the last stage's graph, a reconstruction's tape);
+      empty between clocks;
+    - ``param_stash``: the weight-stashing ablation's parameters;
+    - ``messages``: messages received for, or produced by, this stage and not yet consumed.
+    """
+
+    data: tuple
+    inputs: tuple
+    outputs: tuple
+    param_stash: tuple
+    messages: tuple
+
+    def categories(self) -> dict[str, Any]:
+        return {"data": self.data, "inputs": self.inputs, "outputs": self.outputs,
+                "param_stash": self.param_stash, "messages": self.messages}

@@ -1,0 +1,446 @@
+"""One PETRA stage's math, independent of transport, so that one process can host several stages.
+
+A stage is a run of layers F_j. Per micro-batch m it does a forward (nothing kept if it is
+reversible) and, clocks later, a backward with its parameters as they are *then*:
+
+- the last stage computes the loss in its forward and backpropagates it in the same clock;
+- a reversible stage rebuilds x~_{j-1} from x~_j, building the graph on the way, then runs the VJPs
+  (with ``reconstruct_overlap``, block by block, overlapping on CUDA: ``nn.reversible.reconstruct_and_backward``);
+- any other stage recomputes F_j with grad from its exact input: the FIFO for a non-reversible
+  stage, the raw micro-batch (data, not an activation buffer) for stage 0.
+
+``Delta_j`` accumulates into the parameters' ``.grad``; the loss is divided by k at the last stage so
+that after k backwards ``.grad`` is the mean over the k micro-batches, as DeepSpeed does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..nn.batchnorm import BatchNormPolicy, batch_norms, norms_running_stats
+from ..nn.check import check_reversible
+from ..nn.reversible import (Activation, GraphTape, SequentialTape, as_tuple, assign_rng_keys, detach_leaf,
+                             is_reversible, reconstruct, reconstruct_and_backward, shaped_like)
+from ..nn.rng import micro_batch_rng
+from ..pipeline.module import layer_module
+from ..schedule import reconstructs
+from .compensation import NoCompensation
+from .finite import FiniteWatch
+from .memory import tensor_bytes
+
+
+@dataclass
+class StageOptions:
+    """Per-stage policies shared by all stages of an engine."""
+
+    gradient_accumulation_steps: int = 1
+    seed: int = 0
+    #: data-parallel replica: part of the keyed-RNG key, so replicas draw different dropout masks and each
+    #: replica's reconstruction replays its own
+    replica: int = 0
+    input_buffer: str = "non_reversible"  # or "all": every stage keeps its exact inputs
+    param_buffer: bool = False  # weight stashing: the backward uses the forward's parameters
+    bn_policy: BatchNormPolicy = BatchNormPolicy()
+    autocast_dtype: torch.dtype | None = None  # e.g. torch.bfloat16; streams stay in their dtype
+    device_type: str = "cpu"
+    #: diagnostic: keep a copy of each reconstructing stage's true input to measure x~ against it
+    #: (this is the buffer PETRA saves; never on in training runs)
+    track_reconstruction: bool = False
+    #: check the layers declared reversible on the stage's first input
+    check_reversible: bool = False
+    #: a reconstructing stage goes block by block from its last block (reconstruct it, backpropagate through
+    #: it) instead of reconstructing all blocks first; on CUDA block i-1's reconstruction runs on a second
+    #: stream while block i's gradients are computed (PaReprop). Same bits; at most two blocks' graphs
+    #: alive instead of the stage's
+    reconstruct_overlap: bool = False
+
+
+@dataclass
+class Reconstruction:
+    """A reconstructing stage between its ``ReverseReconstruct`` and its ``DelayedBackward`` (one clock):
+    the micro-batch, the gradient delta_{j+1} that came with x~_j, and the rebuilt input x~_{j-1} with
+    its graph, or, with ``reconstruct_overlap``, x~_j itself (``tape`` None: the backward rebuilds block
+    by block)."""
+
+    micro_batch: int
+    delta: Activation
+    x: Activation
+    tape: SequentialTape | None
+
+
+class Stage:
+    """Stage ``index`` of ``num_stages``: its layers, what it keeps between forward and backward."""
+
+    def __init__(
+        self,
+        index: int,
+        num_stages: int,
+        layers: Sequence[Callable],
+        options: StageOptions,
+        loss_fn: Callable | None = None,
+    ) -> None:
+        if not layers:
+            raise ValueError(f"stage {index} has no layers")
+        self.index = index
+        self.num_stages = num_stages
+        self.layers = list(layers)
+        self.options = options
+        self.loss_fn = loss_fn
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        if self.is_last and loss_fn is None:
+            raise ValueError("the last stage needs a loss_fn (PipelineModule(loss_fn=...))")
+        self.reversible = all(isinstance(l, nn.Module) and is_reversible(l) for l in self.layers)
+        self.reconstructs = reconstructs(index, num_stages, self.reversible, options.input_buffer)
+        self.keeps_input = not (self.is_first or self.is_last or self.reconstructs)
+        self.modules = []
+        for layer in self.layers:
+            module = layer_module(layer)
+            if module is not None and all(module is not m for m in self.modules):
+                self.modules.append(module)
+        key = 0
+        for module in self.modules:  # keyed-RNG layer indices, unique inside the stage
+            key = assign_rng_keys(module, key)
+        self.params = self._unique_params()
+        #: what this stage's own step updates: what it clips and what delay compensation acts on (the engine
+        #: leaves out a reader's copies of tied weights, which follow their owner)
+        self.stepped = [p for p in self.params if p.requires_grad]
+        self.norms = [bn for module in self.modules for bn in batch_norms(module)]
+
+        self.fifo: deque[tuple[int, Activation]] = deque()  # exact inputs of a non-reversible stage
+        self.raw: dict[int, Activation] = {}  # stage 0's micro-batches (data)
+        self.stash: dict[int, list[Tensor]] = {}  # param_buffer ablation
+        self.live: tuple[int, Activation, Activation, Tensor] | None = None  # last stage: (m, x, leaf, loss)
+        #: a reconstructing stage's micro-batch between its reconstruction and its backward
+        self.reconstruction: Reconstruction | None = None
+        self._side_stream: torch.cuda.Stream | None = None
+        self._swapped: list[Tensor] | None = None
+        self.backwards = 0
+        #: backwards that ran block by block (``reconstruct_overlap``)
+        self.block_wise_backwards = 0
+        self._truth: dict[int, Activation] = {}
+        #: max |x~ - x| / max |x| per reconstructed micro-batch, with ``track_reconstruction``
+        self.reconstruction_errors: list[float] = []
+        self.peak_input_bytes = 0
+        self.peak_param_buffer_bytes = 0
+        self._checked = not options.check_reversible
+        #: delay compensation (``petra_ds.runtime.compensation``): the weights a forward runs with, how a step is taken
+        self.compensation = NoCompensation()
+        #: where this stage reports what it reads and makes, to find the first NaN / Inf (the engine's
+        #: ``petra_ds.runtime.finite.FiniteWatch``; this one checks nothing)
+        self.finite = FiniteWatch.off()
+
+    def check_layers(self, x: Activation) -> None:
+        """``inverse(forward(x)) == x`` for every layer declared reversible, on this input: a wrong inverse
+        would otherwise train a wrong model silently. Raises ``ReversibilityError`` naming the layer."""
+        self._checked = True
+        with torch.no_grad(), norms_running_stats(self.norms, update=False):
+            for i, layer in enumerate(self.layers):
+                if isinstance(layer, nn.Module) and is_reversible(layer):
+                    check_reversible(layer, x, name=f"stage {self.index}, its layer {i} ({type(layer).__name__})",
+                                     seed=self.options.seed)
+                x = layer(x)
+
+    def _unique_params(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for module in self.modules:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    # --- running the layers ---
+
+    def _autocast(self):
+        """bf16 autocast when configured: the forward, the recomputation and the reconstruction must
+        evaluate F and G identically, or the reconstruction would not undo the forward."""
+        dtype = self.options.autocast_dtype
+        return torch.autocast(self.options.device_type, dtype=dtype, enabled=dtype is not None)
+
+    def run(self, x: Activation) -> Activation:
+        """F_j(x) with the current parameters (autocast inside, outputs back in the input dtype)."""
+        dtype = self.options.autocast_dtype
+        if dtype is None:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+        stream_dtype = next((t.dtype for t in as_tuple(x) if t.is_floating_point()), torch.float32)
+        with self._autocast():
+            for layer in self.layers:
+                x = layer(x)
+        return shaped_like(x, [t.to(stream_dtype) if t.is_floating_point() and t.dtype == dtype else t
+                        for t in as_tuple(x)])
+
+    @contextmanager
+    def scope(self, m: int, update_bn: bool) -> Iterator[None]:
+        """Keyed RNG of (seed, m, stage, replica); batch norms update their running statistics iff ``update_bn``."""
+        with micro_batch_rng(self.options.seed, m, self.index, self.options.replica), \
+                norms_running_stats(self.norms, update_bn):
+            yield
+
+    @property
+    def _bn_in_forward(self) -> bool:
+        return self.options.bn_policy.update_in == "forward"
+
+    # --- forward ---
+
+    def forward(self, m: int, x: Activation, labels: Any = None) -> Activation | Tensor:
+        """x_j = F_j(x_{j-1}); the last stage returns the (unscaled, detached) loss instead."""
+        if self.is_first:
+            self.finite.micro_batch(m, x, labels)
+        if not self._checked:
+            self.finite.check()  # a NaN that reached this input is named where it began, not as a wrong inverse
+            self.check_layers(x)
+        if self.is_last:
+            # its only evaluation is the one that is differentiated: it plays the backward's role
+            with self.scope(m, update_bn=True), torch.enable_grad():
+                leaf = detach_leaf(x)
+                loss = self.loss_fn(self.run(leaf), labels)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            self.live = (m, x, leaf, loss)
+            self.finite.loss(self.index, m, loss)
+            return loss.detach()
+        with self.scope(m, update_bn=self._bn_in_forward), torch.no_grad(), self.compensation.forward_weights():
+            y = self.run(x)
+        if self.is_first:
+            self.raw[m] = x
+        elif self.keeps_input:
+            self.fifo.append((m, x))
+        elif self.reconstructs and self.options.track_reconstruction:
+            self._truth[m] = x
+        if self.options.param_buffer:
+            self.stash[m] = [p.detach().clone() for p in self.params]
+        self._account()
+        self.finite.activation(self.index, m, y)
+        return y
+
+    # --- backward ---
+
+    def reconstruct(self, m: int, y_tilde: Activation, delta: Activation) -> Activation | None:
+        """x~_{j-1} = F_j^{-1}(x~_j) with the current parameters, keeping the graph and ``delta`` (delta_{j+1},
+        which came with x~_j) for the backward.
+
+        With ``reconstruct_overlap`` it only records x~_j and returns None: block i-1 is reconstructed
+        while block i's gradients are computed, which needs delta, so ``backward`` does both (and
+        returns x~_{j-1})."""
+        if not self.reconstructs:
+            raise RuntimeError(f"stage {self.index} does not reconstruct its input")
+        if self.options.reconstruct_overlap:
+            self.reconstruction = Reconstruction(m, delta, y_tilde, None)
+            return None
+        self._use_forward_params(m)
+        with self.scope(m, update_bn=not self._bn_in_forward), self._autocast():
+            x = y_tilde
+            tapes = []
+            for layer in reversed(self.layers):
+                x, tape = reconstruct(layer, x)
+                tapes.append(tape)
+        self.reconstruction = Reconstruction(m, delta, x, SequentialTape(tapes))
+        self._note_reconstruction(m, x)
+        return x
+
+    def _reconstruct_and_backward(self, m: int, y_tilde: Activation,
+                                  delta: Activation) -> tuple[Activation, Activation]:
+        """(dx, x~_{j-1}) block by block, under the same RNG / batch-norm scope and autocast as
+        ``reconstruct``; the VJPs run without autocast, as ``backward`` runs them after ``reconstruct``."""
+        self.block_wise_backwards += 1
+        self._use_forward_params(m)
+        dtype = self.options.autocast_dtype
+        no_autocast = ((lambda: torch.autocast(self.options.device_type, enabled=False)) if dtype is not None
+                       else nullcontext)
+        with self.scope(m, update_bn=not self._bn_in_forward), self._autocast():
+            x, dx = reconstruct_and_backward(self.layers, y_tilde, delta, vjp_context=no_autocast,
+                                             side_stream=self._stream_beside(y_tilde))
+        self._note_reconstruction(m, x)
+        return dx, x
+
+    @property
+    def side_stream(self) -> torch.cuda.Stream | None:
+        """The second CUDA stream ``reconstruct_overlap`` created (None before, and on CPU)."""
+        return self._side_stream
+
+    def _stream_beside(self, y: Activation) -> torch.cuda.Stream | None:
+        """The second CUDA stream of ``reconstruct_overlap`` (None on CPU: the same order, one stream)."""
+        t = as_tuple(y)[0]
+        if not t.is_cuda:
+            return None
+        if self._side_stream is None or self._side_stream.device != t.device:
+            self._side_stream = torch.cuda.Stream(device=t.device)
+        return self._side_stream
+
+    def _note_reconstruction(self, m: int, x: Activation) -> None:
+        """A rebuilt input is checked for NaN / Inf; with ``track_reconstruction`` max |x~ - x| / max |x|
+        against the input kept at forward time."""
+        self.finite.reconstruction(self.index, m, x)
+        truth = self._truth.pop(m, None)
+        if truth is not None:
+            error = max(float((a - b).abs().max()) for a, b in zip(as_tuple(x), as_tuple(truth)))
+            scale = max(float(t.abs().max()) for t in as_tuple(truth))
+            self.reconstruction_errors.append(error / max(scale, 1e-30))
+
+    def backward(self, m: int, delta: Activation | None = None) -> tuple[Activation | None, Activation]:
+        """delta_j and x~_{j-1} for micro-batch ``m``; Delta_j accumulates into ``.grad``. ``delta`` is
+        delta_{j+1} (None at the last stage); a reconstructing stage was handed it with its reconstruction."""
+        k = self.options.gradient_accumulation_steps
+        if self.is_last:
+            if self.live is None or self.live[0] != m:
+                raise RuntimeError(f"last stage: no live graph for micro-batch {m}")
+            _, x_tilde, leaf, loss = self.live
+            self.live = None
+            self._use_forward_params(m)
+            (loss / k).backward()
+            dx = shaped_like(leaf, [t.grad if t.is_floating_point() else None for t in as_tuple(leaf)])
+        elif self.reconstructs:
+            rebuilt = self.reconstruction
+            if rebuilt is None or rebuilt.micro_batch != m:
+                raise RuntimeError(f"stage {self.index}: backward of micro-batch {m} without its reconstruction")
+            if delta is not None:
+                raise ValueError(f"stage {self.index} reconstructs: it was handed delta with its reconstruction")
+            self.reconstruction = None
+            if rebuilt.tape is None:
+                dx, x_tilde = self._reconstruct_and_backward(m, rebuilt.x, rebuilt.delta)
+            else:
+                x_tilde, dx = rebuilt.x, rebuilt.tape.backward(rebuilt.delta)
+        else:
+            x_tilde = self._pop_input(m)
+            self._use_forward_params(m)
+            _, dx = self.vjp(m, x_tilde, delta, update_bn=not self._bn_in_forward)
+        self._restore_params()
+        self.backwards += 1
+        self._account()
+        self.finite.gradients(self.index, m, self.params, dx)
+        return dx, x_tilde
+
+    def vjp(self, m: int, x: Activation, delta: Activation | None, labels: Any = None, *, update_bn: bool,
+            into_grad: bool = True) -> tuple[list[Tensor] | None, Activation]:
+        """Recompute F_j from input ``x`` under micro-batch ``m``'s keyed RNG and pull ``delta`` back
+        through it (``delta=None`` at the last stage: its loss for ``labels``). ``into_grad``: the
+        parameter gradients accumulate into ``.grad`` (training) and None is returned for them; otherwise
+        they are returned and ``.grad`` is left alone (the gradient-quality probe). Returns
+        ``(parameter gradients, input gradient)``."""
+        with self.scope(m, update_bn=update_bn), torch.enable_grad():
+            leaf = detach_leaf(x)
+            out = self.run(leaf)
+            if self.is_last:
+                out = self.loss_fn(out, labels)
+        if into_grad:
+            return None, GraphTape(leaf, out).backward(delta)
+        params = [p for p in self.params if p.requires_grad]
+        if self.is_last:
+            outs, grad_outs = [out], [None]
+        else:
+            pairs = [(o, g) for o, g in zip(as_tuple(out), as_tuple(delta)) if g is not None and o.requires_grad]
+            outs, grad_outs = [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]
+        leaves = [t for t in as_tuple(leaf) if t.requires_grad]
+        grads = list(torch.autograd.grad(outs, params + leaves, grad_outs, allow_unused=True)) if outs \
+            else [None] * (len(params) + len(leaves))
+        theta_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        leaf_grads = iter(grads[len(params):])
+        dx = [None if not t.requires_grad else (g if (g := next(leaf_grads)) is not None else torch.zeros_like(t))
+              for t in as_tuple(leaf)]
+        return theta_grads, shaped_like(leaf, dx)
+
+    @contextmanager
+    def swapped_params(self, values: Sequence[Tensor]) -> Iterator[None]:
+        """Run with ``values`` in place of the trainable parameters, put back afterwards."""
+        params = [p for p in self.params if p.requires_grad]
+        saved = self._swap_in(params, values)
+        try:
+            yield
+        finally:
+            self._swap_in(params, saved)
+
+    @staticmethod
+    def _swap_in(params: Sequence[Tensor], values: Sequence[Tensor]) -> list[Tensor]:
+        """Copy ``values`` into ``params``; return what they held."""
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in params]
+            for p, v in zip(params, values):
+                p.copy_(v)
+        return saved
+
+    def _pop_input(self, m: int) -> Activation:
+        if self.is_first:
+            if m not in self.raw:
+                raise RuntimeError(f"stage 0 lost micro-batch {m}")
+            return self.raw.pop(m)
+        if not self.fifo or self.fifo[0][0] != m:
+            raise RuntimeError(f"stage {self.index}: FIFO head is not micro-batch {m}")
+        return self.fifo.popleft()[1]
+
+    # --- weight stashing (ablation) ---
+
+    def _use_forward_params(self, m: int) -> None:
+        if not self.options.param_buffer or self._swapped is not None:
+            return
+        stashed = self.stash.pop(m, None)
+        if stashed is None:  # the last stage's forward and backward share a clock
+            return
+        self._swapped = self._swap_in(self.params, stashed)
+
+    def _restore_params(self) -> None:
+        if self._swapped is not None:
+            self._swap_in(self.params, self._swapped)
+            self._swapped = None
+
+    # --- checkpoint ---
+
+    def state_dict(self) -> dict:
+        """What is in flight at this stage between two clocks (parameters are saved elsewhere)."""
+        if self.live is not None or self.reconstruction is not None or self._swapped is not None:
+            raise RuntimeError(f"stage {self.index} is in the middle of a clock")
+        return {
+            "grads": [None if p.grad is None else p.grad.detach().clone() for p in self.params],
+            "fifo": list(self.fifo),
+            "raw": dict(self.raw),
+            "stash": dict(self.stash),
+            "backwards": self.backwards,
+            "peak_input_bytes": self.peak_input_bytes,
+            "peak_param_buffer_bytes": self.peak_param_buffer_bytes,
+            "compensation": self.compensation.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for p, g in zip(self.params, state["grads"]):
+            p.grad = None if g is None else g.to(p.device).clone()
+        self.fifo = deque(state["fifo"])
+        self.raw = dict(state["raw"])
+        self.stash = dict(state["stash"])
+        self.backwards = state["backwards"]
+        self.peak_input_bytes = state["peak_input_bytes"]
+        self.peak_param_buffer_bytes = state["peak_param_buffer_bytes"]
+        self.compensation.load_state_dict(state.get("compensation", {}))
+
+    # --- accounting ---
+
+    def held(self) -> dict[str, tuple]:
+        """What this stage keeps alive now, by ``petra_ds.runtime.observe.Holdings`` category (references)."""
+        return {
+            "data": tuple(self.raw.values()),
+            "inputs": tuple(x for _, x in self.fifo),
+            "outputs": tuple(x for x in (self.live, self._rebuilt_input()) if x is not None),
+            "messages": (self.reconstruction.delta,) if self.reconstruction is not None else (),
+            "param_stash": tuple(self.stash.values()),
+        }
+
+    def _rebuilt_input(self) -> Activation | None:
+        rebuilt = self.reconstruction
+        return rebuilt.x if rebuilt is not None and rebuilt.tape is not None else None
+
+    def input_buffer_bytes(self) -> int:
+        return tensor_bytes([x for _, x in self.fifo])
+
+    def param_buffer_bytes(self) -> int:
+        return tensor_bytes(list(self.stash.values()))
+
+    def _account(self) -> None:
+        self.peak_input_bytes = max(self.peak_input_bytes, self.input_buffer_bytes())
+        self.peak_param_buffer_bytes = max(self.peak_param_buffer_bytes, self.param_buffer_bytes())

@@ -1,0 +1,1 @@
+"""Small helpers every layer may use: atomic file writes, walks over nested tensors, argument checks."""

@@ -56,8 +56,11 @@ class _Former(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name: str, path=None, target=None):
         if name not in MOVED:
             return None
-        is_package = importlib.util.find_spec(MOVED[name]).submodule_search_locations is not None
-        return importlib.util.spec_from_loader(name, self, is_package=is_package)
+        now = importlib.util.find_spec(MOVED[name])
+        spec = importlib.util.spec_from_loader(name, self, origin=now.origin,
+                                               is_package=now.submodule_search_locations is not None)
+        spec.has_location = True  # python -m gives the code its file as sys.argv[0] and __file__
+        return spec
 
     def create_module(self, spec) -> ModuleType:
         return importlib.import_module(MOVED[spec.name])

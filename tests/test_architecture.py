@@ -228,3 +228,20 @@ def test_traces_recorded_before_the_layers_replay():
     traces = load_traces(os.path.join(ROOT, "tests", "fixtures", "trace_before_move"))
     report = replay_nccl(traces)
     assert set(report.batches) == {0, 1} and report.transfers > 0
+
+
+def test_former_module_names_still_work():
+    """``petra_ds.moved``: the documented ``python -m`` commands under their former names, and imports of
+    moved modules, give the module that holds the code now (the same object: classes stay identical)."""
+    import subprocess
+    import sys
+
+    import petra_ds.keys
+    import petra_ds.schedule.channels
+    from petra_ds.analysis.held import HeldTracker
+    from petra_ds.diagnostics import held
+
+    assert petra_ds.keys is petra_ds.schedule.channels and HeldTracker is held.HeldTracker
+    done = subprocess.run([sys.executable, "-m", "petra_ds.nccl_replay", "--help"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0 and "directory" in done.stdout, done.stderr[-2000:]

@@ -23,11 +23,14 @@ pipeline gets the two streams stacked into one tensor (``Packed``), which halves
 reversible models; ``--ds-pairs`` measures it on the plain pair.
 Each rank also times its own stage's primitives (``petra_ds.perf.timeline.measure_stage_costs``)
 and the message time between neighbours, for the timeline model. After the timed calls one more call
-records each rank's peak bytes held for the backward: the most bytes autograd's saved tensors hold at
-once (``HeldTracker``, parameters excluded), plus for PETRA its buffers' largest size at a clock's end
-(an upper bound of its peak). Two blind spots, both in the checkpointed baselines' favour: the graph a
-checkpoint rebuilds inside the backward is saved under the checkpoint's own hooks, and DeepSpeed's
-checkpoint keeps its block inputs outside autograd (its ``1f1b_ckpt`` figure is a lower bound). Writes
+records each rank's peak memory as the allocator sees it (``peak_allocated``: every tensor storage alive,
+parameters, gradients, optimizer state, activations, saved tensors, recompute graphs and messages
+included, through ``petra_ds.diagnostics.allocated``; ``torch.cuda.max_memory_allocated`` on a GPU) and
+what the peak is made of; and one more its peak bytes held for the backward (``peak_held_bytes``): the
+most bytes autograd's saved tensors hold at once (``HeldTracker``, parameters excluded), plus for PETRA
+its buffers' largest size at a clock's end. The held figure has two blind spots, both in the checkpointed
+baselines' favour (the graph a checkpoint rebuilds inside the backward, DeepSpeed's checkpointed block
+inputs); the allocated one has neither. Writes
 ``runs/benchmarks/throughput_<model>_<device>.json`` (``--output`` to choose; the committed reports in
 ``benchmarks/results/`` are regenerated only when named there) and prints samples/s and ratios.
 """
@@ -241,6 +244,7 @@ def run_single(args: argparse.Namespace, device: torch.device) -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     result = _time_calls(args, device, train_batch, micro_batches_per_call=k)
+    result["peak_allocated"] = peak_allocated(train_batch, list(layers.parameters()), optimizer, device)
     result["peak_held_bytes"] = peak_held_bytes(train_batch, layers.parameters())
     return result
 
@@ -287,6 +291,8 @@ def run_pipeline(args: argparse.Namespace, variant: str, device: torch.device) -
     result = _time_calls(args, engine.device, lambda: engine.train_batch(data), micro_batches_per_call=k,
                          barrier=dist.barrier)
     result["parts"] = [int(p) for p in getattr(module, "petra_parts", module.parts)]
+    result["peak_allocated"] = peak_allocated(lambda: engine.train_batch(data), list(module.parameters()),
+                                              engine.optimizer, engine.device)
     buffers = petra_buffer_peak(engine, module.parameters()) if variant == "petra" else None
     result["peak_held_bytes"] = peak_held_bytes(lambda: engine.train_batch(data), module.parameters(), buffers)
     if variant == "petra" and args.costs:
@@ -321,8 +327,35 @@ def run_torch(args: argparse.Namespace, variant: str, device: torch.device) -> d
 
     result = _time_calls(args, device, train_batch, micro_batches_per_call=k, barrier=dist.barrier)
     result["parts"] = peer.parts
+    result["peak_allocated"] = peak_allocated(train_batch, list(peer.parameters()), optimizer, device)
     result["peak_held_bytes"] = peak_held_bytes(train_batch, peer.parameters())
     return result
+
+
+def peak_allocated(train_batch, params: list, optimizer, device: torch.device) -> list[dict]:
+    """Every rank's peak memory during one more call, as the allocator sees it, and what it is made of
+    (parameters, gradients, optimizer state, the rest: activations, saved tensors, messages)."""
+    from torch import distributed as dist
+
+    from petra_ds.diagnostics.allocated import AllocatedStorages
+
+    def parts() -> dict:
+        return {"parameters": params, "gradients": [p.grad for p in params],
+                "optimizer_state": list(getattr(optimizer, "state", {}).values())}
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        train_batch()
+        torch.cuda.synchronize(device)
+        mine = {"peak": int(torch.cuda.max_memory_allocated(device)), "source": "torch.cuda.max_memory_allocated"}
+    else:
+        with AllocatedStorages(parts) as counter:
+            train_batch()
+        mine = {"peak": counter.peak_bytes, "parts": counter.peak_parts, "source": "AllocatedStorages"}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 def peak_held_bytes(train_batch, params, buffers=None) -> list[int]:
@@ -575,6 +608,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in ratios.items():
         print(f"  {name:28s} {value:6.3f}x (best), {median_ratios[name]:6.3f}x (median)")
     for v in variants:
+        allocated = variants[v].get("peak_allocated")
+        if allocated:
+            print(f"  {v:24s} peak allocated per rank (MiB): "
+                  f"{', '.join(f'{r['peak'] / 2**20:.1f}' for r in allocated)}")
         held = variants[v].get("peak_held_bytes")
         if held:
             print(f"  {v:24s} peak held per stage (MiB): {', '.join(f'{b / 2**20:.1f}' for b in held)}")

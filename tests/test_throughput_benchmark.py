@@ -60,7 +60,7 @@ def test_packed_layers_compute_what_the_plain_layers_compute(model):
 @pytest.mark.slow
 def test_every_variant_runs_on_the_same_partition_and_the_report_validates(tmp_path):
     """DeepSpeed's, PETRA's and two torch variants under the deepspeed launcher (2 CPU processes), a
-    report with samples/s, peak held bytes, ratios, the fastest peers and the per-stage costs that
+    report with samples/s, peak allocated and held bytes, ratios, the fastest peers and the per-stage costs that
     petra_ds.perf.timeline.validate reads."""
     from petra_ds.perf.timeline import validate
 
@@ -74,6 +74,11 @@ def test_every_variant_runs_on_the_same_partition_and_the_report_validates(tmp_p
     assert set(variants) == set(names)
     assert all(v["samples_per_s"] > 0 for v in variants.values())
     assert all(len(v["peak_held_bytes"]) == (1 if name == "single" else 2) for name, v in variants.items())
+    for name, v in variants.items():  # the allocator's peak holds the parameters and what autograd saved
+        assert len(v["peak_allocated"]) == len(v["peak_held_bytes"]), name
+        for rank, held in zip(v["peak_allocated"], v["peak_held_bytes"]):
+            assert sum(rank["parts"].values()) == rank["peak"] and rank["parts"]["other"] >= 0, (name, rank)
+            assert rank["peak"] >= rank["parts"]["parameters"] + held > 0, (name, rank, held)
     one_per_rank = {name: tuple(v["parts"]) for name, v in variants.items() if name not in ("single", "torch_zbv_ckpt")}
     assert len(set(one_per_rank.values())) == 1, one_per_rank
     assert len(variants["torch_zbv_ckpt"]["parts"]) == 5  # 2 chunks per rank

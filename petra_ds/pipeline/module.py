@@ -116,8 +116,8 @@ class PetraPipelineModule(PipelineModule):
 
     def _balanced_parts(self, num_petra: int) -> list[int]:
         if self.layer_costs is None:
-            raise ValueError('partition_method="profile" needs layer_costs=[...] (petra_ds.pipeline.partition.LayerCost '
-                             "per layer spec, or a JSON file of them)")
+            raise ValueError('partition_method="profile" needs layer_costs=[...] '
+                             "(petra_ds.pipeline.partition.LayerCost per layer spec, or a JSON file of them)")
         if len(self.layer_costs) != len(self._layer_specs):
             raise ValueError(f"layer_costs has {len(self.layer_costs)} entries for {len(self._layer_specs)} layer "
                              "specs; give one per layer spec, in order")

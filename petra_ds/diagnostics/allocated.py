@@ -1,0 +1,92 @@
+"""Peak memory as the allocator sees it, on any device: every tensor storage alive in this process.
+
+:class:`AllocatedStorages` counts the storages of every tensor alive when it starts (a scan of the
+interpreter's objects: parameters, optimizer state, data, anything a Python object holds) and, while
+active, every storage an operator creates (a ``TorchDispatchMode`` sees each result: activations,
+gradients, optimizer state made lazily, saved tensors, recompute graphs, communication buffers). A weak
+reference to each storage tells when it is freed, so ``live_bytes`` follows the allocator and
+``peak_bytes`` is its high-water mark. At each new peak, ``parts()`` (when given) names what the peak is
+made of: the bytes of the storages it lists by name (parameters, gradients, optimizer state), the rest
+being ``"other"`` (activations, buffers, messages).
+
+It does not see memory that never becomes a tensor (a communication library's own buffers, the
+allocator's caching slack) nor tensors created before it started that no Python object reaches. On CUDA
+``torch.cuda.max_memory_allocated`` is the number to report; this counter is for the CPU, where torch has
+no such statistic.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..runtime.memory import StorageKey, storage, storage_bytes
+from ..util.nested import tensors_in
+
+
+class AllocatedStorages(TorchDispatchMode):
+    """Live and peak bytes of every tensor storage of this process while the ``with`` block runs."""
+
+    def __init__(self, parts: Callable[[], dict[str, Any]] | None = None) -> None:
+        super().__init__()
+        self.parts = parts
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        #: what the peak was made of, by the names of ``parts()`` plus "other"
+        self.peak_parts: dict[str, int] = {}
+        self._live: dict[StorageKey, int] = {}
+        self._lock = threading.Lock()  # storages may be freed on autograd's threads (CUDA)
+
+    def __enter__(self) -> "AllocatedStorages":
+        for obj in gc.get_objects():
+            if issubclass(type(obj), Tensor):  # type(), not isinstance: some modules' objects warn on __class__
+                self._add(obj)
+        self._note_peak()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        before = self.live_bytes
+        for t in tensors_in(out):
+            self._add(t)
+        if self.live_bytes > self.peak_bytes and self.live_bytes > before:
+            self._note_peak()
+        return out
+
+    def _add(self, t: Tensor) -> None:
+        if t.is_meta or t.layout != torch.strided:
+            return
+        try:
+            key, nbytes = storage(t)
+        except (NotImplementedError, RuntimeError):  # a wrapper subclass without a storage of its own
+            return
+        with self._lock:
+            if key in self._live or nbytes == 0:
+                return
+            self._live[key] = nbytes
+            self.live_bytes += nbytes
+        weakref.finalize(t.untyped_storage(), self._free, key)
+
+    def _free(self, key: StorageKey) -> None:
+        with self._lock:
+            self.live_bytes -= self._live.pop(key, 0)
+
+    def _note_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+        if self.parts is None:
+            return
+        seen: set[StorageKey] = set()
+        named = {name: storage_bytes(obj, seen) for name, obj in self.parts().items()}
+        self.peak_parts = {**named, "other": self.live_bytes - sum(named.values())}
+
+    def reset_peak(self) -> int:
+        """The peak so far; the next one starts from what is live now."""
+        peak = self.peak_bytes
+        self._note_peak()
+        return peak

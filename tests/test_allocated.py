@@ -1,0 +1,64 @@
+"""petra_ds.diagnostics.allocated: live and peak bytes of every tensor storage, against byte counts worked
+out by hand and against the saved-tensor tracker where both see the same tensors."""
+
+import torch
+
+from petra_ds.diagnostics.allocated import AllocatedStorages
+from petra_ds.diagnostics.held import HeldTracker
+
+F32, F64 = 4, 8
+
+
+def test_live_and_peak_bytes_follow_allocations_and_frees():
+    with AllocatedStorages() as counter:
+        start = counter.live_bytes
+        a = torch.empty(1000, dtype=torch.float32)
+        b = torch.empty(2000, dtype=torch.float32)
+        assert counter.live_bytes - start == 3000 * F32
+        del a
+        c = torch.empty(500, dtype=torch.float32)
+        view = b[5:]  # a view: no new storage
+        b.add_(1.0)  # in place: none either
+        assert counter.live_bytes - start == 2500 * F32
+        assert counter.peak_bytes - start == 3000 * F32
+        del b
+        assert counter.live_bytes - start == 2500 * F32  # the view keeps b's storage
+        del view, c
+        assert counter.live_bytes == start
+        assert counter.reset_peak() - start == 3000 * F32 and counter.peak_bytes == start
+
+
+def test_what_lived_before_counts_and_its_release_too():
+    kept = torch.zeros(4096, dtype=torch.float32)
+    with AllocatedStorages(parts=lambda: {"kept": kept}) as counter:
+        assert counter.peak_parts["kept"] == 4096 * F32 and counter.live_bytes >= 4096 * F32
+        before = counter.live_bytes
+        del kept
+        assert before - counter.live_bytes == 4096 * F32
+
+
+def graph(w: torch.Tensor) -> torch.Tensor:
+    """a * w saves a (w is a parameter); tanh saves its output c; c * c saves c; the sum saves nothing."""
+    a = torch.randn(5, 7, dtype=torch.float64)
+    b = a * w
+    c = b.tanh()
+    return (c * c).sum()
+
+
+def test_a_graph_holds_what_the_saved_tensor_tracker_sees_and_its_peak_is_the_forward():
+    w = torch.nn.Parameter(torch.randn(5, 7, dtype=torch.float64))
+    tracker = HeldTracker(exclude=[w])
+    with AllocatedStorages(parts=lambda: {"parameters": [w]}) as counter:
+        counter.reset_peak()
+        start = counter.live_bytes
+        with tracker.recording():
+            loss = graph(w)
+        saved = tracker.measure({}, exclude=[w])["graph"]
+        assert saved == 2 * 35 * F64  # a and c
+        assert counter.live_bytes - start == saved + F64  # the graph's saved tensors and the loss
+        assert counter.peak_bytes - start == 4 * 35 * F64 + F64  # a, b, c, c * c and the loss at once
+        assert counter.peak_parts["parameters"] == 35 * F64
+        assert counter.peak_parts["other"] == counter.peak_bytes - 35 * F64
+        loss.backward()
+        assert tracker.measure({}, exclude=[w])["graph"] == 0
+        assert counter.live_bytes - start == 35 * F64 + F64  # w.grad and the loss; the graph is gone

@@ -82,6 +82,7 @@ def summarize(J: int, k: int, results: list[dict[str, Any]]) -> dict[str, Any]:
                 "in_flight_peak": r.get("peak_in_flight"), "param_bytes": r["param_bytes"],
                 "ledger_mismatches": len(r.get("ledger_mismatches", [])), "ledger_peaks": r.get("ledger_peaks"),
                 "observations": r["steps"], "cuda_peak_minus_baseline": r["cuda_peak_minus_baseline"],
+                "allocated": r.get("allocated"),
                 "trace": r.get("trace"),
             })
         methods[method] = rows

@@ -5,11 +5,13 @@ step (1F1B) with ``petra_ds.diagnostics.held``'s tracker; :func:`launch` returns
 from __future__ import annotations
 
 import gc
+from contextlib import nullcontext
 from typing import Any, Iterator
 
 import torch
 from torch import Tensor
 
+from petra_ds.diagnostics.allocated import AllocatedStorages
 from petra_ds.diagnostics.held import (CATEGORIES, HeldTracker, activations, observed_pipeline_engine,
                                        petra_buffers)
 from petra_ds.pipeline.module import layer_module
@@ -122,7 +124,14 @@ def measure_method(method: str, spec: dict[str, Any]) -> dict[str, Any]:
         baseline = torch.cuda.memory_allocated(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
         trace.clear()
-    with tracker.recording():
+    optimizer = engine.optimizer
+
+    def parts() -> dict[str, Any]:
+        return {"parameters": params, "gradients": [p.grad for p in params],
+                "optimizer_state": list(optimizer.state.values())}
+
+    allocated = nullcontext() if cuda else AllocatedStorages(parts)  # a GPU reports its allocator's peak
+    with tracker.recording(), allocated:
         for _ in range(spec["train_batches"]):
             engine.train_batch(data)
     result: dict[str, Any] = {
@@ -135,6 +144,8 @@ def measure_method(method: str, spec: dict[str, Any]) -> dict[str, Any]:
         "reconstructs": bool(petra and engine.stages[stage].reconstructs),
         "cuda_peak_minus_baseline": (torch.cuda.max_memory_allocated(engine.device) - baseline) if cuda else
         "not run: CPU process, no CUDA device",
+        "allocated": "on CUDA: cuda_peak_minus_baseline" if cuda else
+        {"peak": allocated.peak_bytes, "parts": allocated.peak_parts},
     }
     if petra:
         result["peak_in_flight"] = {key: max(r[key] for r in trace) for key in ("fifo", "raw", "stash")}

@@ -610,8 +610,8 @@ def main(argv: list[str] | None = None) -> None:
     for v in variants:
         allocated = variants[v].get("peak_allocated")
         if allocated:
-            print(f"  {v:24s} peak allocated per rank (MiB): "
-                  f"{', '.join(f'{r['peak'] / 2**20:.1f}' for r in allocated)}")
+            peaks = ", ".join(f"{r['peak'] / 2**20:.1f}" for r in allocated)
+            print(f"  {v:24s} peak allocated per rank (MiB): {peaks}")
         held = variants[v].get("peak_held_bytes")
         if held:
             print(f"  {v:24s} peak held per stage (MiB): {', '.join(f'{b / 2**20:.1f}' for b in held)}")

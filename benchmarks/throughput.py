@@ -318,7 +318,8 @@ def run_torch(args: argparse.Namespace, variant: str, device: torch.device) -> d
 
     peer = torch_peer(args, variant, device)
     optimizer = torch.optim.Adam(peer.parameters(), lr=1e-4)
-    data, k = micro_batches(args, device), args.micro_batches
+    k = args.micro_batches
+    data = micro_batches(args, device, count=max(8, k))  # at least one whole batch of k
     batches = itertools.cycle([tuple(torch.cat(part) for part in zip(*data[i:i + k]))
                                for i in range(0, len(data) - k + 1, k)])
 

@@ -199,3 +199,30 @@ def test_replay_with_tied_weights(S, k):
         with pytest.raises(ScheduleError):
             replay(broken, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k,
                    reversible=mixed_reversibility(J), ties=ties).assert_drained()
+
+
+def test_replay_detects_compute_out_of_its_clock_phase_order():
+    """Stage 0's backward moved to the front of its rank's clock: stage 0 on its own is fine (its gradient
+    came at the previous clock, its raw micro-batch is kept), the rank's clock is not (the load and the
+    forwards would run after a backward, whose parameters may change them)."""
+    def backward_first(cmds, i):
+        cmds.insert(0, cmds.pop(i))
+
+    with pytest.raises(ScheduleError, match="after the backward phase of its clock"):
+        replay_tampered_two_stages(backward_first)
+
+
+def replay_tampered_two_stages(action):
+    J, S, k = 4, 2, 2
+    timeline = Timeline(J)
+    windows = []
+    for item in [(k, k)] * 3 + [None]:
+        w = timeline.drain_window() if item is None else timeline.train_window(*item)
+        timeline.advance(w)
+        windows.append(w)
+    streams = streams_for(windows, pipeline_ranks=J // S, stages_per_rank=S, gradient_accumulation_steps=k,
+                          reversible=[True] * J)
+    clock = next(c for c in streams[0] if any(isinstance(x, DelayedBackward) and x.stage == 0 for x in c)
+                 and any(isinstance(x, ForwardPass) for x in c))
+    action(clock, next(i for i, x in enumerate(clock) if isinstance(x, DelayedBackward) and x.stage == 0))
+    replay(streams, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k, reversible=[True] * J)

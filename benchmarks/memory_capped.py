@@ -1,0 +1,119 @@
+"""The user's real choice: under a per-rank memory cap, which schedule trains fastest?
+
+    OMP_NUM_THREADS=1 python benchmarks/memory_capped.py --model revgpt --stages 2 --global-batch 32 \\
+        --micro-batch-sizes 4 8 16 --rounds 5
+
+Every schedule (PETRA and its peers, checkpointed or not: a ``_ckpt`` variant is the same schedule with
+checkpointing on) runs ``benchmarks/throughput.py`` at every micro-batch size b of ``--micro-batch-sizes``,
+with k = global batch / b micro-batches per step, so every configuration trains the same samples per step.
+Each run gives samples/s and every rank's peak memory as the allocator sees it
+(``petra_ds.diagnostics.allocated``; ``torch.cuda.max_memory_allocated`` on a GPU). The caps are PETRA's
+own peak (its largest rank) at each micro-batch size. Under each cap, each schedule's best configuration is
+its fastest (median samples/s over the rounds) whose largest rank fits; a schedule with none "does not
+fit". Rounds run every configuration once, in turn, so that a slow spell of a shared machine hits all of
+them. The partition is each schedule's default (the same blocks per stage); searching it is not done here.
+Writes ``runs/benchmarks/memory_capped_<model>_<device>.json`` (``--output`` to choose) and prints the
+table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import throughput  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+from example_runs import save_report  # noqa: E402
+
+MIB = 2 ** 20
+SCHEDULES = ["petra", "1f1b", "1f1b_ckpt", "torch_zbv", "torch_zbv_ckpt", "torch_dualpipev", "torch_dualpipev_ckpt"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["revgpt", "revnet"], default="revgpt")
+    p.add_argument("--stages", type=int, default=2, help="processes, one pipeline rank each")
+    p.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step, for every configuration")
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--schedules", nargs="+", choices=throughput.VARIANTS, default=SCHEDULES)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--calls", type=int, default=3, help="timed train_batch calls per run")
+    p.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
+                   help="passed to throughput.py as they are (e.g. --seq-len 256 --layers 8)")
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    for b in args.micro_batch_sizes:
+        if b < 1 or args.global_batch % b:
+            p.error(f"--micro-batch-sizes {b} must divide --global-batch {args.global_batch}")
+    if "petra" not in args.schedules:
+        p.error("--schedules must include petra: its peaks are the caps")
+    return args
+
+
+def run(args: argparse.Namespace, b: int) -> dict[str, dict]:
+    """One round at micro-batch size ``b``: every schedule's samples/s and largest rank's peak bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "report.json")
+        throughput.main(["--model", args.model, "--stages", str(args.stages), "--micro-batch-size", str(b),
+                         "--micro-batches", str(args.global_batch // b), "--warmup", "2", "--calls", str(args.calls),
+                         "--no-costs", "--variants", *args.schedules, "--output", out, *args.model_args])
+        with open(out) as f:
+            variants = json.load(f)["variants"]
+    return {v: {"samples_per_s": variants[v]["samples_per_s"],
+                "peak": max(r["peak"] for r in variants[v]["peak_allocated"])} for v in args.schedules}
+
+
+def best_under(cap: int, configs: dict[int, dict]) -> dict | None:
+    """The fastest configuration (by median samples/s) whose peak fits under ``cap``, or None."""
+    fitting = [{"micro_batch_size": b, **c} for b, c in configs.items() if c["peak"] <= cap]
+    return max(fitting, key=lambda c: c["median_samples_per_s"], default=None)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    rounds: dict[str, dict[int, list[dict]]] = {s: {b: [] for b in args.micro_batch_sizes} for s in args.schedules}
+    for r in range(args.rounds):
+        for b in args.micro_batch_sizes:
+            print(f"round {r + 1}/{args.rounds}, micro-batch {b}, k = {args.global_batch // b}", flush=True)
+            for schedule, result in run(args, b).items():
+                rounds[schedule][b].append(result)
+    configs = {s: {b: {"median_samples_per_s": statistics.median(x["samples_per_s"] for x in rs),
+                       "rounds_samples_per_s": [x["samples_per_s"] for x in rs], "peak": max(x["peak"] for x in rs)}
+                   for b, rs in per_b.items()} for s, per_b in rounds.items()}
+    caps = {b: configs["petra"][b]["peak"] for b in args.micro_batch_sizes}
+    table = []
+    for b, cap in caps.items():
+        best = {s: best_under(cap, configs[s]) for s in args.schedules}
+        peers = {s: c for s, c in best.items() if s != "petra" and c is not None}
+        fastest = max(peers, key=lambda s: peers[s]["median_samples_per_s"], default=None)
+        table.append({"cap": cap, "petra_micro_batch": b, "best": best, "fastest_peer": fastest,
+                      "petra_over_fastest_peer": None if fastest is None else
+                      best["petra"]["median_samples_per_s"] / peers[fastest]["median_samples_per_s"]})
+    report = {"command": "python benchmarks/memory_capped.py " + " ".join(argv), "device": throughput.device_name(),
+              "torch": torch.__version__, "args": vars(args), "configs": configs, "caps": table}
+    tag = "gpu" if torch.cuda.is_available() else "cpu"
+    output = args.output or os.path.join("runs", "benchmarks", f"memory_capped_{args.model}_{tag}.json")
+    save_report(output, report)
+    for row in table:
+        print(f"cap {row['cap'] / MIB:.2f} MiB (PETRA's peak at micro-batch {row['petra_micro_batch']}):")
+        for s, c in row["best"].items():
+            fit = "does not fit" if c is None else (f"{c['median_samples_per_s']:8.2f} samples/s at micro-batch "
+                                                     f"{c['micro_batch_size']}, peak {c['peak'] / MIB:.2f} MiB")
+            print(f"  {s:22s} {fit}")
+        ratio = row["petra_over_fastest_peer"]
+        print(f"  PETRA / fastest fitting peer ({row['fastest_peer']}): "
+              + ("no peer fits" if ratio is None else f"{ratio:.3f}x"))
+    print(f"saved {output}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

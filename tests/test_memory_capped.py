@@ -1,0 +1,59 @@
+"""benchmarks/memory_capped.py: the choice under a cap, by hand, and (slow) a tiny run of the search."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from subprocess_env import ROOT
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("memory_capped_benchmark",
+                                                  os.path.join(ROOT, "benchmarks", "memory_capped.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_fastest_fitting_configuration_is_chosen():
+    bench = load_benchmark()
+    configs = {4: {"median_samples_per_s": 10.0, "peak": 100}, 8: {"median_samples_per_s": 15.0, "peak": 180},
+               16: {"median_samples_per_s": 20.0, "peak": 300}}
+    assert bench.best_under(300, configs)["micro_batch_size"] == 16
+    assert bench.best_under(299, configs)["micro_batch_size"] == 8  # the fastest no longer fits
+    assert bench.best_under(100, configs) == {"micro_batch_size": 4, **configs[4]}
+    assert bench.best_under(99, configs) is None  # does not fit
+
+
+def test_arguments_that_cannot_keep_the_global_batch_are_refused(capsys):
+    bench = load_benchmark()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--global-batch", "32", "--micro-batch-sizes", "4", "6"])
+    assert "--micro-batch-sizes 6 must divide --global-batch 32" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--schedules", "1f1b", "1f1b_ckpt"])
+    assert "--schedules must include petra" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_tiny_search_reports_every_configuration_and_each_cap(tmp_path):
+    bench = load_benchmark()
+    out = tmp_path / "capped.json"
+    report = bench.main(["--stages", "2", "--global-batch", "8", "--micro-batch-sizes", "2", "4", "--schedules",
+                         "petra", "1f1b_ckpt", "--rounds", "2", "--calls", "1", "--output", str(out), "--model-args",
+                         "--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--vocab-size", "64"])
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(report))
+    configs = saved["configs"]  # micro-batch sizes as JSON keys
+    for schedule in ("petra", "1f1b_ckpt"):
+        for b in ("2", "4"):
+            c = configs[schedule][b]
+            assert len(c["rounds_samples_per_s"]) == 2 and c["peak"] > 0
+    caps = saved["caps"]
+    assert [row["cap"] for row in caps] == [configs["petra"]["2"]["peak"], configs["petra"]["4"]["peak"]]
+    for row in caps:
+        assert row["best"]["petra"]["peak"] <= row["cap"]  # PETRA fits its own cap
+        peer = row["best"]["1f1b_ckpt"]
+        assert peer is None or peer["peak"] <= row["cap"]

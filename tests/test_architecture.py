@@ -242,6 +242,11 @@ def test_former_module_names_still_work():
     from petra_ds.diagnostics import held
 
     assert petra_ds.keys is petra_ds.schedule.channels and HeldTracker is held.HeldTracker
+    import importlib
+
+    from petra_ds.moved import MOVED
+
+    assert all(importlib.import_module(old) is importlib.import_module(new) for old, new in MOVED.items())
     done = subprocess.run([sys.executable, "-m", "petra_ds.nccl_replay", "--help"], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
     assert done.returncode == 0 and "directory" in done.stdout, done.stderr[-2000:]

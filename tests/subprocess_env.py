@@ -1,5 +1,7 @@
-"""Environment for tests that start a launcher in a subprocess."""
+"""Where the repository is, the environment for tests that start a launcher in a subprocess, and the
+benchmark scripts loaded as modules."""
 
+import importlib.util
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -11,3 +13,11 @@ def launcher_env() -> dict:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     return env
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module named ``<name>_benchmark`` (benchmarks/ is a folder of scripts)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench

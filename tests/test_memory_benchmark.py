@@ -6,7 +6,6 @@ engine's ledger); the weight-stashing ablation holds as many parameter copies; 1
 min(k, J-j) micro-batches' activations, so its first stage holds min(k, J).
 """
 
-import importlib.util
 import os
 import sys
 
@@ -15,7 +14,7 @@ import torch
 
 from petra_ds.diagnostics.held import HeldTracker, StepObserved, activations
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from subprocess_env import ROOT, load_benchmark
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from memory_worker import launch  # noqa: E402
@@ -168,10 +167,7 @@ def test_1f1b_stage_j_holds_min_k_and_J_minus_j_micro_batches(run):
 
 def test_benchmark_summary_table_and_plot(run, tmp_path):
     spec, results = run
-    path = os.path.join(ROOT, "benchmarks", "memory.py")
-    module_spec = importlib.util.spec_from_file_location("memory_benchmark", path)
-    bench = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(bench)
+    bench = load_benchmark("memory")
     J, k = spec["J"], spec["k"]
     summary = bench.summarize(J, k, results)
     assert summary["methods"]["1f1b"][0]["activations_peak_mb"] == min(k, J)

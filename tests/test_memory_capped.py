@@ -1,24 +1,14 @@
 """benchmarks/memory_capped.py: the choice under a cap, by hand, and (slow) a tiny run of the search."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-from subprocess_env import ROOT
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("memory_capped_benchmark",
-                                                  os.path.join(ROOT, "benchmarks", "memory_capped.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+from subprocess_env import load_benchmark
 
 
 def test_the_fastest_fitting_configuration_is_chosen():
-    bench = load_benchmark()
+    bench = load_benchmark("memory_capped")
     configs = {4: {"median_samples_per_s": 10.0, "peak": 100}, 8: {"median_samples_per_s": 15.0, "peak": 180},
                16: {"median_samples_per_s": 20.0, "peak": 300}}
     assert bench.best_under(300, configs)["micro_batch_size"] == 16
@@ -28,7 +18,7 @@ def test_the_fastest_fitting_configuration_is_chosen():
 
 
 def test_arguments_that_cannot_keep_the_global_batch_are_refused(capsys):
-    bench = load_benchmark()
+    bench = load_benchmark("memory_capped")
     with pytest.raises(SystemExit):
         bench.parse_args(["--global-batch", "32", "--micro-batch-sizes", "4", "6"])
     assert "--micro-batch-sizes 6 must divide --global-batch 32" in capsys.readouterr().err
@@ -39,7 +29,7 @@ def test_arguments_that_cannot_keep_the_global_batch_are_refused(capsys):
 
 @pytest.mark.slow
 def test_a_tiny_search_reports_every_configuration_and_each_cap(tmp_path):
-    bench = load_benchmark()
+    bench = load_benchmark("memory_capped")
     out = tmp_path / "capped.json"
     report = bench.main(["--stages", "2", "--global-batch", "8", "--micro-batch-sizes", "2", "4", "--schedules",
                          "petra", "1f1b_ckpt", "--rounds", "2", "--calls", "1", "--output", str(out), "--model-args",

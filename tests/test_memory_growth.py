@@ -1,25 +1,15 @@
 """benchmarks/memory_growth.py: its summary of a rank list, and (slow) a tiny run whose report holds every
 rank's allocator peak for every (J, sequence length) and schedule."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-from subprocess_env import ROOT
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("memory_growth_benchmark",
-                                                  os.path.join(ROOT, "benchmarks", "memory_growth.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+from subprocess_env import load_benchmark
 
 
 def test_the_summary_is_the_largest_rank_and_the_middle_ranks_median():
-    bench = load_benchmark()
+    bench = load_benchmark("memory_growth")
     mib = bench.MIB
     ranks = [{"peak": 5 * mib}, {"peak": 2 * mib}, {"peak": 4 * mib}, {"peak": 3 * mib}]
     assert bench.summarize(ranks) == {"max": 5.0, "middle": 3.0, "ranks": [5.0, 2.0, 4.0, 3.0]}
@@ -28,7 +18,7 @@ def test_the_summary_is_the_largest_rank_and_the_middle_ranks_median():
 
 @pytest.mark.slow
 def test_a_tiny_run_reports_every_rank_of_every_cell(tmp_path):
-    bench = load_benchmark()
+    bench = load_benchmark("memory_growth")
     out = tmp_path / "growth.json"
     report = bench.main(["--stages", "2", "3", "--seq-lens", "16", "--variants", "petra", "1f1b",
                          "--d-model", "16", "--heads", "2", "--vocab-size", "64", "--output", str(out)])

@@ -14,14 +14,21 @@ def mixed_reversibility(J):
     return [j % 3 != 0 for j in range(J)]
 
 
-def run_windows(J, S, k, plan, reversible=None):
-    """plan: list of (clocks, micro_batches) for train windows, or None for a drain."""
+def windows_for(J, plan):
+    """(timeline after them, the windows) of plan: a list of (clocks, micro_batches) for train windows, or
+    None for a drain."""
     timeline = Timeline(J)
     windows = []
     for item in plan:
         window = timeline.drain_window() if item is None else timeline.train_window(*item)
         timeline.advance(window)
         windows.append(window)
+    return timeline, windows
+
+
+def run_windows(J, S, k, plan, reversible=None):
+    """plan: list of (clocks, micro_batches) for train windows, or None for a drain."""
+    timeline, windows = windows_for(J, plan)
     reversible = mixed_reversibility(J) if reversible is None else reversible
     streams = streams_for(windows, pipeline_ranks=J // S, stages_per_rank=S,
                           gradient_accumulation_steps=k, reversible=reversible)
@@ -111,12 +118,7 @@ def tamper(streams, rank, predicate, action):
 
 
 def replay_tampered(J, k, predicate, action, rank):
-    timeline = Timeline(J)
-    windows = []
-    for item in [(k, k)] * 3 + [None]:
-        w = timeline.drain_window() if item is None else timeline.train_window(*item)
-        timeline.advance(w)
-        windows.append(w)
+    _, windows = windows_for(J, [(k, k)] * 3 + [None])
     rev = mixed_reversibility(J)
     streams = streams_for(windows, pipeline_ranks=J, stages_per_rank=1, gradient_accumulation_steps=k, reversible=rev)
     tamper(streams, rank, predicate, action)
@@ -214,12 +216,7 @@ def test_replay_detects_compute_out_of_its_clock_phase_order():
 
 def replay_tampered_two_stages(action):
     J, S, k = 4, 2, 2
-    timeline = Timeline(J)
-    windows = []
-    for item in [(k, k)] * 3 + [None]:
-        w = timeline.drain_window() if item is None else timeline.train_window(*item)
-        timeline.advance(w)
-        windows.append(w)
+    _, windows = windows_for(J, [(k, k)] * 3 + [None])
     streams = streams_for(windows, pipeline_ranks=J // S, stages_per_rank=S, gradient_accumulation_steps=k,
                           reversible=[True] * J)
     clock = next(c for c in streams[0] if any(isinstance(x, DelayedBackward) and x.stage == 0 for x in c)

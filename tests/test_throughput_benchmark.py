@@ -4,21 +4,12 @@ model validates against. Speed itself is measured by the benchmark, never assert
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("throughput_benchmark", os.path.join(ROOT, "benchmarks", "throughput.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+from subprocess_env import load_benchmark
 
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--vocab-size", "32",
@@ -29,7 +20,7 @@ TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "-
 def test_packed_layers_compute_what_the_plain_layers_compute(model):
     """The stacked-streams wrapper given to DeepSpeed's pipeline changes transport, not the function:
     same loss and same parameter gradients as the plain layers with the same weights."""
-    bench = load_benchmark()
+    bench = load_benchmark("throughput")
     args = bench.parse_args(["--model", model, "--width", "4", "--image-size", "8", *TINY])
     plain_specs, loss_fn, _ = bench.layers_and_loss(args)
     packed_specs, _, blocks = bench.layers_and_loss(args, packed=True)
@@ -64,7 +55,7 @@ def test_every_variant_runs_on_the_same_partition_and_the_report_validates(tmp_p
     petra_ds.perf.timeline.validate reads."""
     from petra_ds.perf.timeline import validate
 
-    bench = load_benchmark()
+    bench = load_benchmark("throughput")
     out = tmp_path / "report.json"
     names = ["single", "naive_mp", "1f1b", "1f1b_ckpt", "petra", "torch_1f1b", "torch_zbv_ckpt"]
     bench.main(["--model", "revgpt", "--stages", "2", "--calls", "1", "--warmup", "1", *TINY, "--output", str(out),
@@ -101,7 +92,7 @@ def _torch_peer_step(spec: dict) -> dict:
     import petra_ds
 
     petra_ds.init_distributed(dist_backend="gloo")
-    bench = load_benchmark()
+    bench = load_benchmark("throughput")
     args = bench.parse_args(["--model", "revgpt", *TINY, "--layers", "4"])
     specs, loss_fn, blocks = bench.layers_and_loss(args, packed=True)
     peer = bench.torch_pipe.build(spec["variant"], specs, loss_fn, args.micro_batches, torch.device("cpu"),
@@ -123,7 +114,7 @@ def test_torch_pipelining_peers_train_the_model_plain_backprop_trains(variant):
     correct run."""
     from harness import launch
 
-    bench = load_benchmark()
+    bench = load_benchmark("throughput")
     results = launch({"variant": variant}, 2, target=_torch_peer_step)
     parts = results[0]["parts"]
     assert all(r["parts"] == parts for r in results)

@@ -19,11 +19,9 @@ table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 
@@ -59,13 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, b: int) -> dict[str, dict]:
     """One round at micro-batch size ``b``: every schedule's samples/s and largest rank's peak bytes."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "report.json")
-        throughput.main(["--model", args.model, "--stages", str(args.stages), "--micro-batch-size", str(b),
-                         "--micro-batches", str(args.global_batch // b), "--warmup", "2", "--calls", str(args.calls),
-                         "--no-costs", "--variants", *args.schedules, "--output", out, *args.model_args])
-        with open(out) as f:
-            variants = json.load(f)["variants"]
+    variants = throughput.report_of([
+        "--model", args.model, "--stages", str(args.stages), "--micro-batch-size", str(b), "--micro-batches",
+        str(args.global_batch // b), "--warmup", "2", "--calls", str(args.calls), "--no-costs",
+        "--variants", *args.schedules, *args.model_args])["variants"]
     return {v: {"samples_per_s": variants[v]["samples_per_s"],
                 "peak": max(r["peak"] for r in variants[v]["peak_allocated"])} for v in args.schedules}
 

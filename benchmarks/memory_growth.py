@@ -15,11 +15,9 @@ prints the table: per schedule, the largest rank's peak and the middle ranks' pe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 
@@ -52,16 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def measure(args: argparse.Namespace, J: int, seq_len: int) -> dict[str, list[dict]]:
     """Every variant's per-rank peak_allocated for depth J and ``seq_len``."""
-    k = 2 * J
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "report.json")
-        throughput.main(["--model", "revgpt", "--stages", str(J), "--layers", str(args.blocks_per_stage * J),
-                         "--d-model", str(args.d_model), "--heads", str(args.heads), "--seq-len", str(seq_len),
-                         "--vocab-size", str(args.vocab_size), "--micro-batches", str(k),
-                         "--micro-batch-size", str(args.micro_batch_size), "--warmup", "2", "--calls", "1",
-                         "--no-costs", "--variants", *args.variants, "--output", out])
-        with open(out) as f:
-            report = json.load(f)
+    report = throughput.report_of([
+        "--model", "revgpt", "--stages", str(J), "--layers", str(args.blocks_per_stage * J), "--d-model",
+        str(args.d_model), "--heads", str(args.heads), "--seq-len", str(seq_len), "--vocab-size", str(args.vocab_size),
+        "--micro-batches", str(2 * J), "--micro-batch-size", str(args.micro_batch_size), "--warmup", "2",
+        "--calls", "1", "--no-costs", "--variants", *args.variants])
     return {v: report["variants"][v]["peak_allocated"] for v in args.variants}
 
 

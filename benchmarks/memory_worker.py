@@ -124,12 +124,7 @@ def measure_method(method: str, spec: dict[str, Any]) -> dict[str, Any]:
         baseline = torch.cuda.memory_allocated(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
         trace.clear()
-    optimizer = engine.optimizer
-
-    def parts() -> dict[str, Any]:
-        return {"parameters": params, "gradients": [p.grad for p in params],
-                "optimizer_state": list(optimizer.state.values())}
-
+    parts = AllocatedStorages.training_parts(params, engine.optimizer)
     allocated = nullcontext() if cuda else AllocatedStorages(parts)  # a GPU reports its allocator's peak
     with tracker.recording(), allocated:
         for _ in range(spec["train_batches"]):

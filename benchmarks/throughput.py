@@ -18,8 +18,8 @@ Variants, each in fresh processes under the deepspeed launcher, same layers, mic
 
 Every pipelined variant uses the same partition method (``--partition``; by default as many transformer
 blocks per stage for the RevGPT, DeepSpeed's ``uniform`` for the RevNet) and --stages processes; with
-``profile`` each schedule is cut by its own cost rule (``petra_ds.pipeline.partition``), from one measurement. DeepSpeed's
-pipeline gets the two streams stacked into one tensor (``Packed``), which halves its backward on
+``profile`` each schedule is cut by its own cost rule (``petra_ds.pipeline.partition``), from one
+measurement. DeepSpeed's pipeline gets the two streams stacked into one tensor (``Packed``), which halves its backward on
 reversible models; ``--ds-pairs`` measures it on the plain pair.
 Each rank also times its own stage's primitives (``petra_ds.perf.timeline.measure_stage_costs``)
 and the message time between neighbours, for the timeline model. After the timed calls one more call
@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partition", default=None,
                         help="partition_method for every pipelined variant (default: revgpt type:RevGPTBlock, the "
                              "same number of blocks per stage; revnet uniform); 'profile': cut by the layers' "
-                             "costs, measured once by this process (petra_ds.pipeline.partition), for PETRA and DeepSpeed alike")
+                             "costs, measured once by this process (petra_ds.pipeline.partition), for PETRA and "
+                             "DeepSpeed alike")
     parser.add_argument("--ds-pairs", action="store_true",
                         help="give DeepSpeed's pipeline the two streams as a pair of tensors, as they are (it then "
                              "runs one backward per tensor); default: stacked into one tensor (see Packed)")
@@ -340,10 +341,6 @@ def peak_allocated(train_batch, params: list, optimizer, device: torch.device) -
 
     from petra_ds.diagnostics.allocated import AllocatedStorages
 
-    def parts() -> dict:
-        return {"parameters": params, "gradients": [p.grad for p in params],
-                "optimizer_state": list(getattr(optimizer, "state", {}).values())}
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -351,7 +348,7 @@ def peak_allocated(train_batch, params: list, optimizer, device: torch.device) -
         torch.cuda.synchronize(device)
         mine = {"peak": int(torch.cuda.max_memory_allocated(device)), "source": "torch.cuda.max_memory_allocated"}
     else:
-        with AllocatedStorages(parts) as counter:
+        with AllocatedStorages(AllocatedStorages.training_parts(params, optimizer)) as counter:
             train_batch()
         mine = {"peak": counter.peak_bytes, "parts": counter.peak_parts, "source": "AllocatedStorages"}
     gathered = [None] * dist.get_world_size()
@@ -512,6 +509,16 @@ def launch(args: argparse.Namespace, variant: str, argv: list[str]) -> dict:
         run_launched(__file__, 1 if variant == "single" else args.stages,
                      [*argv, "--worker", variant, "--result", result], env)
         with open(result) as f:
+            return json.load(f)
+
+
+def report_of(argv: list[str]) -> dict:
+    """The report of ``main(argv)``, written to a temporary file and read back (``argv`` names no
+    ``--output``): for the benchmarks that drive this one."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "report.json")
+        main([*argv, "--output", out])
+        with open(out) as f:
             return json.load(f)
 
 

@@ -52,10 +52,9 @@ class AllocatedStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        before = self.live_bytes
         for t in tensors_in(out):
             self._add(t)
-        if self.live_bytes > self.peak_bytes and self.live_bytes > before:
+        if self.live_bytes > self.peak_bytes:
             self._note_peak()
         return out
 
@@ -84,6 +83,12 @@ class AllocatedStorages(TorchDispatchMode):
         seen: set[StorageKey] = set()
         named = {name: storage_bytes(obj, seen) for name, obj in self.parts().items()}
         self.peak_parts = {**named, "other": self.live_bytes - sum(named.values())}
+
+    @staticmethod
+    def training_parts(params: list[Tensor], optimizer: Any) -> Callable[[], dict[str, Any]]:
+        """``parts`` for a model being trained: its parameters, their gradients and the optimizer's state."""
+        return lambda: {"parameters": params, "gradients": [p.grad for p in params],
+                        "optimizer_state": list(getattr(optimizer, "state", {}).values())}
 
     def reset_peak(self) -> int:
         """The peak so far; the next one starts from what is live now."""

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..nn.reversible import Activation, as_tuple
 from ..runtime.observe import Observer
-from ..schedule import Window, backward_micro_batch, delay, channels
+from ..schedule import Window, backward_micro_batch, channels, delay
 
 if TYPE_CHECKING:
     from ..runtime.engine import PetraEngine

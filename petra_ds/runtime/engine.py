@@ -351,8 +351,8 @@ class PetraEngine(PipelineEngine):
     # --- instructions: messages (each names its channel and key; transport.py moves them) ---
 
     def _exec_send(self, cmd: SendActivation | SendGrad | SendTiedGrad | SendTiedWeight) -> None:
-        fields = self._outbox[cmd.stage].pop(cmd.key())
-        self.transport.send(cmd.channel(), cmd.key(), cmd.payload(fields))
+        key = cmd.key()
+        self.transport.send(cmd.channel(), key, cmd.payload(self._outbox[cmd.stage].pop(key)))
 
     def _exec_recv(self, cmd: RecvActivation | RecvGrad | RecvTiedGrad | RecvTiedWeight) -> None:
         self.transport.recv(cmd.channel(), cmd.key())
@@ -363,9 +363,11 @@ class PetraEngine(PipelineEngine):
 
     def _exec_commit(self, cmd: CommitP2P) -> None:
         received = self.transport.commit(f"the commit of clock {self.clock_now}")
-        weights = {key: value for key, value in received.items() if self.ties.is_weights(key)}
-        self.inbox.update((key, value) for key, value in received.items() if key not in weights)
-        self.ties.apply(weights)
+        if self.ties:  # every clock commits: no scan of what arrived for models without ties
+            weights = {key: value for key, value in received.items() if self.ties.is_weights(key)}
+            self.ties.apply(weights)
+            received = {key: value for key, value in received.items() if key not in weights}
+        self.inbox.update(received)
 
     # --- checkpoints (petra_ds.runtime.checkpoint) ---
 

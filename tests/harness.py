@@ -30,7 +30,8 @@ from torch import nn
 from petra_ds.tools import spawn
 from petra_ds.runtime.config import uses_muon
 from petra_ds.pipeline.module import layer_module
-from petra_ds.tools.toy import Additive, revgpt_tiny_config, toy_data, toy_layer_specs, token_data
+from petra_ds.tools.toy import (Additive, decoder_tiny_config, revgpt_tiny_config, toy_data, toy_layer_specs,
+                                token_data)
 
 
 class WrongInverse(Additive):
@@ -42,7 +43,13 @@ class WrongInverse(Additive):
 
 
 def model_for(spec: dict[str, Any]) -> tuple[list, Any, Any]:
-    """(layer specs, loss_fn, data function) of the test model ``spec["model"]``: "toy" or "revgpt"."""
+    """(layer specs, loss_fn, data function) of the test model ``spec["model"]``: "toy", "revgpt" or "decoder"
+    (a tiny reversible Llama)."""
+    if spec.get("model", "toy") == "decoder":
+        from petra_ds.models.decoder import decoder_layers
+        from petra_ds.models.transformer import lm_loss
+
+        return decoder_layers(decoder_tiny_config(dropout=spec["dropout"])), lm_loss, token_data
     if spec.get("model", "toy") == "revgpt":
         from petra_ds.models.transformer import lm_loss, revgpt_layers
 

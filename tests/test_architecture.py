@@ -22,6 +22,10 @@ THIRD_PARTY = {
              "that its process groups end before the interpreter's teardown (DeepSpeed has no reset)",
     "_dynamo": "torch._dynamo.config.disable: DeepSpeed's Muon kernel runs eagerly on CPU instead of a torch.compile "
                "build (the only switch besides TORCHDYNAMO_DISABLE before torch is imported)",
+    "_attn_implementation": "Hugging Face's config field naming the attention kernel: from_pretrained sets it on a "
+                            "plain model's config, a config has no public setter",
+    "_no_split_modules": "Hugging Face's per-model list whose first entry names its decoder layer class: the one "
+                         "pointer from a causal LM class to its layer class",
 }
 
 

@@ -153,3 +153,29 @@ def test_a_configuration_error_is_one_line_not_a_traceback(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert 'configuration error: "petra.delay_compensation.method" must be one of' in proc.stderr
+
+
+def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_path):
+    """--model decoder (a reversible Llama with grouped-query attention, from Hugging Face's modules), J = 4 PETRA
+    stages on two pooled ranks: the gathered model's greedy sample is in summary.json, and the exported model,
+    loaded the usual way, continues the same prompt with the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    import petra_ds.models.causal_lm  # noqa: F401  (registers the model with AutoModelForCausalLM)
+    from harness import launch, run_example
+
+    out, export = tmp_path / "run", tmp_path / "hf"
+    argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "decoder",
+            "--data-files", *_files(tmp_path), *SMALL, "--stages", "4", "--kv-heads", "1", "--output-dir", str(out),
+            "--export-hf", str(export)]
+    launch({"example": "reformer", "argv": argv}, world_size=2, target=run_example)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "decoder" and summary["stages"] == 4 and summary["world_size"] == 2
+    sample = summary["sample"]
+    assert len(sample["prompt_ids"]) == 8 and len(sample["ids"]) == 8 and isinstance(sample["text"], str)
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    attention = model.blocks[0].F.self_attn
+    assert attention.num_key_value_groups == 2  # 2 query heads, 1 key/value head
+    prompt = torch.tensor([sample["prompt_ids"]])
+    again = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert again[0, 8:].tolist() == sample["ids"]

@@ -1,4 +1,4 @@
-"""RevGPT and the Reformer adapter: blocks invert with dropout, the engine's gradients equal autograd's,
+"""RevGPT, the reversible decoder and the Reformer adapter: blocks invert with dropout, the engine's gradients equal autograd's,
 Hugging Face parity and weight round-trip, bf16 with fp32 streams."""
 
 import functools
@@ -11,7 +11,8 @@ from transformers import ReformerConfig, ReformerModelWithLMHead
 from petra_ds.models.reformer import ReformerBlock, layer_states, reformer_layers, reformer_state_dict, to_reformer
 from petra_ds.models.transformer import RevGPTBlock, RevGPTConfig, lm_loss, revgpt_layers
 from petra_ds.nn import ReversibleSequential, micro_batch_rng, reconstruction_error
-from petra_ds.tools.toy import revgpt_tiny_config, token_data
+from petra_ds.models.decoder import DecoderBlock
+from petra_ds.tools.toy import decoder_tiny_config, revgpt_tiny_config, token_data
 
 import oracle
 from harness import launch, merged_grads
@@ -31,6 +32,10 @@ def reformer_config(attn: str, dropout: float = 0.0, hash_seed=None) -> Reformer
 
 BLOCKS = {
     "revgpt": lambda: RevGPTBlock(16, 2, 2, dropout=0.2),
+    # Hugging Face's own attention (grouped-query, rotary, SDPA with attention dropout) and SwiGLU MLP
+    "llama": lambda: DecoderBlock(decoder_tiny_config("llama", hidden=16, dropout=0.2), 0),
+    "qwen2": lambda: DecoderBlock(decoder_tiny_config("qwen2", hidden=16, dropout=0.2), 0),
+    "mistral": lambda: DecoderBlock(decoder_tiny_config("mistral", hidden=16, dropout=0.2), 0),
     "reformer-local": lambda: ReformerBlock(reformer_config("local", 0.2), 0),
     "reformer-lsh": lambda: ReformerBlock(reformer_config("lsh", 0.2), 0),  # random rotations too
 }

@@ -1,4 +1,5 @@
-"""Train a reversible language model (RevGPT or a Hugging Face Reformer) with PETRA or DeepSpeed's 1F1B.
+"""Train a reversible language model (RevGPT, a Hugging Face Reformer or a reversible Llama/Qwen/Mistral-style
+decoder) with PETRA or DeepSpeed's 1F1B, then generate a sample from it.
 
     deepspeed --num_gpus 4 examples/reformer/train.py --deepspeed_config ds_configs/petra_lm.json \\
         --model revgpt --data-files train.txt valid.txt --seq-len 256
@@ -6,6 +7,7 @@
     torchrun --nproc_per_node 2 examples/reformer/train.py ...
     python examples/reformer/train.py ...            # one process, all stages
     ... --model reformer --reformer-config path/to/config.json   # or --from-pretrained a local model dir
+    ... --model decoder --hf-config examples/reformer/llama_d256.json   # Hugging Face's Llama modules, reversible
     ... --dataset wikitext --dataset-config wikitext-103-raw-v1 --tokenizer gpt2        # online
 
 A config with a "petra" section trains with PETRA; one without with DeepSpeed's synchronous 1F1B.
@@ -18,8 +20,14 @@ optimizer's lr unless the config sets one (with DeepSpeed's "muon", the hidden m
 the config sets "muon_lr"), and without a "scheduler" section the lr warms up over --warmup-steps and then
 decays to 0 on a cosine. Text comes through
 Hugging Face ``datasets``; the tokenizer is a byte-level BPE trained on the training text (offline
-default), plain bytes, or any ``AutoTokenizer`` name/path. ``--export-hf DIR`` writes a trained Reformer
-back as a ``ReformerModelWithLMHead`` (``save_pretrained``) with its tokenizer.
+default), plain bytes, or any ``AutoTokenizer`` name/path.
+
+At the end the pipeline's weights are gathered on rank 0 (through a DeepSpeed checkpoint, <output-dir>/checkpoint)
+into a Hugging Face model, which greedily continues the first validation tokens (``--sample-tokens``; 0: no
+sample); the text goes to the console and summary.json. ``--export-hf DIR`` saves that model and its tokenizer
+(``save_pretrained``): a Reformer as Hugging Face's ``ReformerModelWithLMHead``, RevGPT and the decoder as
+``petra_ds.models.causal_lm`` models that ``AutoModelForCausalLM.from_pretrained`` loads once that module is
+imported.
 
 ``--save-every N`` checkpoints to <output-dir>/checkpoints every N train_batch calls; ``--resume`` continues
 from the latest one: step count, optimizer and LR schedule, the data stream's position, metrics.jsonl (an
@@ -49,7 +57,7 @@ from tqdm import tqdm
 import petra_ds
 from petra_ds.runtime.config import MUON_LR_RATIO, uses_muon
 from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
-from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
+from petra_ds.models.transformer import RevGPTConfig, lm_loss
 from petra_ds.tools.run_partition import agreed_partition, baseline_module, shared_layer_costs
 from petra_ds.tools.run_checkpoints import resume, save
 from petra_ds.tools.runs import (RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments, run_layout,
@@ -58,7 +66,7 @@ from petra_ds.tools.runs import (RunFiles, add_run_arguments, apply_global_batch
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="revgpt", choices=["revgpt", "reformer"])
+    p.add_argument("--model", default="revgpt", choices=["revgpt", "reformer", "decoder"])
     p.add_argument("--data-files", nargs="+", default=None, help="local text files (names with valid/test: held out)")
     p.add_argument("--dataset", default=None, help="a Hugging Face hub data set (online)")
     p.add_argument("--dataset-config", default=None)
@@ -84,7 +92,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--reformer-config", default=None, help="a ReformerConfig (config.json or its directory)")
     p.add_argument("--from-pretrained", default=None, help="a local ReformerModelWithLMHead directory")
-    p.add_argument("--export-hf", default=None, help="write the trained Reformer here (save_pretrained)")
+    p.add_argument("--hf-config", default=None,
+                   help="--model decoder: a Hugging Face causal-LM config (config.json, its directory or a cached "
+                        "name) whose decoder layers become reversible; default: a Llama sized by the command line")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="--model decoder without --hf-config: key/value heads (default: half of --heads)")
+    p.add_argument("--export-hf", default=None, help="write the trained model and tokenizer here (save_pretrained)")
+    p.add_argument("--sample-tokens", type=int, default=32,
+                   help="tokens generated at the end from the first validation tokens (0: none)")
     p.add_argument("--stages", type=int, default=None,
                    help="PETRA stages J (default: fitted to the processes, one per layer when they divide it)")
     p.add_argument("--data-parallel", type=int, default=None,
@@ -130,18 +145,44 @@ def reformer_model(args, vocab_size: int):
     return config, reformer_layers(config, hf)
 
 
+def decoder_config(args, vocab_size: int):
+    """The Hugging Face config of ``--model decoder``, wrapped as the reversible decoder's own config."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from petra_ds.models.causal_lm import DecoderLMConfig
+
+    if args.hf_config:
+        config = AutoConfig.from_pretrained(args.hf_config)
+        if config.vocab_size < vocab_size:
+            raise SystemExit(f"--hf-config {args.hf_config}: vocab_size {config.vocab_size} is smaller than the "
+                             f"tokenizer's {vocab_size}: raise it in the config or lower --vocab-size")
+    else:  # SwiGLU's 3 matrices hold what a 4x GELU MLP's 2 do at about 8/3 d
+        config = LlamaConfig(vocab_size=vocab_size, hidden_size=args.d_model, num_hidden_layers=args.layers,
+                             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads or max(1, args.heads // 2),
+                             intermediate_size=64 * math.ceil(8 * args.d_model / 3 / 64),
+                             max_position_embeddings=args.seq_len, attention_dropout=args.dropout,
+                             tie_word_embeddings=args.tie_embeddings)
+    return DecoderLMConfig.of(config)
+
+
 #: 1F1B only: DeepSpeed's per-forward dropout reseeding base (see build_model)
 ONE_F_ONE_B_DROPOUT_BASE = 1_000_003
 
 
 def build_layers(args, vocab_size: int) -> tuple[list, object]:
-    """The layer specs and (Reformer) their Hugging Face config."""
+    """The layer specs and the Hugging Face config of the model that holds them for generation."""
     if args.model == "reformer":
         hf_config, layers = reformer_model(args, vocab_size)
         return layers, hf_config
-    return revgpt_layers(RevGPTConfig(vocab_size=vocab_size, seq_len=args.seq_len, d_model=args.d_model,
-                                      n_layers=args.layers, n_heads=args.heads, dropout=args.dropout,
-                                      tie_embeddings=args.tie_embeddings)), None
+    from petra_ds.models.causal_lm import RevGPTLMConfig
+
+    if args.model == "decoder":
+        hf_config = decoder_config(args, vocab_size)
+    else:
+        hf_config = RevGPTLMConfig.of(RevGPTConfig(
+            vocab_size=vocab_size, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
+            n_heads=args.heads, dropout=args.dropout, tie_embeddings=args.tie_embeddings))
+    return hf_config.layer_specs(), hf_config
 
 
 def build_model(args, config: dict, layers: list, layout, method: str, costs=None):
@@ -166,18 +207,34 @@ def evaluate(engine, loader, batches: int) -> float:
     return float(engine.eval_batch(iter(loader), num_micro_batches=batches))
 
 
-def export_reformer(engine, hf_config, tokenizer, args) -> None:
-    """Checkpoint (DeepSpeed's per-layer files), then rebuild a ReformerModelWithLMHead from them."""
-    from petra_ds.models.reformer import load_layer_files, to_reformer
-
+def gathered_model(engine, hf_config, args):
+    """Rank 0: the trained pipeline as one Hugging Face model, from a checkpoint's per-layer files; else None."""
     save_dir = os.path.join(args.output_dir, "checkpoint")
-    path = engine.save_checkpoint(save_dir, tag="final")
+    engine.save_checkpoint(save_dir, tag="final")
+    path = os.path.join(save_dir, "final")
+    model = None
     if dist.get_rank() == 0:
-        model = to_reformer(hf_config, load_layer_files(hf_config, path))
-        model.save_pretrained(args.export_hf)
-        tokenizer.save_pretrained(args.export_hf)
-        print(f"Reformer written to {args.export_hf}")
+        if args.model == "reformer":
+            from petra_ds.models.reformer import load_layer_files, to_reformer
+
+            model = to_reformer(hf_config, load_layer_files(hf_config, path))
+        else:
+            from petra_ds.models.causal_lm import causal_lm
+
+            model = causal_lm(hf_config, path)
     dist.barrier()
+    return model.eval() if model is not None else None
+
+
+def sample(model, tokenizer, val_blocks, args) -> dict:
+    """Greedy continuation of the first validation tokens, within the training context."""
+    prompt = torch.as_tensor(val_blocks[0]["block"][: max(1, min(16, args.seq_len // 2))]).view(1, -1)
+    new = min(args.sample_tokens, args.seq_len - prompt.shape[1])
+    out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id or 0)
+    ids = out[0, prompt.shape[1]:].tolist()
+    return {"prompt_ids": prompt[0].tolist(), "prompt": tokenizer.decode(prompt[0]), "ids": ids,
+            "text": tokenizer.decode(ids)}
 
 
 def main() -> None:
@@ -193,8 +250,9 @@ def main() -> None:
         raise SystemExit(f"--from-pretrained {args.from_pretrained} needs the tokenizer its embeddings were trained "
                          f"with: add --tokenizer {args.from_pretrained} (a fresh --tokenizer {args.tokenizer} would "
                          "give other token ids)")
-    if args.export_hf and args.model != "reformer":
-        raise SystemExit("--export-hf writes a Hugging Face Reformer: use it with --model reformer")
+    if args.hf_config and args.model != "decoder":
+        raise SystemExit(f"--hf-config is the decoder's config: add --model decoder (or use --reformer-config for "
+                         f"--model reformer)")
     os.makedirs(args.output_dir, exist_ok=True)
 
     with rank0_first():
@@ -287,15 +345,23 @@ def main() -> None:
             print(f"stopped after step {args.stop_after} of {args.max_steps}; continue with --resume")
         return
     memory = engine.memory_report() if method == "petra" else None
-    if args.export_hf:
-        export_reformer(engine, hf_config, tokenizer, args)
+    generated = None
+    if args.sample_tokens > 0 or args.export_hf:
+        gathered = gathered_model(engine, hf_config, args)
+        if rank0 and args.sample_tokens > 0:
+            generated = sample(gathered, tokenizer, val_blocks, args)
+            print(f"sample: {generated['prompt']!r} -> {generated['text']!r}", flush=True)
+        if rank0 and args.export_hf:
+            gathered.save_pretrained(args.export_hf)
+            tokenizer.save_pretrained(args.export_hf)
+            print(f"{type(gathered).__name__} written to {args.export_hf}")
     if rank0:
         summary = {"method": method, "model": args.model, "final_val_loss": metrics[-1]["val_loss"],
                    "final_val_perplexity": metrics[-1]["val_perplexity"], "tokens_per_s": metrics[-1]["tokens_per_s"],
                    "steps": args.max_steps, "world_size": dist.get_world_size(),
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
                    "partition": partition, "settings": engine.run_settings, "memory_rank0": memory,
-                   "args": vars(args), "config": config}
+                   "sample": generated, "args": vars(args), "config": config}
         files.summary(summary)
         files.gradient_quality_plot(f"{method} {args.model}: gradient quality per stage")
         files.curves(losses, metrics, eval_key="val_loss", eval_label="validation", loss_label="loss (nats/token)",

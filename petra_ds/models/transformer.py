@@ -14,6 +14,7 @@ their own dtype (fp32): the coupling casts F's and G's outputs back before addin
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..nn.coupling import AdditiveCoupling
+from .attention import cached_attention_mask
 
 TIE_KEY = "embedding"
 
@@ -62,13 +64,14 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(dropout)
         _init_linear(self)
 
-    def forward(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, ids: Tensor, start: int = 0) -> tuple[Tensor, Tensor]:
+        """``start``: the position of the first token (at generation, the tokens already cached)."""
         if ids.dim() != 2:
             raise ValueError(f"RevGPT expects token ids of shape (batch, seq), got {tuple(ids.shape)}")
-        if ids.shape[1] > self.position.num_embeddings:
-            raise ValueError(f"sequence of {ids.shape[1]} tokens, the model was built for seq_len "
-                             f"{self.position.num_embeddings}")
-        positions = torch.arange(ids.shape[1], device=ids.device)
+        if start + ids.shape[1] > self.position.num_embeddings:
+            raise ValueError(f"position {start + ids.shape[1] - 1}: the model was built for seq_len "
+                             f"{self.position.num_embeddings} (learned positions)")
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)
         h = self.dropout(self.token(ids) + self.position(positions))
         return h, h
 
@@ -82,7 +85,9 @@ def tied_logits(embedding: Embedding, h: Tensor) -> Tensor:
 
 
 class CausalSelfAttention(nn.Module):
-    """F: pre-norm multi-head causal self-attention."""
+    """F: pre-norm multi-head causal self-attention.
+
+    ``cache`` (a Hugging Face ``Cache``, at generation) keeps the keys and values of block ``layer``."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -93,12 +98,15 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = dropout
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cache: Any = None, layer: int = 0, **_: Any) -> Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm(x)).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        if cache is not None:
+            k, v = cache.update(k, v, layer)
+        mask = cached_attention_mask(t, k.shape[2], x.device)
         p = self.attn_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None and t > 1)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
 
 

@@ -14,6 +14,8 @@ depth faster than in fp32.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -35,17 +37,18 @@ class AdditiveCoupling(Reversible):
         self.F = F
         self.G = G
 
-    def _f(self, x2: Tensor) -> Tensor:
+    def _f(self, x2: Tensor, **inputs: Any) -> Tensor:
         with layer_rng(self.rng_key, F_BRANCH):
-            return self.F(x2)
+            return self.F(x2, **inputs)
 
     def _g(self, y1: Tensor) -> Tensor:
         with layer_rng(self.rng_key, G_BRANCH):
             return self.G(y1)
 
-    def forward(self, x: Activation) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Activation, **f_inputs: Any) -> tuple[Tensor, Tensor]:
+        """``f_inputs`` go to F only: at generation, an attention's key/value cache and the first position."""
         x1, x2 = x
-        y1 = x1 + self._f(x2).to(x1.dtype)
+        y1 = x1 + self._f(x2, **f_inputs).to(x1.dtype)
         y2 = x2 + self._g(y1).to(x2.dtype)
         return y1, y2
 

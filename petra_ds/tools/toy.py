@@ -3,7 +3,8 @@
 The toy model (:func:`toy_layer_specs`): a non-reversible stem, additive and swap couplings, non-reversible
 mixing layers and a classification head on ``IN_FEATURES`` features, trained on :func:`toy_data` (the
 label is the argmax of the first ``CLASSES`` features, a rule it can learn). :func:`revgpt_tiny_config`
-is a RevGPT small enough for float64 oracles, trained on :func:`token_data`.
+is a RevGPT and :func:`decoder_tiny_config` a Hugging Face decoder config small enough for float64 oracles,
+both trained on :func:`token_data`.
 """
 
 from __future__ import annotations
@@ -101,6 +102,18 @@ def revgpt_tiny_config(dropout: float = 0.0, tie_embeddings: bool = False):
 
     return RevGPTConfig(vocab_size=VOCAB, seq_len=SEQ_LEN, d_model=8, n_layers=4, n_heads=2, mlp_ratio=2,
                         dropout=dropout, tie_embeddings=tie_embeddings)
+
+
+def decoder_tiny_config(model_type: str = "llama", hidden: int = 8, layers: int = 4, dropout: float = 0.0,
+                        tie_embeddings: bool = False):
+    """A Hugging Face causal-LM config (``model_type``: llama, qwen2, qwen3, mistral) for the reversible decoder:
+    grouped-query attention (2 query heads share 1 key/value head), SwiGLU of 2 x ``hidden``."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                                num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                head_dim=hidden // 2, max_position_embeddings=4 * SEQ_LEN,
+                                attention_dropout=dropout, tie_word_embeddings=tie_embeddings)
 
 
 def token_data(num: int, micro_batch: int, seed: int = 0, dtype=None) -> list[tuple]:

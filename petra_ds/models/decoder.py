@@ -1,0 +1,238 @@
+"""A reversible decoder from a Hugging Face causal-LM config (Llama, Qwen2, Qwen3, Mistral), as DeepSpeed layer specs.
+
+Hugging Face's own decoder layer is built, then split: its pre-norm attention becomes F and its pre-norm
+MLP becomes G of an additive coupling, with rotary positions from the model's own rotary module and
+attention as Hugging Face configures it (SDPA unless the config says otherwise):
+
+    embedding (non-reversible)   embed_tokens, copied into both streams
+    N x DecoderBlock (reversible) y1 = x1 + F(x2), y2 = x2 + G(y1)
+                                  F = self_attn(input_layernorm(x2))  (RoPE, causal, grouped-query as configured)
+                                  G = mlp(post_attention_layernorm(y1))
+    final norm (non-reversible)  the model's RMSNorm of (y1 + y2) / 2, as RevGPT mixes its streams
+    LM head (non-reversible)     lm_head, or the embedding's weight where the config ties them
+
+A plain model's residual stream ``h + attn(h) + mlp(...)`` is one stream, a reversible block's is two: a plain
+checkpoint of the same config loads tensor for tensor (:func:`decoder_layers` with ``model``), but it is a
+starting point with the same shapes, not the same function. Gemma-style embeddings (scaled by sqrt(d)) and
+layers with extra norms are refused: their decoder layer is more than one attention and one MLP.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+import torch
+from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+from torch import Tensor, nn
+from torch.nn import functional as F_
+from transformers import PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from ..nn.coupling import AdditiveCoupling
+from .attention import cached_attention_mask
+
+State = dict[str, Tensor]
+TIE_KEY = "embed_tokens"
+_LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+
+
+def _hf_module(config: PretrainedConfig) -> Any:
+    """The ``modeling_*`` module of the causal LM Hugging Face builds for ``config``."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None:
+        raise ValueError(f"{type(config).__name__} is not a causal-LM config Hugging Face knows: use a Llama-, "
+                         "Qwen2-, Qwen3- or Mistral-style config")
+    return sys.modules[model_class.__module__], model_class
+
+
+def check_config(config: PretrainedConfig) -> None:
+    """Refuse what the two-stream decoder cannot reproduce from Hugging Face's modules, saying what to change."""
+    _hf_module(config)
+    if "gemma" in config.model_type:
+        raise ValueError(f"{config.model_type} scales its embeddings and adds norms around its MLP: the reversible "
+                         "decoder builds Llama-, Qwen2-, Qwen3- and Mistral-style layers only")
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention"}:
+        raise ValueError(f"layer types {sorted(layer_types)}: the reversible decoder trains full causal attention "
+                         "only; set use_sliding_window=False (Qwen2) or layer_types to full_attention")
+    if getattr(config, "num_hidden_layers", 0) < 1:
+        raise ValueError("the config needs num_hidden_layers >= 1")
+
+
+def hf_decoder_layer(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+    """Hugging Face's own decoder layer ``layer_idx`` for ``config`` (e.g. ``LlamaDecoderLayer``)."""
+    module, model_class = _hf_module(config)
+    layer = getattr(module, model_class._no_split_modules[0])(config, layer_idx)
+    missing = [name for name in _LAYER_PARTS if not isinstance(getattr(layer, name, None), nn.Module)]
+    extra = sorted(name for name, _ in layer.named_children() if name not in _LAYER_PARTS)
+    if missing or extra:
+        raise ValueError(f"{type(layer).__name__} is not one pre-norm attention and one pre-norm MLP (missing "
+                         f"{missing}, extra {extra}): its parts cannot stand alone as F and G")
+    return layer
+
+
+def _hf_class(config: PretrainedConfig, suffix: str) -> type:
+    """The model's own class named like its decoder layer, e.g. ``LlamaRMSNorm``, ``LlamaRotaryEmbedding``."""
+    module, model_class = _hf_module(config)
+    prefix = model_class._no_split_modules[0].removesuffix("DecoderLayer")
+    return getattr(module, prefix + suffix)
+
+
+def _init(module: nn.Module, std: float) -> None:
+    """Hugging Face's initialisation of these models: N(0, initializer_range) weights, zero biases."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+
+def _load(module: nn.Module, state: State | None, what: str) -> None:
+    if state is None:
+        return
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{what}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+
+
+def prepared(config: PretrainedConfig) -> PretrainedConfig:
+    """``config`` checked, with SDPA attention where it names none (as ``from_pretrained`` would choose)."""
+    check_config(config)
+    if config._attn_implementation is None:
+        config._attn_implementation = "sdpa"
+    return config
+
+
+class DecoderEmbedding(nn.Module):
+    """``embed_tokens``; both streams start from the same ``h``."""
+
+    def __init__(self, config: PretrainedConfig, state: State | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        _init(self, config.initializer_range)
+        _load(self, state, "embedding")
+
+    def forward(self, ids: Tensor, start: int = 0) -> tuple[Tensor, Tensor]:
+        if ids.dim() != 2:
+            raise ValueError(f"the decoder expects token ids of shape (batch, seq), got {tuple(ids.shape)}")
+        h = self.embed_tokens(ids)
+        return h, h
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The tied LM head: ``h @ embed_tokens.weight^T``."""
+        return F_.linear(h, self.embed_tokens.weight)
+
+
+def tied_logits(embedding: DecoderEmbedding, h: Tensor) -> Tensor:
+    return embedding.logits(h)
+
+
+class DecoderAttention(nn.Module):
+    """F: Hugging Face's ``self_attn(input_layernorm(x))`` at rotary positions ``start, start + 1, ...``.
+
+    ``cache`` (a Hugging Face ``Cache``) is for generation: the layer appends its keys and values there."""
+
+    def __init__(self, config: PretrainedConfig, layer: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = layer.input_layernorm
+        self.self_attn = layer.self_attn
+        self.rotary_emb = _hf_class(config, "RotaryEmbedding")(config)
+        self.window = getattr(config, "sliding_window", None)
+
+    def forward(self, x: Tensor, cache: Any = None, start: int = 0, **_: Any) -> Tensor:
+        if self.window is not None and start + x.shape[1] > self.window:
+            raise ValueError(f"{start + x.shape[1]} positions exceed the config's sliding_window {self.window}: the "
+                             "reversible decoder attends to every earlier position; use shorter sequences")
+        positions = torch.arange(start, start + x.shape[1], device=x.device).unsqueeze(0)
+        h = self.input_layernorm(x)
+        cos_sin = self.rotary_emb(h, positions)
+        mask = cached_attention_mask(x.shape[1], start + x.shape[1], x.device)
+        return self.self_attn(h, position_embeddings=cos_sin, attention_mask=mask, past_key_values=cache)[0]
+
+
+class DecoderMLP(nn.Module):
+    """G: Hugging Face's ``mlp(post_attention_layernorm(y1))``."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.mlp = layer.mlp
+
+    def forward(self, y1: Tensor) -> Tensor:
+        return self.mlp(self.post_attention_layernorm(y1))
+
+
+class DecoderBlock(AdditiveCoupling):
+    """Decoder layer ``layer_idx`` of ``config`` as ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, state: State | None = None) -> None:
+        layer = hf_decoder_layer(prepared(config), layer_idx)
+        _init(layer, config.initializer_range)
+        super().__init__(DecoderAttention(config, layer), DecoderMLP(layer))
+        _load(self, state, f"layer {layer_idx}")
+
+
+class DecoderNorm(nn.Module):
+    """(y1, y2) -> the model's own final norm of their mean."""
+
+    def __init__(self, config: PretrainedConfig, state: State | None = None) -> None:
+        super().__init__()
+        self.norm = _hf_class(prepared(config), "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+        _load(self, state, "final norm")
+
+    def forward(self, x: tuple[Tensor, Tensor]) -> Tensor:
+        y1, y2 = x
+        return self.norm((y1 + y2) / 2)
+
+
+class DecoderHead(nn.Module):
+    def __init__(self, config: PretrainedConfig, state: State | None = None) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        _init(self, config.initializer_range)
+        _load(self, state, "LM head")
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.lm_head(h)
+
+
+# --- names: pipeline layer <-> a plain Hugging Face model of the same config ---
+
+_BLOCK = {"self_attn.": "F.self_attn.", "input_layernorm.": "F.input_layernorm.", "mlp.": "G.mlp.",
+          "post_attention_layernorm.": "G.post_attention_layernorm."}
+
+
+def plain_prefixes(config: PretrainedConfig) -> list[dict[str, str]]:
+    """Per pipeline layer: a plain model's name prefix -> the layer's own prefix."""
+    layers: list[dict[str, str]] = [{"model.embed_tokens.": "embed_tokens."}]
+    for i in range(config.num_hidden_layers):
+        layers.append({f"model.layers.{i}.{plain}": own for plain, own in _BLOCK.items()})
+    layers.append({"model.norm.": "norm."})
+    layers.append({"model.embed_tokens.": "embed_tokens."} if config.tie_word_embeddings else {"lm_head.": "lm_head."})
+    return layers
+
+
+def split_plain_state(config: PretrainedConfig, plain: State) -> list[State]:
+    """A plain ``*ForCausalLM`` state dict cut into the pipeline layers' state dicts."""
+    return [{own + name[len(hf):]: value.detach().clone() for name, value in plain.items()
+             for hf, own in prefixes.items() if name.startswith(hf)}
+            for prefixes in plain_prefixes(config)]
+
+
+def decoder_layers(config: PretrainedConfig, model: nn.Module | None = None) -> list[LayerSpec]:
+    """Layer specs of a reversible decoder for ``config``; with ``model`` (a plain ``*ForCausalLM`` of the same
+    config, e.g. ``LlamaForCausalLM``) every layer starts from its tensors."""
+    prepared(config)
+    n = config.num_hidden_layers
+    states: Sequence[State | None] = [None] * (n + 3)
+    if model is not None:
+        states = split_plain_state(config, model.state_dict())
+    blocks = [LayerSpec(DecoderBlock, config, i, states[i + 1]) for i in range(n)]
+    if config.tie_word_embeddings:
+        first = TiedLayerSpec(TIE_KEY, DecoderEmbedding, config, states[0], tied_weight_attr=["embed_tokens.weight"])
+        head = TiedLayerSpec(TIE_KEY, DecoderEmbedding, config, states[0], forward_fn=tied_logits,
+                             tied_weight_attr=["embed_tokens.weight"])
+    else:
+        first, head = LayerSpec(DecoderEmbedding, config, states[0]), LayerSpec(DecoderHead, config, states[-1])
+    return [first, *blocks, LayerSpec(DecoderNorm, config, states[-2]), head]

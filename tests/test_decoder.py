@@ -1,0 +1,181 @@
+"""The reversible decoder from Hugging Face's own Llama / Qwen2 / Mistral modules, and generation.
+
+F and G equal Hugging Face's modules called directly (with an explicit causal mask, where our F lets SDPA's
+``is_causal`` mask); a plain checkpoint maps tensor for tensor; PETRA's gradients at lr 0 equal
+autograd's through the engine at J = 4; generation with a cache equals generation without, token for token,
+for RevGPT, the decoder and the Reformer; ``from_pretrained`` gives back the same greedy text."""
+
+import functools
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, ReformerModelWithLMHead
+
+from petra_ds.models import causal_lm
+from petra_ds.models.causal_lm import DecoderForCausalLM, DecoderLMConfig, RevGPTForCausalLM, RevGPTLMConfig
+from petra_ds.models.decoder import DecoderBlock, decoder_layers, split_plain_state
+from petra_ds.models.transformer import lm_loss
+from petra_ds.tools.toy import VOCAB, decoder_tiny_config, token_data
+
+import oracle
+from harness import launch, merged_grads
+from test_transformer import oracle_max_diff, reformer_config
+
+TYPES = ["llama", "qwen2", "mistral"]
+
+
+def _plain(config):
+    """A plain Hugging Face causal LM of ``config``, in float64 (eager attention would softmax in float32)."""
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).double().eval()
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_f_and_g_equal_hugging_face_modules_called_directly(model_type):
+    config = decoder_tiny_config(model_type, hidden=16, layers=1)
+    plain = _plain(config)
+    layer = plain.model.layers[0]
+    block = decoder_layers(config, plain)[1].build().double().eval()
+    x, y1 = torch.randn(2, 9, 16, dtype=torch.float64), torch.randn(2, 9, 16, dtype=torch.float64)
+    positions = torch.arange(9).unsqueeze(0)
+    causal = torch.full((9, 9), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    with torch.no_grad():
+        ref_f = layer.self_attn(layer.input_layernorm(x), position_embeddings=plain.model.rotary_emb(x, positions),
+                                attention_mask=causal)[0]
+        ref_g = layer.mlp(layer.post_attention_layernorm(y1))
+        assert (block.F(x) - ref_f).abs().max().item() < 1e-12 and ref_f.abs().max() > 1e-5
+        assert (block.G(y1) - ref_g).abs().max().item() < 1e-12 and ref_g.abs().max() > 1e-5
+        # the causal mask matters: a future token changes nothing before it
+        x2 = x.clone()
+        x2[:, -1] += 1.0
+        assert torch.equal(block.F(x2)[:, :-1], block.F(x)[:, :-1])
+    # grouped-query attention: 2 query heads share 1 key/value head
+    attn = block.F.self_attn
+    assert attn.k_proj.out_features == attn.q_proj.out_features // 2 and attn.num_key_value_groups == 2
+    assert config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_plain_checkpoint_maps_tensor_for_tensor(tie):
+    config = decoder_tiny_config("llama", tie_embeddings=tie)
+    plain = _plain(config)
+    states = split_plain_state(config, plain.state_dict())
+    kept = states[:-1] if tie else states  # a tied head repeats the embedding
+    assert sum(t.numel() for s in kept for t in s.values()) == sum(
+        t.numel() for n, t in plain.state_dict().items() if not (tie and n == "lm_head.weight"))
+    modules = [spec.build().double() for spec in decoder_layers(config, plain)]
+    assert torch.equal(modules[0].embed_tokens.weight, plain.model.embed_tokens.weight)
+    assert torch.equal(modules[2].G.mlp.down_proj.weight, plain.model.layers[1].mlp.down_proj.weight)
+    assert torch.equal(modules[-2].norm.weight, plain.model.norm.weight)
+    head = modules[-1].embed_tokens.weight if tie else modules[-1].lm_head.weight
+    assert torch.equal(head, plain.lm_head.weight)
+
+
+def test_configs_the_decoder_cannot_reproduce_are_refused():
+    with pytest.raises(ValueError, match="Llama-, Qwen2-, Qwen3- and Mistral-style"):
+        decoder_layers(AutoConfig.for_model("gemma", num_hidden_layers=1))
+    with pytest.raises(ValueError, match="full causal attention only"):
+        decoder_layers(AutoConfig.for_model("qwen2", num_hidden_layers=2, use_sliding_window=True,
+                                            sliding_window=8, max_window_layers=0))
+    with pytest.raises(ValueError, match="not a causal-LM config"):
+        decoder_layers(AutoConfig.for_model("t5"))
+    windowed = decoder_tiny_config("mistral", hidden=16)
+    windowed.sliding_window = 4
+    block = DecoderBlock(windowed, 0)
+    with pytest.raises(ValueError, match="sliding_window 4"):
+        block((torch.randn(1, 5, 16), torch.randn(1, 5, 16)))
+
+
+@functools.lru_cache(maxsize=None)
+def _run(spec_json):
+    return launch(json.loads(spec_json))
+
+
+def test_lr0_four_stage_decoder_gradients_equal_autograd():
+    """J = 4 on 4 processes, attention dropout on: PETRA's gradients equal autograd's on the same weights (no
+    clipping: stage 0's norm passes DeepSpeed's default 1.0)."""
+    k, batches = 2, 3
+    spec = {"model": "decoder", "pipe": 4, "stages_per_rank": 1, "k": k, "train_batches": batches, "dropout": 0.1,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "config": {"gradient_clipping": 0.0}}
+    results = _run(json.dumps(spec, sort_keys=True))
+    assert {j: r for res in results for j, r in res["reconstructs"].items()} == {0: False, 1: True, 2: False, 3: False}
+    grads = merged_grads(results)
+    stages = oracle.build_stages(4, dropout=0.1, specs=decoder_layers(decoder_tiny_config(dropout=0.1)))
+    data = token_data(k * batches, 4)
+    for step in range(batches):
+        ref = oracle.autograd_group_grads(stages, data, range(step * k, (step + 1) * k), 0, loss=lm_loss)
+        for j in range(4):
+            assert oracle_max_diff(grads[j][step], ref[j]) < 1e-10, (step, j)
+
+
+# --- generation ---
+
+def _models():
+    torch.manual_seed(0)
+    return {
+        "revgpt": RevGPTForCausalLM(RevGPTLMConfig(vocab_size=40, seq_len=32, d_model=16, n_layers=2, n_heads=2)),
+        "revgpt-tied": RevGPTForCausalLM(RevGPTLMConfig(vocab_size=40, seq_len=32, d_model=16, n_layers=2, n_heads=2,
+                                                        tie_embeddings=True)),
+        "llama": DecoderForCausalLM(DecoderLMConfig.of(decoder_tiny_config("llama", hidden=16, layers=2))),
+        "qwen2-tied": DecoderForCausalLM(DecoderLMConfig.of(decoder_tiny_config("qwen2", hidden=16, layers=2,
+                                                                                tie_embeddings=True))),
+    }
+
+
+@pytest.mark.parametrize("name", ["revgpt", "revgpt-tied", "llama", "qwen2-tied"])
+def test_cached_generation_equals_uncached_token_for_token(name):
+    model = _models()[name].double().eval()
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    greedy = {c: model.generate(prompt, max_new_tokens=20, do_sample=False, use_cache=c) for c in (True, False)}
+    assert torch.equal(greedy[True], greedy[False]) and greedy[True].shape == (2, 25)
+    sampled = {}
+    for cache in (True, False):
+        torch.manual_seed(5)
+        sampled[cache] = model.generate(prompt, max_new_tokens=20, do_sample=True, top_k=10, use_cache=cache)
+    assert torch.equal(sampled[True], sampled[False])
+    assert not torch.equal(sampled[True], greedy[True])
+    # the cache's logits are the full pass's, position for position
+    full = model(greedy[True]).logits
+    out = model(greedy[True][:, :12], use_cache=True)
+    step = model(greedy[True][:, 12:], past_key_values=out.past_key_values, use_cache=True).logits
+    assert (torch.cat([out.logits, step], 1) - full).abs().max().item() < 1e-12
+
+
+def test_reformer_generates_the_same_with_and_without_its_cache():
+    torch.manual_seed(0)
+    model = ReformerModelWithLMHead(reformer_config("local")).double().eval()
+    prompt = torch.randint(1, 40, (1, 4), generator=torch.Generator().manual_seed(1))
+    cached, uncached = (model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, use_cache=c,
+                                       pad_token_id=0)
+                        for c in (True, False))
+    assert torch.equal(cached, uncached) and cached.shape == (1, 16)
+
+
+@pytest.mark.parametrize("name", ["revgpt-tied", "llama"])
+def test_from_pretrained_gives_the_same_greedy_text(tmp_path, name):
+    model = _models()[name].eval()
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    before = model.generate(prompt, max_new_tokens=15, do_sample=False)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=15, do_sample=False), before)
+
+
+def test_the_gathered_model_is_the_pipeline():
+    """from_layer_states puts the pipeline layers' own weights in order: the logits are the layers' in turn."""
+    config = decoder_tiny_config("llama", hidden=16, layers=2)
+    modules = [spec.build().eval() for spec in decoder_layers(config)]
+    model = DecoderForCausalLM.from_layer_states(DecoderLMConfig.of(config), [m.state_dict() for m in modules]).eval()
+    ids = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        x = ids
+        for m in modules:
+            x = m(x)
+        assert torch.equal(model(ids).logits, x)
+        with pytest.raises(ValueError, match="3 layer states for a pipeline of 5 layers"):
+            DecoderForCausalLM.from_layer_states(DecoderLMConfig.of(config), [m.state_dict() for m in modules[:3]])
+        with pytest.raises(ValueError, match="a padded batch"):
+            model(ids, attention_mask=torch.tensor([[0] + [1] * 6, [1] * 7]))
+    assert causal_lm.AutoConfig.for_model("petra_reversible_decoder").model_type == "petra_reversible_decoder"

@@ -72,7 +72,7 @@ def petra_imports(path: str, modules: set[str], at_run_time: bool = False) -> se
 LAYERS = (
     ("util",),  # atomic files, nested-tensor walks, argument checks
     ("schedule", "nn", "data"),  # the schedule as data; the coupling math; data streams
-    ("models",),  # RevNets, RevGPT, the Reformer adapter: layer specs built from nn
+    ("models",),  # RevNets, RevGPT, the Reformer adapter, HF decoders: layer specs built from nn; generation
     ("pipeline",),  # the PipelineModule: stages, ties, the partition
     ("runtime",),  # the engine and what it runs: stage, transport, checkpoint, optimizers, ...
     ("verify",),  # the instruction replay and the NCCL-rules replay

@@ -179,3 +179,19 @@ def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_
     prompt = torch.tensor([sample["prompt_ids"]])
     again = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
     assert again[0, 8:].tolist() == sample["ids"]
+
+    # --from-pretrained: a plain Llama's tensors start the reversible layers (lr 0 keeps them to compare)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    plain = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in model.config.layers_from.items() if k != "model_type"}))
+    plain.save_pretrained(tmp_path / "plain")
+    tokenizer_dir = next(out.glob("tokenizer-bpe-*"))
+    argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "decoder",
+            "--data-files", *_files(tmp_path), *SMALL, "--stages", "4", "--output-dir", str(tmp_path / "run2"),
+            "--from-pretrained", str(tmp_path / "plain"), "--tokenizer", str(tokenizer_dir), "--lr", "0",
+            "--max-steps", "2", "--export-hf", str(tmp_path / "hf2")]
+    launch({"example": "reformer", "argv": argv}, world_size=2, target=run_example)
+    started = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")
+    assert torch.equal(started.embed.embed_tokens.weight, plain.model.embed_tokens.weight)
+    assert torch.equal(started.blocks[1].G.mlp.up_proj.weight, plain.model.layers[1].mlp.up_proj.weight)
+    assert torch.equal(started.head.lm_head.weight, plain.lm_head.weight)

@@ -91,7 +91,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--reformer-config", default=None, help="a ReformerConfig (config.json or its directory)")
-    p.add_argument("--from-pretrained", default=None, help="a local ReformerModelWithLMHead directory")
+    p.add_argument("--from-pretrained", default=None,
+                   help="a local model directory: a ReformerModelWithLMHead (--model reformer) or a plain Llama/Qwen/"
+                        "Mistral causal LM (--model decoder: its tensors start the reversible layers of the same names)")
     p.add_argument("--hf-config", default=None,
                    help="--model decoder: a Hugging Face causal-LM config (config.json, its directory or a cached "
                         "name) whose decoder layers become reversible; default: a Llama sized by the command line")
@@ -145,24 +147,29 @@ def reformer_model(args, vocab_size: int):
     return config, reformer_layers(config, hf)
 
 
-def decoder_config(args, vocab_size: int):
-    """The Hugging Face config of ``--model decoder``, wrapped as the reversible decoder's own config."""
-    from transformers import AutoConfig, LlamaConfig
+def decoder_model(args, vocab_size: int):
+    """``--model decoder``: its layer specs and the reversible decoder's own Hugging Face config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     from petra_ds.models.causal_lm import DecoderLMConfig
+    from petra_ds.models.decoder import decoder_layers
 
-    if args.hf_config:
+    plain = None
+    if args.from_pretrained:
+        plain = AutoModelForCausalLM.from_pretrained(args.from_pretrained)
+        config = plain.config
+    elif args.hf_config:
         config = AutoConfig.from_pretrained(args.hf_config)
-        if config.vocab_size < vocab_size:
-            raise SystemExit(f"--hf-config {args.hf_config}: vocab_size {config.vocab_size} is smaller than the "
-                             f"tokenizer's {vocab_size}: raise it in the config or lower --vocab-size")
     else:  # SwiGLU's 3 matrices hold what a 4x GELU MLP's 2 do at about 8/3 d
         config = LlamaConfig(vocab_size=vocab_size, hidden_size=args.d_model, num_hidden_layers=args.layers,
                              num_attention_heads=args.heads, num_key_value_heads=args.kv_heads or max(1, args.heads // 2),
                              intermediate_size=64 * math.ceil(8 * args.d_model / 3 / 64),
                              max_position_embeddings=args.seq_len, attention_dropout=args.dropout,
                              tie_word_embeddings=args.tie_embeddings)
-    return DecoderLMConfig.of(config)
+    if config.vocab_size < vocab_size:
+        raise SystemExit(f"the decoder's vocab_size {config.vocab_size} is smaller than the tokenizer's {vocab_size}: "
+                         "raise it in the config or lower --vocab-size")
+    return decoder_layers(config, plain), DecoderLMConfig.of(config)
 
 
 #: 1F1B only: DeepSpeed's per-forward dropout reseeding base (see build_model)
@@ -174,14 +181,13 @@ def build_layers(args, vocab_size: int) -> tuple[list, object]:
     if args.model == "reformer":
         hf_config, layers = reformer_model(args, vocab_size)
         return layers, hf_config
+    if args.model == "decoder":
+        return decoder_model(args, vocab_size)
     from petra_ds.models.causal_lm import RevGPTLMConfig
 
-    if args.model == "decoder":
-        hf_config = decoder_config(args, vocab_size)
-    else:
-        hf_config = RevGPTLMConfig.of(RevGPTConfig(
-            vocab_size=vocab_size, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
-            n_heads=args.heads, dropout=args.dropout, tie_embeddings=args.tie_embeddings))
+    hf_config = RevGPTLMConfig.of(RevGPTConfig(
+        vocab_size=vocab_size, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+        dropout=args.dropout, tie_embeddings=args.tie_embeddings))
     return hf_config.layer_specs(), hf_config
 
 
@@ -250,6 +256,8 @@ def main() -> None:
         raise SystemExit(f"--from-pretrained {args.from_pretrained} needs the tokenizer its embeddings were trained "
                          f"with: add --tokenizer {args.from_pretrained} (a fresh --tokenizer {args.tokenizer} would "
                          "give other token ids)")
+    if args.from_pretrained and args.model == "revgpt":
+        raise SystemExit("--from-pretrained loads a Hugging Face model: use it with --model reformer or --model decoder")
     if args.hf_config and args.model != "decoder":
         raise SystemExit(f"--hf-config is the decoder's config: add --model decoder (or use --reformer-config for "
                          f"--model reformer)")

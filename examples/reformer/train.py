@@ -259,8 +259,8 @@ def main() -> None:
     if args.from_pretrained and args.model == "revgpt":
         raise SystemExit("--from-pretrained loads a Hugging Face model: use it with --model reformer or --model decoder")
     if args.hf_config and args.model != "decoder":
-        raise SystemExit(f"--hf-config is the decoder's config: add --model decoder (or use --reformer-config for "
-                         f"--model reformer)")
+        raise SystemExit("--hf-config is the decoder's config: add --model decoder (or use --reformer-config for "
+                         "--model reformer)")
     os.makedirs(args.output_dir, exist_ok=True)
 
     with rank0_first():

@@ -159,14 +159,17 @@ def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_
     """--model decoder (a reversible Llama with grouped-query attention, from Hugging Face's modules), J = 4 PETRA
     stages on two pooled ranks: the gathered model's greedy sample is in summary.json, and the exported model,
     loaded the usual way, continues the same prompt with the same tokens."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import petra_ds.models.causal_lm  # noqa: F401  (registers the model with AutoModelForCausalLM)
     from harness import launch, run_example
 
     out, export = tmp_path / "run", tmp_path / "hf"
+    files = _files(tmp_path)
+    valid = tmp_path / "valid.txt"
+    valid.write_text("a b\n" + valid.read_text())  # the prompt holds an end of text, the id generate() pads with
     argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "decoder",
-            "--data-files", *_files(tmp_path), *SMALL, "--stages", "4", "--kv-heads", "1", "--output-dir", str(out),
+            "--data-files", *files, *SMALL, "--stages", "4", "--kv-heads", "1", "--output-dir", str(out),
             "--export-hf", str(export)]
     launch({"example": "reformer", "argv": argv}, world_size=2, target=run_example)
     summary = json.loads((out / "summary.json").read_text())
@@ -176,22 +179,36 @@ def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_
     model = AutoModelForCausalLM.from_pretrained(export).eval()
     attention = model.blocks[0].F.self_attn
     assert attention.num_key_value_groups == 2  # 2 query heads, 1 key/value head
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    assert tokenizer.eos_token_id in sample["prompt_ids"]
     prompt = torch.tensor([sample["prompt_ids"]])
-    again = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    again = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, min_new_tokens=8,
+                           do_sample=False, pad_token_id=tokenizer.eos_token_id)
     assert again[0, 8:].tolist() == sample["ids"]
 
-    # --from-pretrained: a plain Llama's tensors start the reversible layers (lr 0 keeps them to compare)
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    plain = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in model.config.layers_from.items() if k != "model_type"}))
+@pytest.mark.slow
+def test_decoder_starts_from_a_plain_llama_checkpoint(tmp_path):
+    """--model decoder --from-pretrained: a plain LlamaForCausalLM's tensors start the reversible layers of the same
+    names (lr 0 keeps them, to compare after export)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import petra_ds.models.causal_lm  # noqa: F401  (registers the model with AutoModelForCausalLM)
+    from harness import launch, run_example
+
+    files = _files(tmp_path)
+    base = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "decoder",
+            "--data-files", *files, *SMALL, "--stages", "4", "--max-steps", "2", "--sample-tokens", "0"]
+    launch({"example": "reformer", "argv": [*base, "--output-dir", str(tmp_path / "run")]}, world_size=2,
+           target=run_example)
+    plain = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
     plain.save_pretrained(tmp_path / "plain")
-    tokenizer_dir = next(out.glob("tokenizer-bpe-*"))
-    argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "decoder",
-            "--data-files", *_files(tmp_path), *SMALL, "--stages", "4", "--output-dir", str(tmp_path / "run2"),
-            "--from-pretrained", str(tmp_path / "plain"), "--tokenizer", str(tokenizer_dir), "--lr", "0",
-            "--max-steps", "2", "--export-hf", str(tmp_path / "hf2")]
+    tokenizer_dir = next((tmp_path / "run").glob("tokenizer-bpe-*"))
+    argv = [*base, "--output-dir", str(tmp_path / "run2"), "--from-pretrained", str(tmp_path / "plain"),
+            "--tokenizer", str(tokenizer_dir), "--lr", "0", "--export-hf", str(tmp_path / "hf")]
     launch({"example": "reformer", "argv": argv}, world_size=2, target=run_example)
-    started = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")
+    started = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(started.embed.embed_tokens.weight, plain.model.embed_tokens.weight)
     assert torch.equal(started.blocks[1].G.mlp.up_proj.weight, plain.model.layers[1].mlp.up_proj.weight)
     assert torch.equal(started.head.lm_head.weight, plain.lm_head.weight)

@@ -236,8 +236,10 @@ def sample(model, tokenizer, val_blocks, args) -> dict:
     """Greedy continuation of the first validation tokens, within the training context."""
     prompt = torch.as_tensor(val_blocks[0]["block"][: max(1, min(16, args.seq_len // 2))]).view(1, -1)
     new = min(args.sample_tokens, args.seq_len - prompt.shape[1])
-    out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id or 0)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # one unpadded prompt: a mask of ones, else generate() would mask every prompt token that equals the pad id
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=pad)
     ids = out[0, prompt.shape[1]:].tolist()
     return {"prompt_ids": prompt[0].tolist(), "prompt": tokenizer.decode(prompt[0]), "ids": ids,
             "text": tokenizer.decode(ids)}

@@ -26,10 +26,13 @@ import json
 import os
 import re
 import statistics
+import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
-from example_runs import ROOT, launcher, read_run, run_example, save_report
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from example_runs import ROOT, launcher, read_run, run_example, save_report  # noqa: E402  (a folder of scripts)
 
 #: steps from which a run counts as a confirming run rather than a screening one
 CONFIRM_STEPS = 1500
@@ -53,8 +56,18 @@ def adamw(lr: float) -> dict:
     return {"type": "AdamW", "params": {"betas": [0.9, 0.95], "weight_decay": 0.01, "torch_adam": True}}
 
 
+def muon_at(ratio: float):
+    """Muon at ``ratio`` times the lr on the hidden matrices instead of the example's ratio."""
+    def config(lr: float) -> dict:
+        section = muon(lr)
+        section["params"]["muon_lr"] = ratio * lr
+        return section
+    return config
+
+
 #: optimizer name -> its config section for a learning rate (the run's --lr fills "lr")
-OPTIMIZERS = {"adamw": adamw, "nadam95": lambda lr: nadam(0.95), "nadam99": lambda lr: nadam(0.99), "muon": muon}
+OPTIMIZERS = {"adamw": adamw, "nadam95": lambda lr: nadam(0.95), "nadam99": lambda lr: nadam(0.99), "muon": muon,
+              "muon10": muon_at(10.0)}
 #: what a recipe's suffix turns on in "petra.delay_compensation"
 COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale"}
 

@@ -1,0 +1,34 @@
+"""benchmarks/lm_accuracy.py's recipes: the command a run gets for an optimizer and its delay compensation."""
+
+import argparse
+import json
+
+import pytest
+
+from subprocess_env import load_benchmark
+
+
+def _args(**overrides):
+    values = {"procs": 1, "petra_config": "ds_configs/petra_lm.json", "backprop_config": "ds_configs/backprop_lm.json",
+              "seq_len": 64, "d_model": 128, "layers": 6, "heads": 4, "vocab_size": 2048, "warmup_frac": 0.05,
+              "eval_every": 100, "eval_batches": 30, "global_batch": 16, "gradient_quality": 0, "backprop_k": 4}
+    return argparse.Namespace(**{**values, **overrides})
+
+
+def _optimizer(cmd):
+    return json.loads(cmd[cmd.index("--optimizer") + 1])
+
+
+def test_muon10_sets_its_own_muon_lr_and_the_recipe_its_compensation():
+    bench = load_benchmark("lm_accuracy")
+    assert bench.recipe_parts("muon10+wp") == ("muon10", ["weight_prediction"])
+    job = {"arm": "petra", "recipe": "muon10+wp", "lr": 2e-3, "J": 4, "k": 4, "seed": 0, "steps": 1500}
+    cmd = bench.command(_args(), ["t.txt", "v.txt"], job, "out")
+    section = _optimizer(cmd)
+    assert section["type"] == "muon" and section["params"]["muon_lr"] == pytest.approx(0.02)
+    assert cmd[cmd.index("--delay-compensation") + 1] == "weight_prediction" and cmd[cmd.index("--stages") + 1] == "4"
+    # the example's 20x applies only where the section names no muon_lr
+    plain = _optimizer(bench.command(_args(), ["t.txt", "v.txt"], {**job, "recipe": "muon", "arm": "backprop"}, "o"))
+    assert "muon_lr" not in plain["params"]
+    with pytest.raises(SystemExit, match="unknown recipe"):
+        bench.recipe_parts("muon5+wp")

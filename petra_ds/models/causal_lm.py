@@ -15,21 +15,17 @@ A Reformer needs none of this: ``petra_ds.models.reformer.to_reformer`` gives Hu
 
 from __future__ import annotations
 
-import glob
-import os
 from dataclasses import asdict
 from typing import Any, Sequence
 
-import torch
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .decoder import decoder_layers
+from .layer_states import State, load_layer_files
 from .transformer import RevGPTConfig, lm_loss, revgpt_layers
-
-State = dict[str, Tensor]
 
 
 class RevGPTLMConfig(PretrainedConfig):
@@ -147,22 +143,6 @@ class RevGPTForCausalLM(ReversibleCausalLM):
 
 class DecoderForCausalLM(ReversibleCausalLM):
     config_class = DecoderLMConfig
-
-
-def load_layer_files(checkpoint_dir: str, num_layers: int, tied_head: bool = False) -> list[State]:
-    """The per-layer state dicts of a DeepSpeed pipeline checkpoint (``layer_XX[-model_YY]-model_states.pt``).
-    A tied head has no file of its own (its weight is the embedding's): it comes back empty."""
-    states = []
-    for i in range(num_layers):
-        paths = sorted(glob.glob(os.path.join(checkpoint_dir, f"layer_{i:02d}-*model_states.pt")))
-        if not paths and tied_head and i == num_layers - 1:
-            states.append({})
-            continue
-        if not paths:
-            raise FileNotFoundError(f"no layer file for layer {i} in {checkpoint_dir}: is it a pipeline checkpoint "
-                                    "directory (save_dir/tag) of this model?")
-        states.append(torch.load(paths[0], map_location="cpu", weights_only=True))
-    return states
 
 
 def causal_lm(config: PretrainedConfig, checkpoint_dir: str) -> ReversibleCausalLM:

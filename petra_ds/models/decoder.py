@@ -31,8 +31,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..nn.coupling import AdditiveCoupling
 from .attention import cached_attention_mask
+from .layer_states import State, load_into, split_by_prefix
 
-State = dict[str, Tensor]
 TIE_KEY = "embed_tokens"
 _LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 
@@ -88,14 +88,6 @@ def _init(module: nn.Module, std: float) -> None:
                 nn.init.zeros_(m.bias)
 
 
-def _load(module: nn.Module, state: State | None, what: str) -> None:
-    if state is None:
-        return
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{what}: weights do not match the config (missing {missing}, unexpected {unexpected})")
-
-
 def prepared(config: PretrainedConfig) -> PretrainedConfig:
     """``config`` checked, with SDPA attention where it names none (as ``from_pretrained`` would choose)."""
     check_config(config)
@@ -111,7 +103,7 @@ class DecoderEmbedding(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         _init(self, config.initializer_range)
-        _load(self, state, "embedding")
+        load_into(self, state, "embedding")
 
     def forward(self, ids: Tensor, start: int = 0) -> tuple[Tensor, Tensor]:
         if ids.dim() != 2:
@@ -170,7 +162,7 @@ class DecoderBlock(AdditiveCoupling):
         layer = hf_decoder_layer(prepared(config), layer_idx)
         _init(layer, config.initializer_range)
         super().__init__(DecoderAttention(config, layer), DecoderMLP(layer))
-        _load(self, state, f"layer {layer_idx}")
+        load_into(self, state, f"layer {layer_idx}")
 
 
 class DecoderNorm(nn.Module):
@@ -179,7 +171,7 @@ class DecoderNorm(nn.Module):
     def __init__(self, config: PretrainedConfig, state: State | None = None) -> None:
         super().__init__()
         self.norm = _hf_class(prepared(config), "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
-        _load(self, state, "final norm")
+        load_into(self, state, "final norm")
 
     def forward(self, x: tuple[Tensor, Tensor]) -> Tensor:
         y1, y2 = x
@@ -191,7 +183,7 @@ class DecoderHead(nn.Module):
         super().__init__()
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         _init(self, config.initializer_range)
-        _load(self, state, "LM head")
+        load_into(self, state, "LM head")
 
     def forward(self, h: Tensor) -> Tensor:
         return self.lm_head(h)
@@ -215,9 +207,7 @@ def plain_prefixes(config: PretrainedConfig) -> list[dict[str, str]]:
 
 def split_plain_state(config: PretrainedConfig, plain: State) -> list[State]:
     """A plain ``*ForCausalLM`` state dict cut into the pipeline layers' state dicts."""
-    return [{own + name[len(hf):]: value.detach().clone() for name, value in plain.items()
-             for hf, own in prefixes.items() if name.startswith(hf)}
-            for prefixes in plain_prefixes(config)]
+    return split_by_prefix({name: value.detach().clone() for name, value in plain.items()}, plain_prefixes(config))
 
 
 def decoder_layers(config: PretrainedConfig, model: nn.Module | None = None) -> list[LayerSpec]:

@@ -19,8 +19,6 @@ live modules or from a DeepSpeed checkpoint's per-layer files.
 
 from __future__ import annotations
 
-import glob
-import os
 from typing import Any, Sequence
 
 import torch
@@ -36,8 +34,8 @@ from transformers.models.reformer.modeling_reformer import (
 )
 
 from ..nn.coupling import AdditiveCoupling
-
-State = dict[str, Tensor]
+from .layer_states import State, load_into, split_by_prefix
+from .layer_states import load_layer_files as checkpoint_layers
 
 
 def _check_config(config: ReformerConfig) -> None:
@@ -57,14 +55,6 @@ def chunk_multiple(config: ReformerConfig) -> int:
     return int(_get_least_common_mult_chunk_len(config))
 
 
-def _load(module: nn.Module, state: State | None, what: str) -> None:
-    if state is None:
-        return
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{what}: weights do not match the config (missing {missing}, unexpected {unexpected})")
-
-
 class ReformerEmbedding(nn.Module):
     """Token (+ axial or plain position) embeddings into the two streams."""
 
@@ -72,7 +62,7 @@ class ReformerEmbedding(nn.Module):
         super().__init__()
         self.embeddings = ReformerEmbeddings(config)
         self.multiple = chunk_multiple(config)
-        _load(self, state, "embedding")
+        load_into(self, state, "embedding")
 
     def forward(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         if ids.dim() != 2:
@@ -100,7 +90,7 @@ class ReformerBlock(AdditiveCoupling):
 
     def __init__(self, config: ReformerConfig, layer_id: int, state: State | None = None) -> None:
         super().__init__(_Attention(ReformerAttention(config, layer_id)), ChunkReformerFeedForward(config))
-        _load(self, state, f"layer {layer_id}")
+        load_into(self, state, f"layer {layer_id}")
 
 
 class ReformerHead(nn.Module):
@@ -111,7 +101,7 @@ class ReformerHead(nn.Module):
         self.layer_norm = nn.LayerNorm(2 * config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = config.hidden_dropout_prob
         self.lm_head = ReformerOnlyLMHead(config)
-        _load(self, state, "head")
+        load_into(self, state, "head")
 
     def forward(self, x: tuple[Tensor, Tensor]) -> Tensor:
         h = self.layer_norm(torch.cat(x, dim=-1))
@@ -136,9 +126,7 @@ def _layer_prefixes(config: ReformerConfig) -> list[dict[str, str]]:
 
 def _split_state(config: ReformerConfig, hf_state: State) -> list[State]:
     """A ``ReformerModelWithLMHead`` state dict cut into the pipeline layers' own state dicts."""
-    return [{own + name[len(hf):]: value for name, value in hf_state.items()
-             for hf, own in prefixes.items() if name.startswith(hf)}
-            for prefixes in _layer_prefixes(config)]
+    return split_by_prefix(hf_state, _layer_prefixes(config))
 
 
 def reformer_layers(config: ReformerConfig, model: ReformerModelWithLMHead | None = None) -> list[LayerSpec]:
@@ -184,14 +172,7 @@ def to_reformer(config: ReformerConfig, layer_states: Sequence[State]) -> Reform
 
 def load_layer_files(config: ReformerConfig, checkpoint_dir: str) -> list[State]:
     """The per-layer state dicts of a DeepSpeed pipeline checkpoint (``layer_XX[-model_YY]-model_states.pt``)."""
-    states = []
-    for i in range(config.num_hidden_layers + 2):
-        paths = sorted(glob.glob(os.path.join(checkpoint_dir, f"layer_{i:02d}-*model_states.pt")))
-        if not paths:
-            raise FileNotFoundError(f"no layer file for layer {i} in {checkpoint_dir}: is it a pipeline checkpoint "
-                                    "directory (save_dir/tag) of this Reformer?")
-        states.append(torch.load(paths[0], map_location="cpu", weights_only=True))
-    return states
+    return checkpoint_layers(checkpoint_dir, config.num_hidden_layers + 2)
 
 
 def layer_states(modules: Sequence[Any]) -> list[State]:

@@ -156,9 +156,9 @@ def test_a_configuration_error_is_one_line_not_a_traceback(tmp_path):
 
 
 def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_path):
-    """--model decoder (a reversible Llama with grouped-query attention, from Hugging Face's modules), J = 4 PETRA
-    stages on two pooled ranks: the gathered model's greedy sample is in summary.json, and the exported model,
-    loaded the usual way, continues the same prompt with the same tokens."""
+    """--model decoder (a reversible Llama with grouped-query attention and a tied head, from Hugging Face's modules),
+    J = 4 PETRA stages on two pooled ranks: the gathered model's greedy sample is in summary.json, and the exported
+    model, loaded the usual way, continues the same prompt with the same tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import petra_ds.models.causal_lm  # noqa: F401  (registers the model with AutoModelForCausalLM)
@@ -169,8 +169,8 @@ def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_
     valid = tmp_path / "valid.txt"
     valid.write_text("a b\n" + valid.read_text())  # the prompt holds an end of text, the id generate() pads with
     argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "decoder",
-            "--data-files", *files, *SMALL, "--stages", "4", "--kv-heads", "1", "--output-dir", str(out),
-            "--export-hf", str(export)]
+            "--data-files", *files, *SMALL, "--stages", "4", "--kv-heads", "1", "--tie-embeddings",
+            "--output-dir", str(out), "--export-hf", str(export)]
     launch({"example": "reformer", "argv": argv}, world_size=2, target=run_example)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == "decoder" and summary["stages"] == 4 and summary["world_size"] == 2
@@ -179,6 +179,7 @@ def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_
     model = AutoModelForCausalLM.from_pretrained(export).eval()
     attention = model.blocks[0].F.self_attn
     assert attention.num_key_value_groups == 2  # 2 query heads, 1 key/value head
+    assert model.tied and model.head is None
     tokenizer = AutoTokenizer.from_pretrained(export)
     assert tokenizer.eos_token_id in sample["prompt_ids"]
     prompt = torch.tensor([sample["prompt_ids"]])

@@ -15,6 +15,9 @@ steps then cosine decay, dropout 0.1, validation every 100 steps. Backprop is De
 processes (the placement does not change PETRA's arithmetic). A run whose summary.json exists is read back
 instead of run again, so a sweep can be continued, and reports of several invocations merge (--output is
 read first). Prints the best-against-best table, saves the JSON and one PNG of the winning curves.
+
+Optimizers: adamw, nadam95, nadam99 (constant momentum), muon (Muon at the example's 20x the lr on the hidden
+matrices, AdamW at the lr on the rest) and muon10 (the same at 10x).
 """
 
 from __future__ import annotations

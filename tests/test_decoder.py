@@ -174,6 +174,9 @@ def test_the_gathered_model_is_the_pipeline():
         for m in modules:
             x = m(x)
         assert torch.equal(model(ids).logits, x)
+        # labels as Hugging Face's causal LMs take them: the inputs, shifted inside
+        loss = torch.nn.functional.cross_entropy(x[:, :-1].reshape(-1, x.shape[-1]), ids[:, 1:].reshape(-1))
+        assert torch.allclose(model(ids, labels=ids).loss, loss)
         with pytest.raises(ValueError, match="3 layer states for a pipeline of 5 layers"):
             DecoderForCausalLM.from_layer_states(DecoderLMConfig.of(config), [m.state_dict() for m in modules[:3]])
         with pytest.raises(ValueError, match="a padded batch"):

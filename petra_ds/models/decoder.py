@@ -37,8 +37,8 @@ TIE_KEY = "embed_tokens"
 _LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 
 
-def _hf_module(config: PretrainedConfig) -> Any:
-    """The ``modeling_*`` module of the causal LM Hugging Face builds for ``config``."""
+def _hf_module(config: PretrainedConfig) -> tuple[Any, type]:
+    """The ``modeling_*`` module and the causal-LM class Hugging Face builds for ``config``."""
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_class is None:
         raise ValueError(f"{type(config).__name__} is not a causal-LM config Hugging Face knows: use a Llama-, "

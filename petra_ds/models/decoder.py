@@ -32,6 +32,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from ..nn.coupling import AdditiveCoupling
 from .attention import cached_attention_mask
 from .layer_states import State, load_into, split_by_prefix
+from .transformer import init_normal
 
 TIE_KEY = "embed_tokens"
 _LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
@@ -79,15 +80,6 @@ def _hf_class(config: PretrainedConfig, suffix: str) -> type:
     return getattr(module, prefix + suffix)
 
 
-def _init(module: nn.Module, std: float) -> None:
-    """Hugging Face's initialisation of these models: N(0, initializer_range) weights, zero biases."""
-    for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=std)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
-
-
 def prepared(config: PretrainedConfig) -> PretrainedConfig:
     """``config`` checked, with SDPA attention where it names none (as ``from_pretrained`` would choose)."""
     check_config(config)
@@ -102,7 +94,7 @@ class DecoderEmbedding(nn.Module):
     def __init__(self, config: PretrainedConfig, state: State | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        _init(self, config.initializer_range)
+        init_normal(self, config.initializer_range)
         load_into(self, state, "embedding")
 
     def forward(self, ids: Tensor, start: int = 0) -> tuple[Tensor, Tensor]:
@@ -160,7 +152,7 @@ class DecoderBlock(AdditiveCoupling):
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, state: State | None = None) -> None:
         layer = hf_decoder_layer(prepared(config), layer_idx)
-        _init(layer, config.initializer_range)
+        init_normal(layer, config.initializer_range)
         super().__init__(DecoderAttention(config, layer), DecoderMLP(layer))
         load_into(self, state, f"layer {layer_idx}")
 
@@ -182,7 +174,7 @@ class DecoderHead(nn.Module):
     def __init__(self, config: PretrainedConfig, state: State | None = None) -> None:
         super().__init__()
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        _init(self, config.initializer_range)
+        init_normal(self, config.initializer_range)
         load_into(self, state, "LM head")
 
     def forward(self, h: Tensor) -> Tensor:

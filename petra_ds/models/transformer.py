@@ -45,11 +45,12 @@ class RevGPTConfig:
             raise ValueError(f"RevGPTConfig needs n_layers, vocab_size and seq_len >= 1, got {asdict(self)}")
 
 
-def _init_linear(module: nn.Module) -> None:
-    """GPT-2's initialisation: N(0, 0.02) weights, zero biases."""
+def init_normal(module: nn.Module, std: float = 0.02) -> None:
+    """N(0, std) weights and zero biases for every Linear and Embedding: GPT-2's initialisation at 0.02, Hugging
+    Face's Llama-style models' at their ``initializer_range``."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
+            nn.init.normal_(m.weight, std=std)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
@@ -62,7 +63,7 @@ class Embedding(nn.Module):
         self.token = nn.Embedding(vocab_size, d_model)
         self.position = nn.Embedding(seq_len, d_model)
         self.dropout = nn.Dropout(dropout)
-        _init_linear(self)
+        init_normal(self)
 
     def forward(self, ids: Tensor, start: int = 0) -> tuple[Tensor, Tensor]:
         """``start``: the position of the first token (at generation, the tokens already cached)."""
@@ -128,7 +129,7 @@ class RevGPTBlock(AdditiveCoupling):
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
                  n_layers: int = 1) -> None:
         super().__init__(CausalSelfAttention(d_model, n_heads, dropout), MLP(d_model, mlp_ratio, dropout))
-        _init_linear(self)
+        init_normal(self)
         # GPT-2: residual projections scaled by 1/sqrt(2 N) so the streams do not grow with depth
         for out in (self.F.proj, self.G.net[3]):
             nn.init.normal_(out.weight, std=0.02 / (2 * n_layers) ** 0.5)
@@ -150,7 +151,7 @@ class LMHead(nn.Module):
     def __init__(self, d_model: int, vocab_size: int) -> None:
         super().__init__()
         self.linear = nn.Linear(d_model, vocab_size, bias=False)
-        _init_linear(self)
+        init_normal(self)
 
     def forward(self, h: Tensor) -> Tensor:
         return self.linear(h)

@@ -107,8 +107,11 @@ class ReversibleCausalLM(PreTrainedModel, GenerationMixin):
         return next(m for m in self.embed.modules() if isinstance(m, nn.Embedding))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, past_key_values: Any = None,
-                use_cache: bool | None = None, labels: Tensor | None = None, **_: Any) -> CausalLMOutputWithPast:
-        """``labels`` as Hugging Face's causal LMs take them: the inputs themselves (shifted here), -100 ignored."""
+                use_cache: bool | None = None, labels: Tensor | None = None, cache: Any = None,
+                **_: Any) -> CausalLMOutputWithPast:
+        """``labels`` as Hugging Face's causal LMs take them: the inputs themselves (shifted here), -100 ignored.
+        ``cache`` is transformers 5.24's name for ``past_key_values``."""
+        past_key_values = past_key_values if past_key_values is not None else cache
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("a padded batch: the reversible models generate from prompts of one length "
                              "(pass them one at a time or without padding)")

@@ -53,7 +53,7 @@ def model_for(spec: dict[str, Any]) -> tuple[list, Any, Any]:
     if spec.get("model", "toy") == "revgpt":
         from petra_ds.models.transformer import lm_loss, revgpt_layers
 
-        config = revgpt_tiny_config(spec["dropout"], spec.get("tie_embeddings", False))
+        config = revgpt_tiny_config(spec["dropout"], spec.get("tie_embeddings", False), spec.get("grain", "block"))
         return revgpt_layers(config), lm_loss, token_data
     specs = toy_layer_specs(spec["dropout"], spec.get("batchnorm", False))
     if spec.get("wrong_inverse_at") is not None:

@@ -117,13 +117,15 @@ def _models():
         "revgpt": RevGPTForCausalLM(RevGPTLMConfig(vocab_size=40, seq_len=32, d_model=16, n_layers=2, n_heads=2)),
         "revgpt-tied": RevGPTForCausalLM(RevGPTLMConfig(vocab_size=40, seq_len=32, d_model=16, n_layers=2, n_heads=2,
                                                         tie_embeddings=True)),
+        "revgpt-half": RevGPTForCausalLM(RevGPTLMConfig(vocab_size=40, seq_len=32, d_model=16, n_layers=2, n_heads=2,
+                                                        grain="half")),
         "llama": DecoderForCausalLM(DecoderLMConfig.of(decoder_tiny_config("llama", hidden=16, layers=2))),
         "qwen2-tied": DecoderForCausalLM(DecoderLMConfig.of(decoder_tiny_config("qwen2", hidden=16, layers=2,
                                                                                 tie_embeddings=True))),
     }
 
 
-@pytest.mark.parametrize("name", ["revgpt", "revgpt-tied", "llama", "qwen2-tied"])
+@pytest.mark.parametrize("name", ["revgpt", "revgpt-tied", "revgpt-half", "llama", "qwen2-tied"])
 def test_cached_generation_equals_uncached_token_for_token(name):
     model = _models()[name].double().eval()
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -152,7 +154,7 @@ def test_reformer_generates_the_same_with_and_without_its_cache():
     assert torch.equal(cached, uncached) and cached.shape == (1, 16)
 
 
-@pytest.mark.parametrize("name", ["revgpt-tied", "llama"])
+@pytest.mark.parametrize("name", ["revgpt-tied", "revgpt-half", "llama"])
 def test_from_pretrained_gives_the_same_greedy_text(tmp_path, name):
     model = _models()[name].eval()
     prompt = torch.tensor([[3, 1, 4, 1, 5]])

@@ -9,7 +9,7 @@ import torch
 from transformers import ReformerConfig, ReformerModelWithLMHead
 
 from petra_ds.models.reformer import ReformerBlock, layer_states, reformer_layers, reformer_state_dict, to_reformer
-from petra_ds.models.transformer import RevGPTBlock, RevGPTConfig, lm_loss, revgpt_layers
+from petra_ds.models.transformer import AttentionHalf, MLPHalf, RevGPTBlock, RevGPTConfig, lm_loss, revgpt_layers
 from petra_ds.nn import ReversibleSequential, micro_batch_rng, reconstruction_error
 from petra_ds.models.decoder import DecoderBlock
 from petra_ds.tools.toy import decoder_tiny_config, revgpt_tiny_config, token_data
@@ -32,6 +32,9 @@ def reformer_config(attn: str, dropout: float = 0.0, hash_seed=None) -> Reformer
 
 BLOCKS = {
     "revgpt": lambda: RevGPTBlock(16, 2, 2, dropout=0.2),
+    # the block's two halves, each a reversible layer of its own (grain="half")
+    "revgpt-attention-half": lambda: AttentionHalf(16, 2, dropout=0.2),
+    "revgpt-mlp-half": lambda: MLPHalf(16, 2, dropout=0.2),
     # Hugging Face's own attention (grouped-query, rotary, SDPA with attention dropout) and SwiGLU MLP
     "llama": lambda: DecoderBlock(decoder_tiny_config("llama", hidden=16, dropout=0.2), 0),
     "qwen2": lambda: DecoderBlock(decoder_tiny_config("qwen2", hidden=16, dropout=0.2), 0),
@@ -102,6 +105,61 @@ def test_lr0_four_stage_revgpt_gradients_equal_autograd():
     assert reconstructs == {0: False, 1: True, 2: False, 3: False}
     grads = merged_grads(results)
     specs = revgpt_layers(revgpt_tiny_config(0.1))
+    stages = oracle.build_stages(4, dropout=0.1, specs=specs)
+    data = token_data(k * batches, 4)
+    for step in range(batches):
+        ref = oracle.autograd_group_grads(stages, data, range(step * k, (step + 1) * k), 0, loss=lm_loss)
+        for j in range(4):
+            assert oracle_max_diff(grads[j][step], ref[j]) < 1e-10, (step, j)
+
+
+def test_half_grain_computes_the_block_grain_at_the_same_weights():
+    """An attention half then an MLP half is the block: same weights (renamed), same loss and gradients in float64."""
+    torch.manual_seed(0)
+    config = revgpt_tiny_config(0.0)
+    blocks = [spec.build().double() for spec in revgpt_layers(config)]
+    halves = [spec.build().double() for spec in revgpt_layers(revgpt_tiny_config(0.0, grain="half"))]
+    assert len(halves) == len(blocks) + config.n_layers
+    assert [type(m).__name__ for m in halves[1:5]] == ["AttentionHalf", "MLPHalf", "AttentionHalf", "MLPHalf"]
+    pairs = [(blocks[0], [halves[0]]), (blocks[-2], [halves[-2]]), (blocks[-1], [halves[-1]])]
+    pairs += [(blocks[1 + i], halves[1 + 2 * i:3 + 2 * i]) for i in range(config.n_layers)]
+    for block, parts in pairs:  # a half's F is the block's F (attention) or G (MLP)
+        source = dict(block.named_parameters())
+        for part, branch in zip(parts, "FG"):
+            for name, p in part.named_parameters():
+                p.data.copy_(source[name if len(parts) == 1 else branch + name[1:]])
+    ids, labels = token_data(1, 3)[0]
+
+    def loss_and_grads(modules):
+        x = ids
+        for m in modules:
+            x = m(x)
+        loss = lm_loss(x, labels)
+        loss.backward()
+        return loss, torch.cat([p.grad.flatten() for m in modules for p in m.parameters()])
+
+    loss_b, grad_b = loss_and_grads(blocks)
+    loss_h, grad_h = loss_and_grads(halves)
+    assert abs(loss_b.item() - loss_h.item()) < 1e-12 and grad_b.abs().max() > 0
+    assert (grad_b - grad_h).abs().max().item() < 1e-12
+    with pytest.raises(ValueError, match="grain 'quarter'"):
+        RevGPTConfig(vocab_size=8, seq_len=4, grain="quarter")
+
+
+def test_lr0_revgpt_cut_between_a_blocks_halves_equals_autograd():
+    """grain="half", J = 4 on 2 processes: the uniform cut of 11 layers falls between a block's attention and MLP
+    halves, and every stage's gradients equal autograd's."""
+    k, batches = 2, 2
+    spec = {"model": "revgpt", "grain": "half", "pipe": 2, "stages_per_rank": 2, "k": k, "train_batches": batches,
+            "dropout": 0.1, "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    results = _run(json.dumps(spec, sort_keys=True))
+    specs = revgpt_layers(revgpt_tiny_config(0.1, grain="half"))
+    parts = results[0]["parts"]
+    names = [spec.typename.__name__ for spec in specs]
+    assert any(names[b - 1] == "AttentionHalf" and names[b] == "MLPHalf" for b in parts[1:-1]), (parts, names)
+    reconstructs = {j: r for res in results for j, r in res["reconstructs"].items()}
+    assert reconstructs[1] and reconstructs[2]
+    grads = merged_grads(results)
     stages = oracle.build_stages(4, dropout=0.1, specs=specs)
     data = token_data(k * batches, 4)
     for step in range(batches):

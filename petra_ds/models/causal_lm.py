@@ -35,10 +35,12 @@ class RevGPTLMConfig(PretrainedConfig):
 
     def __init__(self, vocab_size: int = 256, seq_len: int = 128, d_model: int = 256, n_layers: int = 12,
                  n_heads: int = 4, mlp_ratio: int = 4, dropout: float = 0.1, tie_embeddings: bool = False,
-                 **kwargs: Any) -> None:
-        self.revgpt = RevGPTConfig(vocab_size, seq_len, d_model, n_layers, n_heads, mlp_ratio, dropout, tie_embeddings)
+                 grain: str = "block", **kwargs: Any) -> None:
+        self.revgpt = RevGPTConfig(vocab_size, seq_len, d_model, n_layers, n_heads, mlp_ratio, dropout, tie_embeddings,
+                                   grain)
         self.vocab_size, self.seq_len, self.d_model, self.n_layers = vocab_size, seq_len, d_model, n_layers
         self.n_heads, self.mlp_ratio, self.dropout, self.tie_embeddings = n_heads, mlp_ratio, dropout, tie_embeddings
+        self.grain = grain
         kwargs.pop("num_hidden_layers", None)
         self.num_hidden_layers = n_layers  # generate() sizes its cache by it
         super().__init__(**kwargs)
@@ -119,8 +121,13 @@ class ReversibleCausalLM(PreTrainedModel, GenerationMixin):
             past_key_values = DynamicCache()
         start = past_key_values.get_seq_length() if past_key_values is not None else 0
         x = self.embed(input_ids, start)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cache=past_key_values, layer=i, start=start)
+        attention = 0  # the cache's layer index: layers that attend, in order (an MLP half does not)
+        for block in self.blocks:
+            if getattr(block, "attends", True):
+                x = block(x, cache=past_key_values, layer=attention, start=start)
+                attention += 1
+            else:
+                x = block(x)
         h = self.norm(x)
         logits = self.embed.logits(h) if self.tied else self.head(h)
         loss = None if labels is None else lm_loss(logits[:, :-1], labels[:, 1:])

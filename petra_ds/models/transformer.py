@@ -3,6 +3,8 @@
     embedding (non-reversible)  ids -> (h, h): token + position embedding, dropout, copied into two streams
     N x RevGPTBlock (reversible) y1 = x1 + F(x2), y2 = x2 + G(y1); F = pre-norm causal self-attention
                                  (``scaled_dot_product_attention``), G = pre-norm MLP
+                                 (``grain="half"``: each block as two layers, AttentionHalf y1 = x1 + F(x2)
+                                 and MLPHalf y2 = x2 + G(y1), so a partition may cut between F and G)
     final norm (non-reversible)  (y1, y2) -> LayerNorm((y1 + y2) / 2)
     LM head (non-reversible)     -> logits; optionally the embedding's weight (``TiedLayerSpec``)
 
@@ -21,10 +23,12 @@ from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ..nn.coupling import AdditiveCoupling
+from ..nn.coupling import AdditiveCoupling, HalfCoupling
 from .attention import cached_attention_mask
 
 TIE_KEY = "embedding"
+#: how finely the blocks are layers: one coupling per block, or its attention and MLP halves
+GRAINS = ("block", "half")
 
 
 @dataclass
@@ -37,8 +41,11 @@ class RevGPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.1
     tie_embeddings: bool = False
+    grain: str = "block"
 
     def __post_init__(self) -> None:
+        if self.grain not in GRAINS:
+            raise ValueError(f"RevGPTConfig grain {self.grain!r}: use one of {', '.join(GRAINS)}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}")
         if self.n_layers < 1 or self.vocab_size < 1 or self.seq_len < 1:
@@ -123,16 +130,40 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+def init_residual(module: nn.Module, outs: tuple[nn.Linear, ...], n_layers: int) -> None:
+    """GPT-2's initialisation, with the residual projections ``outs`` scaled by 1/sqrt(2 N) so the streams do not
+    grow with depth."""
+    init_normal(module)
+    for out in outs:
+        nn.init.normal_(out.weight, std=0.02 / (2 * n_layers) ** 0.5)
+
+
 class RevGPTBlock(AdditiveCoupling):
     """``y1 = x1 + Attention(x2)``, ``y2 = x2 + MLP(y1)``."""
 
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
                  n_layers: int = 1) -> None:
         super().__init__(CausalSelfAttention(d_model, n_heads, dropout), MLP(d_model, mlp_ratio, dropout))
-        init_normal(self)
-        # GPT-2: residual projections scaled by 1/sqrt(2 N) so the streams do not grow with depth
-        for out in (self.F.proj, self.G.net[3]):
-            nn.init.normal_(out.weight, std=0.02 / (2 * n_layers) ** 0.5)
+        init_residual(self, (self.F.proj, self.G.net[3]), n_layers)
+
+
+class AttentionHalf(HalfCoupling):
+    """``y1 = x1 + Attention(x2)``, ``y2 = x2``: a block's first half."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, n_layers: int = 1) -> None:
+        super().__init__(CausalSelfAttention(d_model, n_heads, dropout), updates=1)
+        init_residual(self, (self.F.proj,), n_layers)
+
+
+class MLPHalf(HalfCoupling):
+    """``y1 = x1``, ``y2 = x2 + MLP(x1)``: a block's second half."""
+
+    #: takes no key/value cache at generation
+    attends = False
+
+    def __init__(self, d_model: int, mlp_ratio: int = 4, dropout: float = 0.0, n_layers: int = 1) -> None:
+        super().__init__(MLP(d_model, mlp_ratio, dropout), updates=2)
+        init_residual(self, (self.F.net[3],), n_layers)
 
 
 class FinalNorm(nn.Module):
@@ -163,7 +194,8 @@ def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def revgpt_layers(config: RevGPTConfig) -> list[LayerSpec]:
-    """Embedding, ``n_layers`` reversible blocks, final norm, LM head: one spec per layer."""
+    """Embedding, ``n_layers`` reversible blocks (``2 n_layers`` halves at ``grain="half"``), final norm, LM head:
+    one spec per layer."""
     c = config
     embed_args = (c.vocab_size, c.d_model, c.seq_len, c.dropout)
     if c.tie_embeddings:
@@ -171,5 +203,11 @@ def revgpt_layers(config: RevGPTConfig) -> list[LayerSpec]:
         head = TiedLayerSpec(TIE_KEY, Embedding, *embed_args, forward_fn=tied_logits, tied_weight_attr=["token.weight"])
     else:
         first, head = LayerSpec(Embedding, *embed_args), LayerSpec(LMHead, c.d_model, c.vocab_size)
-    blocks = [LayerSpec(RevGPTBlock, c.d_model, c.n_heads, c.mlp_ratio, c.dropout, c.n_layers) for _ in range(c.n_layers)]
+    if c.grain == "half":
+        blocks = [spec for _ in range(c.n_layers) for spec in (
+            LayerSpec(AttentionHalf, c.d_model, c.n_heads, c.dropout, c.n_layers),
+            LayerSpec(MLPHalf, c.d_model, c.mlp_ratio, c.dropout, c.n_layers))]
+    else:
+        blocks = [LayerSpec(RevGPTBlock, c.d_model, c.n_heads, c.mlp_ratio, c.dropout, c.n_layers)
+                  for _ in range(c.n_layers)]
     return [first, *blocks, LayerSpec(FinalNorm, c.d_model), head]

@@ -2,7 +2,7 @@
 
 from .batchnorm import BN_POLICIES, BatchNormPolicy, running_stats
 from .check import NonFiniteError, ReversibilityError, check_reversible, reconstruction_error
-from .coupling import AdditiveCoupling, SwapCoupling
+from .coupling import AdditiveCoupling, HalfCoupling, SwapCoupling
 from .reversible import (
     Activation,
     GraphTape,
@@ -23,6 +23,7 @@ __all__ = [
     "BN_POLICIES",
     "BatchNormPolicy",
     "GraphTape",
+    "HalfCoupling",
     "Merge",
     "NonFiniteError",
     "Reversible",

@@ -2,10 +2,14 @@
 
 additive (Gomez et al. 2017; Reformer; Rev-ViT)   y1 = x1 + F(x2)    y2 = x2 + G(y1)
 swap (the paper's RevNet block, one branch)       y1 = x2            y2 = x1 + F(x2)
+half (one residual update of the additive one)    y1 = x1 + F(x2)    y2 = x2         (or the mirror)
 
 ``reconstruct`` inverts and builds the gradient graph in the same evaluation of F and G: the F and
 G evaluated while inverting are the ones differentiated (README, "The PETRA clock, exactly"), so each function runs
 twice per micro-batch in total (forward, reconstruction), never three times.
+
+An additive coupling is its F half followed by its G half: as two layers, a partition may cut between
+F and G (a finer grain for balancing stages).
 
 The streams keep their own dtype: under bf16 autocast F and G compute in bf16 while the residual
 additions and subtractions stay in the streams' fp32, so reconstruction error does not grow with
@@ -122,3 +126,58 @@ class _SwapTape(Tape):
         dx2 = add_grad(dy1, vjp_into(self.f, dy2, self.x2))
         self.x2 = self.f = None
         return dy2, dx2
+
+
+class HalfCoupling(Reversible):
+    """One residual update, the other stream passed through: ``y1 = x1 + F(x2), y2 = x2`` (``updates=1``)
+    or ``y1 = x1, y2 = x2 + F(x1)`` (``updates=2``).
+
+    ``HalfCoupling(F, 1)`` then ``HalfCoupling(G, 2)`` compute ``AdditiveCoupling(F, G)``. Each half draws
+    its dropout from its own layer's key, so with dropout the two grains are equally valid samples, not
+    the same one.
+    """
+
+    def __init__(self, F: nn.Module, updates: int) -> None:
+        super().__init__()
+        if updates not in (1, 2):
+            raise ValueError(f"a half coupling updates stream 1 or 2, got {updates!r}")
+        self.F = F
+        self.updates = updates
+        self._a, self._b = (0, 1) if updates == 1 else (1, 0)  # the stream updated, the stream read
+
+    def _f(self, xb: Tensor, **inputs: Any) -> Tensor:
+        with layer_rng(self.rng_key, F_BRANCH if self.updates == 1 else G_BRANCH):
+            return self.F(xb, **inputs)
+
+    def _pair(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        return (a, b) if self.updates == 1 else (b, a)
+
+    def forward(self, x: Activation, **f_inputs: Any) -> tuple[Tensor, Tensor]:
+        """``f_inputs`` go to F: at generation, an attention's key/value cache and the first position."""
+        xa, xb = x[self._a], x[self._b]
+        return self._pair(xa + self._f(xb, **f_inputs).to(xa.dtype), xb)
+
+    def inverse(self, y: Activation) -> tuple[Tensor, Tensor]:
+        ya, yb = y[self._a], y[self._b]
+        return self._pair(ya - self._f(yb).to(ya.dtype), yb)
+
+    def reconstruct(self, y: Activation) -> tuple[tuple[Tensor, Tensor], Tape]:
+        ya, yb = y[self._a], y[self._b]
+        with torch.enable_grad():
+            xb_leaf = _leaf(yb)
+            f = self._f(xb_leaf)
+        xa = ya.detach() - f.detach().to(ya.dtype)
+        return self._pair(xa, xb_leaf.detach()), _HalfTape(xb_leaf, f, self._pair)
+
+
+class _HalfTape(Tape):
+    """dxa = dya;  dxb = dyb + F'(xb)^T dya  (a: the stream updated, b: the stream read)."""
+
+    def __init__(self, xb: Tensor, f: Tensor, pair: Any) -> None:
+        self.xb, self.f, self.pair = xb, f, pair
+
+    def backward(self, dy: Activation) -> tuple[Tensor, Tensor]:
+        dya, dyb = self.pair(*dy)
+        dxb = add_grad(dyb, vjp_into(self.f, dya, self.xb))
+        self.xb = self.f = None
+        return self.pair(dya, dxb)

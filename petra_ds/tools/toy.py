@@ -96,12 +96,12 @@ def toy_data(num: int, micro_batch: int, seed: int = 0, dtype=torch.float64) -> 
 VOCAB, SEQ_LEN = 11, 6
 
 
-def revgpt_tiny_config(dropout: float = 0.0, tie_embeddings: bool = False):
-    """A RevGPT small enough for float64 oracles: 4 blocks, 7 layers."""
+def revgpt_tiny_config(dropout: float = 0.0, tie_embeddings: bool = False, grain: str = "block"):
+    """A RevGPT small enough for float64 oracles: 4 blocks, 7 layers (11 at ``grain="half"``)."""
     from ..models.transformer import RevGPTConfig
 
     return RevGPTConfig(vocab_size=VOCAB, seq_len=SEQ_LEN, d_model=8, n_layers=4, n_heads=2, mlp_ratio=2,
-                        dropout=dropout, tie_embeddings=tie_embeddings)
+                        dropout=dropout, tie_embeddings=tie_embeddings, grain=grain)
 
 
 def decoder_tiny_config(model_type: str = "llama", hidden: int = 8, layers: int = 4, dropout: float = 0.0,

@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="revgpt: reversible blocks")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--grain", choices=["block", "half"], default="block",
+                        help="revgpt: one layer per block, or its attention and MLP halves (a finer cut for --partition "
+                             "profile)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--dropout", type=float, default=0.0, help="revgpt: dropout (throughput does not depend on it)")
@@ -144,8 +147,9 @@ def layers_and_loss(args: argparse.Namespace, packed: bool = False) -> tuple[lis
         from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
 
         config = RevGPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, d_model=args.d_model,
-                              n_layers=args.layers, n_heads=args.heads, dropout=args.dropout)
-        specs, loss_fn, blocks = revgpt_layers(config), lm_loss, "RevGPTBlock"
+                              n_layers=args.layers, n_heads=args.heads, dropout=args.dropout, grain=args.grain)
+        blocks = "AttentionHalf|MLPHalf" if args.grain == "half" else "RevGPTBlock"
+        specs, loss_fn = revgpt_layers(config), lm_loss
     else:
         from petra_ds.models.revnet import revnet_layers
 
@@ -598,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": device_name(), "torch": torch.__version__, "threads_per_process": args.threads,
         "model": args.model, "stages": args.stages, "micro_batches": args.micro_batches,
         "micro_batch_size": args.micro_batch_size, "ds_streams": "pair" if args.ds_pairs else "stacked",
-        "model_args": {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq_len", "vocab_size")}
+        "model_args": {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq_len", "vocab_size", "grain")}
         if args.model == "revgpt" else {k: getattr(args, k) for k in ("depth", "width", "image_size")},
         "variants": variants, "ratios": ratios, "median_ratios": median_ratios,
     }
@@ -608,6 +612,10 @@ def main(argv: list[str] | None = None) -> None:
         report["costs"] = variants["petra"]["costs"]
     if layer_costs is not None:
         report["layer_costs"] = [dataclasses.asdict(c) for c in layer_costs]
+        if "petra" in variants:  # how far PETRA's best whole-layer cut is from equal stages
+            from petra_ds.pipeline.partition import imbalance
+
+            report["petra_imbalance"] = imbalance(layer_costs, variants["petra"]["parts"])
     print(f"\n{args.model}, J={args.stages}, k={args.micro_batches}, micro-batch {args.micro_batch_size}, "
           f"{report['device']}")
     for v in variants:
@@ -615,6 +623,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{variants[v]['median_samples_per_s']:8.2f} (median)")
     for name, value in ratios.items():
         print(f"  {name:28s} {value:6.3f}x (best), {median_ratios[name]:6.3f}x (median)")
+    if "petra_imbalance" in report:
+        print(f"  PETRA's cut {variants['petra']['parts']}: slowest stage {100 * report['petra_imbalance']:.1f}% above "
+              "the mean stage (layer costs)")
     for v in variants:
         allocated = variants[v].get("peak_allocated")
         if allocated:

@@ -68,26 +68,28 @@ def test_revgpt_two_processes_with_tied_embeddings(tmp_path, config, method):
     assert rows[-1]["val_loss"] < rows[0]["val_loss"] + 1.0 and rows[-1]["tokens_per_s"] > 0
 
 
-@pytest.mark.parametrize("config,rule", [("petra_lm.json", "petra"), ("backprop_lm.json", "backprop")])
-def test_profile_partition_cuts_petra_and_its_baseline_from_one_costs_file(tmp_path, config, rule):
+@pytest.mark.parametrize("config,rule,grain", [("petra_lm.json", "petra", "block"), ("backprop_lm.json", "backprop", "half")])
+def test_profile_partition_cuts_petra_and_its_baseline_from_one_costs_file(tmp_path, config, rule, grain):
     """--partition profile on two pooled ranks, tied embeddings: every layer measured once into a whole
     file; PETRA (J = 4 stages) and DeepSpeed's 1F1B (2 stages) each cut it by their own rule, as
-    recomputed here. A costs file for another model is refused before training."""
+    recomputed here (the baseline from the blocks' halves, --grain half). A costs file for another model is
+    refused before training."""
     from harness import launch, run_example
     from petra_ds.pipeline.partition import balanced_parts, load_costs, save_costs
 
     out = tmp_path / "run"
     argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", config), "--model", "revgpt", "--tie-embeddings",
             "--data-files", *_files(tmp_path), *SMALL, "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1",
-            "--partition", "profile", "--output-dir", str(out)]
+            "--partition", "profile", "--grain", grain, "--output-dir", str(out)]
     launch({"example": "reformer", "argv": argv}, world_size=2, target=run_example)
     summary = json.loads((out / "summary.json").read_text())
     costs_file = out / "layer_costs.json"
     costs = load_costs(str(costs_file))
     assert [p.name for p in out.iterdir() if p.name.startswith("layer_costs")] == ["layer_costs.json"]
-    assert len(costs) == 5 and all(c.forward > 0 and c.forward_grad > 0 and c.backward > 0 for c in costs)
-    # embedding, two reversible blocks, final norm, tied head
-    assert [c.reconstruct is not None for c in costs] == [False, True, True, False, False]
+    blocks = 2 if grain == "block" else 4
+    assert len(costs) == blocks + 3 and all(c.forward > 0 and c.forward_grad > 0 and c.backward > 0 for c in costs)
+    # embedding, two reversible blocks (or their four halves), final norm, tied head
+    assert [c.reconstruct is not None for c in costs] == [False] + [True] * blocks + [False, False]
     stages = 4 if rule == "petra" else 2
     assert summary["stages"] == stages
     assert summary["partition"] == {"method": "profile", "layer_costs": str(costs_file),
@@ -153,6 +155,10 @@ def test_a_configuration_error_is_one_line_not_a_traceback(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert 'configuration error: "petra.delay_compensation.method" must be one of' in proc.stderr
+    proc = subprocess.run(cmd[:3] + [os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "decoder",
+                                     "--grain", "half", *cmd[6:]], cwd=ROOT, env=launcher_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "--grain half splits RevGPT's blocks: use it with --model revgpt" in proc.stderr
 
 
 def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_path):

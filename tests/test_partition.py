@@ -10,7 +10,7 @@ from torch import nn
 
 import petra_ds
 from petra_ds.pipeline.module import spec_is_reversible
-from petra_ds.pipeline.partition import RULES, LayerCost, balanced_parts, load_costs, stage_cost
+from petra_ds.pipeline.partition import RULES, LayerCost, balanced_parts, imbalance, load_costs, stage_cost
 from petra_ds.tools.toy import toy_layer_specs
 
 
@@ -71,6 +71,20 @@ def test_an_expensive_first_layer_gets_a_stage_of_its_own():
     parts = balanced_parts(costs, 3)
     assert parts[:2] == [0, 1]
     assert slowest(costs, parts) < slowest(costs, [0, 3, 6, 9])
+
+
+def test_a_finer_grain_removes_the_whole_layer_imbalance():
+    """Three equal blocks on two stages: the best cut is 1 | 2 blocks, the slowest stage 4/3 of the mean; as six
+    equal halves the cut is 3 | 3, even."""
+    block, half = LayerCost(0.5, 1.0, 1.0), LayerCost(0.25, 0.5, 0.5)
+    parts = balanced_parts([block] * 3, 2, rule="backprop")
+    assert imbalance([block] * 3, parts, rule="backprop") == pytest.approx(1 / 3)
+    halves = balanced_parts([half] * 6, 2, rule="backprop")
+    assert halves == [0, 3, 6] and imbalance([half] * 6, halves, rule="backprop") == pytest.approx(0.0)
+    # PETRA's rule, layers of forward 1, forward with a graph 1, backward 2: stage 0 of two layers runs forward,
+    # recomputation and backward (2 + 2 + 4 = 8), the last stage its forward with a graph and backward (1 + 2)
+    petra = LayerCost(1.0, 1.0, 2.0)
+    assert imbalance([petra] * 3, [0, 2, 3]) == pytest.approx(8 / 5.5 - 1)
 
 
 def test_costs_from_a_json_file_and_bad_entries(tmp_path):

@@ -90,6 +90,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--grain", choices=["block", "half"], default="block",
+                   help="--model revgpt: one pipeline layer per block, or its attention and MLP halves (two layers the "
+                        "partition may cut between: a finer balance with --partition profile)")
     p.add_argument("--reformer-config", default=None, help="a ReformerConfig (config.json or its directory)")
     p.add_argument("--from-pretrained", default=None,
                    help="a local model directory: a ReformerModelWithLMHead (--model reformer) or a plain Llama/Qwen/"
@@ -187,7 +190,7 @@ def build_layers(args, vocab_size: int) -> tuple[list, object]:
 
     hf_config = RevGPTLMConfig.of(RevGPTConfig(
         vocab_size=vocab_size, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-        dropout=args.dropout, tie_embeddings=args.tie_embeddings))
+        dropout=args.dropout, tie_embeddings=args.tie_embeddings, grain=args.grain))
     return hf_config.layer_specs(), hf_config
 
 
@@ -260,6 +263,8 @@ def main() -> None:
                          "give other token ids)")
     if args.from_pretrained and args.model == "revgpt":
         raise SystemExit("--from-pretrained loads a Hugging Face model: use it with --model reformer or --model decoder")
+    if args.grain != "block" and args.model != "revgpt":
+        raise SystemExit(f"--grain {args.grain} splits RevGPT's blocks: use it with --model revgpt")
     if args.hf_config and args.model != "decoder":
         raise SystemExit("--hf-config is the decoder's config: add --model decoder (or use --reformer-config for "
                          "--model reformer)")

@@ -27,6 +27,24 @@ def test_arguments_that_cannot_keep_the_global_batch_are_refused(capsys):
     assert "--schedules must include petra" in capsys.readouterr().err
 
 
+def test_a_split_backward_keeps_the_checkpointed_recomputation_until_the_weight_pass():
+    """benchmarks/ckpt_split_backward.py, tiny: checkpointing lowers what is live after the forward, but under torch's
+    split backward (zero-bubble schedules) the recomputed activations stay live until the weight pass, and the peak
+    is far above checkpointing's with one backward pass."""
+    import torch
+    from torch import nn
+
+    bench = load_benchmark("ckpt_split_backward")
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4))
+    x = torch.randn(256, 32)
+    r = {(c, s): bench.measure(layers, x, c, s) for c in (False, True) for s in (False, True)}
+    assert r[True, False]["after_forward_mib"] < 0.6 * r[False, False]["after_forward_mib"]
+    assert r[True, False]["peak_mib"] < 0.9 * r[False, False]["peak_mib"]
+    assert r[True, True]["between_passes_mib"] > 2 * r[True, True]["after_forward_mib"]
+    assert r[True, True]["peak_mib"] > 1.5 * r[True, False]["peak_mib"]
+
+
 @pytest.mark.slow
 def test_a_tiny_search_reports_every_configuration_and_each_cap(tmp_path):
     bench = load_benchmark("memory_capped")

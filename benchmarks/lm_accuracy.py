@@ -16,8 +16,8 @@ processes (the placement does not change PETRA's arithmetic). A run whose summar
 instead of run again, so a sweep can be continued, and reports of several invocations merge (--output is
 read first). Prints the best-against-best table, saves the JSON and one PNG of the winning curves.
 
-Optimizers: adamw, nadam95, nadam99 (constant momentum), muon (Muon at the example's 20x the lr on the hidden
-matrices, AdamW at the lr on the rest) and muon10 (the same at 10x).
+Optimizers: adamw, nadam95, nadam99 (constant momentum), muon (Muon at 20x the lr on the hidden matrices, AdamW
+at the lr on the rest) and muon10 (the same at 10x).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def nadam(beta1: float) -> dict:
 
 
 def muon(lr: float) -> dict:
-    """DeepSpeed's Muon on the hidden matrices and AdamW on the embedding, norms and head (the example
-    gives Muon ``petra_ds.runtime.config.MUON_LR_RATIO`` times the lr)."""
+    """DeepSpeed's Muon on the hidden matrices and AdamW on the embedding, norms and head; without a
+    ``"muon_lr"`` the example gives Muon ``petra_ds.runtime.config.MUON_LR_RATIO`` times the lr."""
     return {"type": "muon", "params": {"momentum": 0.95, "betas": [0.9, 0.95],
                                        "weight_decay": 0.01, "torch_adam": True}}
 
@@ -69,8 +69,8 @@ def muon_at(ratio: float):
 
 
 #: optimizer name -> its config section for a learning rate (the run's --lr fills "lr")
-OPTIMIZERS = {"adamw": adamw, "nadam95": lambda lr: nadam(0.95), "nadam99": lambda lr: nadam(0.99), "muon": muon,
-              "muon10": muon_at(10.0)}
+OPTIMIZERS = {"adamw": adamw, "nadam95": lambda lr: nadam(0.95), "nadam99": lambda lr: nadam(0.99),
+              "muon": muon_at(20.0), "muon10": muon_at(10.0)}
 #: what a recipe's suffix turns on in "petra.delay_compensation"
 COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale"}
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from petra_ds.runtime.config import MUON_LR_RATIO
 from petra_ds.runtime.distributed import free_port
 from subprocess_env import ROOT, launcher_env
 
@@ -105,7 +106,7 @@ def test_profile_partition_cuts_petra_and_its_baseline_from_one_costs_file(tmp_p
 
 def test_a_global_batch_is_split_for_the_depth_and_muon_comes_from_the_command_line(tmp_path):
     """--global-batch 16 at J = 4 becomes micro-batch 2 x k = 8 (stage 0 exactly one step behind); --optimizer
-    replaces the config's optimizer, --lr fills its lr and Muon's is 20x it; the run trains and records it."""
+    replaces the config's optimizer, --lr fills its lr and Muon's is MUON_LR_RATIO x it; the run trains and records it."""
     out = tmp_path / "run"
     muon = {"type": "muon", "params": {"momentum": 0.95, "betas": [0.9, 0.95], "weight_decay": 0.01,
                                        "torch_adam": True}}
@@ -117,7 +118,8 @@ def test_a_global_batch_is_split_for_the_depth_and_muon_comes_from_the_command_l
     config = summary["config"]
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (2, 8)
     assert config["optimizer"]["type"] == "muon"
-    assert config["optimizer"]["params"]["lr"] == 2e-3 and config["optimizer"]["params"]["muon_lr"] == 20 * 2e-3
+    assert config["optimizer"]["params"]["lr"] == 2e-3
+    assert config["optimizer"]["params"]["muon_lr"] == pytest.approx(MUON_LR_RATIO * 2e-3)
     assert all(torch.isfinite(torch.tensor(r["val_loss"])) for r in rows)
 
 

@@ -16,7 +16,7 @@ and --data-parallel, the fewest data-parallel replicas that leave at most one pi
 as many PETRA stages per rank as the layers allow (the default RevGPT's 11 layers on 4 processes: J = 8,
 three stages of two layers; on one process: J = 11).
 Without an "optimizer" section AdamW (betas 0.9 / 0.95, weight decay 0.01) is used; --lr fills the
-optimizer's lr unless the config sets one (with DeepSpeed's "muon", the hidden matrices get 20x it unless
+optimizer's lr unless the config sets one (with DeepSpeed's "muon", the hidden matrices get 10x it unless
 the config sets "muon_lr"), and without a "scheduler" section the lr warms up over --warmup-steps and then
 decays to 0 on a cosine. Text comes through
 Hugging Face ``datasets``; the tokenizer is a byte-level BPE trained on the training text (offline

@@ -104,8 +104,9 @@ class PetraConfig:
 
 
 #: DeepSpeed's "muon" without a "muon_lr": the examples and benchmarks give the hidden matrices this many
-#: times the AdamW lr (Muon's step is in spectral units)
-MUON_LR_RATIO = 20
+#: times the AdamW lr (Muon's step is in spectral units). 10 was the best of 10 and 20 for PETRA and for
+#: backprop in the RevGPT sweep at 1,500 steps (BENCHMARKS.md, issue 22)
+MUON_LR_RATIO = 10
 
 
 def uses_muon(config: Mapping[str, Any]) -> bool:

@@ -18,7 +18,7 @@ depth faster than in fp32.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -173,7 +173,7 @@ class HalfCoupling(Reversible):
 class _HalfTape(Tape):
     """dxa = dya;  dxb = dyb + F'(xb)^T dya  (a: the stream updated, b: the stream read)."""
 
-    def __init__(self, xb: Tensor, f: Tensor, pair: Any) -> None:
+    def __init__(self, xb: Tensor, f: Tensor, pair: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]) -> None:
         self.xb, self.f, self.pair = xb, f, pair
 
     def backward(self, dy: Activation) -> tuple[Tensor, Tensor]:

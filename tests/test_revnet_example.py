@@ -69,3 +69,28 @@ def test_profile_partition_measures_once_and_every_rank_cuts_from_the_file(tmp_p
         spec_is_reversible(s) and i < len(specs) - 1 for i, s in enumerate(specs)]
     assert summary["partition"]["parts"] == balanced_parts(costs, 4, "non_reversible", rule="petra")
     assert summary["stages"] == 4
+
+
+@pytest.mark.parametrize("methods,gaps", [(["petra"], {}),
+                                          (["backprop", "petra", "weight_prediction"],
+                                           {"backprop - petra": 2.0, "weight_prediction - petra": 1.0})])
+def test_the_accuracy_benchmark_reports_each_method_against_petra(tmp_path, monkeypatch, methods, gaps):
+    """benchmarks/accuracy.py with any subset of methods (a PETRA-only re-run included): each method's gap to PETRA
+    in points of final accuracy, from the runs' summaries (the runs themselves replaced here)."""
+    from subprocess_env import load_benchmark
+
+    bench = load_benchmark("accuracy")
+    accuracy = {"petra": 0.97, "backprop": 0.99, "weight_prediction": 0.98}
+
+    def fake_run(cmd, out):
+        method = os.path.basename(out)
+        return {"final_eval_acc": accuracy[method], "best_eval_acc": accuracy[method], "samples_per_s": 1.0,
+                "stages": 1}, [], 0.0
+
+    monkeypatch.setattr(bench, "run_example", fake_run)
+    monkeypatch.setattr(sys, "argv", ["accuracy.py", "--methods", *methods, "--output", str(tmp_path / "r.json")])
+    bench.main()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert sorted(report["results"]) == sorted(methods)
+    assert report["gaps_points_final"] == pytest.approx(gaps)
+    assert report["gap_points_final"] == (pytest.approx(2.0) if "backprop" in methods else None)

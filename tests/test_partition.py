@@ -146,8 +146,8 @@ def test_measured_costs_have_a_reconstruction_exactly_for_the_reversible_layers_
 
 
 def test_partition_grain_benchmark_reports_the_best_cut_of_its_own_costs(tmp_path, monkeypatch):
-    """benchmarks/partition_grain.py, tiny: every row's cuts are the optimal cuts of the costs it saved, the half
-    grain has two layers per block, and the clock ratio is the two slowest stages' ratio."""
+    """benchmarks/partition_grain.py, tiny: every row's cuts are the optimal cuts of the costs it saved, the block
+    grain's costs are the sums of each block's two halves, and the clock ratio is the two slowest stages' ratio."""
     import sys
 
     from subprocess_env import load_benchmark
@@ -161,6 +161,10 @@ def test_partition_grain_benchmark_reports_the_best_cut_of_its_own_costs(tmp_pat
     report = json.loads(out.read_text())
     costs = {g: load_costs(c) for g, c in report["rounds"][0]["costs"].items()}
     assert len(costs["block"]) == 5 and len(costs["half"]) == 7
+    half_a, half_b = costs["half"][1:3]
+    assert costs["block"][1] == LayerCost(half_a.forward + half_b.forward, half_a.forward_grad + half_b.forward_grad,
+                                          half_a.backward + half_b.backward, half_a.reconstruct + half_b.reconstruct)
+    assert costs["block"][0] == costs["half"][0] and costs["block"][3:] == costs["half"][5:]
     for row in report["table"]:
         for grain in ("block", "half"):
             assert row[f"{grain}_parts"] == balanced_parts(costs[grain], row["J"])

@@ -6,8 +6,9 @@ A zero-bubble schedule (interleaved ZB, ZBV, DualPipeV in ``torch.distributed.pi
 micro-batch's backward into an input-gradient pass now (``stage_backward_input``) and a weight-gradient pass
 later (``stage_backward_weight``). This script runs a stack of MLP blocks, plain or under torch's non-reentrant
 checkpoint, with one backward or with that split (torch's own two functions), and counts every live tensor storage
-(``petra_ds.diagnostics.allocated``): after the forward (what a schedule holds per micro-batch between its forward
-and its backward), between the two passes (what it holds per micro-batch until the weight pass), and the peak.
+(``petra_ds.diagnostics.allocated``) above what was live before (the weights): after the forward (what a schedule
+holds per micro-batch between its forward and its backward), between the two passes (what it holds per
+micro-batch until the weight pass), and the peak.
 Saves JSON (``--output``) and prints the table.
 """
 
@@ -30,27 +31,29 @@ MIB = 2 ** 20
 
 
 def measure(layers: nn.ModuleList, x: torch.Tensor, checkpointed: bool, split: bool) -> dict:
-    """Live MiB after the forward, between the input- and weight-gradient passes (``split``), and the peak."""
+    """MiB live after the forward, between the input- and weight-gradient passes (``split``), and at the peak, above
+    what was live before (the weights and whatever else the process holds)."""
     from petra_ds.diagnostics.allocated import AllocatedStorages
 
     layers.zero_grad(set_to_none=True)
     with AllocatedStorages() as counter:
+        before = counter.live_bytes
         x = x.detach().requires_grad_()
         h = x
         for layer in layers:
             h = checkpoint(layer, h, use_reentrant=False) if checkpointed else layer(h)
-        after_forward = counter.live_bytes
+        after_forward = counter.live_bytes - before
         dh = torch.ones_like(h)
         between = None
         if split:
             _, groups = stage_backward_input([h], [dh], [x], layers.parameters())
-            between = counter.live_bytes / MIB
+            between = (counter.live_bytes - before) / MIB
             stage_backward_weight(layers.parameters(), groups)
         else:
             h.backward(dh)
         del h, dh, x
     return {"checkpointed": checkpointed, "split_backward": split, "after_forward_mib": after_forward / MIB,
-            "between_passes_mib": between, "peak_mib": counter.peak_bytes / MIB}
+            "between_passes_mib": between, "peak_mib": (counter.peak_bytes - before) / MIB}
 
 
 def main() -> None:

@@ -72,11 +72,14 @@ def muon_at(ratio: float):
 OPTIMIZERS = {"adamw": adamw, "nadam95": lambda lr: nadam(0.95), "nadam99": lambda lr: nadam(0.99),
               "muon": muon_at(20.0), "muon10": muon_at(10.0)}
 #: what a recipe's suffix turns on in "petra.delay_compensation"
-COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale"}
+COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale",
+                 # weight prediction along an average of the last updates (decay 0.5) instead of the last one
+                 "wpa": {"method": "weight_prediction", "beta": 0.5}}
 
 
-def recipe_parts(recipe: str) -> tuple[str, list[str]]:
-    """("nadam95", ["weight_prediction", "adaptive_momentum"]) for "nadam95+wp+am"."""
+def recipe_parts(recipe: str) -> tuple[str, list]:
+    """("nadam95", ["weight_prediction", "adaptive_momentum"]) for "nadam95+wp+am" (a method with parameters is
+    its config object)."""
     name, *extras = recipe.split("+")
     if name not in OPTIMIZERS or any(e not in COMPENSATIONS for e in extras):
         raise SystemExit(f"unknown recipe {recipe!r}: an optimizer {sorted(OPTIMIZERS)} followed by +"
@@ -147,7 +150,12 @@ def command(args: argparse.Namespace, files: list[str], job: dict, out: str) -> 
         "--global-batch", str(args.global_batch), "--micro-batches", str(job["k"]), "--output-dir", out]
     cmd += ["--optimizer", json.dumps(OPTIMIZERS[optimizer](job["lr"]))]
     if job["arm"] == "petra":
-        methods = compensation[0] if len(compensation) == 1 else json.dumps(compensation) if compensation else "none"
+        if not compensation:
+            methods = "none"
+        elif len(compensation) == 1:
+            methods = compensation[0] if isinstance(compensation[0], str) else json.dumps(compensation[0])
+        else:
+            methods = json.dumps(compensation)
         cmd += ["--stages", str(job["J"]), "--delay-compensation", methods]
         if args.gradient_quality:
             cmd += ["--gradient-quality", str(args.gradient_quality)]

@@ -30,5 +30,8 @@ def test_muon10_sets_its_own_muon_lr_and_the_recipe_its_compensation():
     # "muon" is 20x whatever the example's default ratio, so its cached runs keep their meaning
     plain = _optimizer(bench.command(_args(), ["t.txt", "v.txt"], {**job, "recipe": "muon", "arm": "backprop"}, "o"))
     assert plain["params"]["muon_lr"] == pytest.approx(0.04)
+    averaged = bench.command(_args(), ["t.txt", "v.txt"], {**job, "recipe": "muon10+wpa"}, "o")
+    assert json.loads(averaged[averaged.index("--delay-compensation") + 1]) == {"method": "weight_prediction",
+                                                                              "beta": 0.5}
     with pytest.raises(SystemExit, match="unknown recipe"):
         bench.recipe_parts("muon5+wp")

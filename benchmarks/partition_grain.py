@@ -54,10 +54,10 @@ def whole_blocks(halves: list) -> list:
 
 def cut(costs: list, num_stages: int) -> dict:
     """PETRA's best cut of ``costs`` into ``num_stages`` stages: boundaries, each stage's seconds, imbalance."""
-    from petra_ds.pipeline.partition import balanced_parts, imbalance, stage_cost
+    from petra_ds.pipeline.partition import balanced_parts, imbalance, stage_costs
 
     parts = balanced_parts(costs, num_stages)
-    stages = [stage_cost(costs[a:b], j, num_stages) for j, (a, b) in enumerate(zip(parts, parts[1:]))]
+    stages = stage_costs(costs, parts)
     return {"parts": parts, "stage_s": stages, "slowest_s": max(stages), "imbalance": imbalance(costs, parts)}
 
 

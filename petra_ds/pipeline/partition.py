@@ -89,14 +89,20 @@ def balanced_parts(costs: Sequence[LayerCost], num_stages: int, input_buffer: st
     return parts[::-1]
 
 
+def stage_costs(costs: Sequence[LayerCost], parts: Sequence[int], input_buffer: str = "non_reversible",
+                rule: str = "petra") -> list[float]:
+    """Each stage's :func:`stage_cost` under the cut ``parts`` (layer boundaries ``[0, ..., len(costs)]``)."""
+    num_stages = len(parts) - 1
+    return [stage_cost(costs[a:b], j, num_stages, input_buffer, rule) for j, (a, b) in enumerate(zip(parts, parts[1:]))]
+
+
 def imbalance(costs: Sequence[LayerCost], parts: Sequence[int], input_buffer: str = "non_reversible",
               rule: str = "petra") -> float:
-    """How far the cut ``parts`` is from equal stages: its slowest stage's :func:`stage_cost` over the mean of
-    its stages' costs, minus 1 (0: perfectly even). With whole layers as the grain, a few layers per stage
-    leave this well above 0 even at the best cut."""
-    num_stages = len(parts) - 1
-    stages = [stage_cost(costs[a:b], j, num_stages, input_buffer, rule) for j, (a, b) in enumerate(zip(parts, parts[1:]))]
-    return max(stages) / (sum(stages) / num_stages) - 1
+    """How far the cut ``parts`` is from equal stages: its slowest stage's cost over the mean of its stages'
+    costs, minus 1 (0: perfectly even). With whole layers as the grain, a few layers per stage leave this well
+    above 0 even at the best cut."""
+    stages = stage_costs(costs, parts, input_buffer, rule)
+    return max(stages) / (sum(stages) / len(stages)) - 1
 
 
 def load_costs(source: str | Sequence[LayerCost | dict]) -> list[LayerCost]:

@@ -74,7 +74,12 @@ OPTIMIZERS = {"adamw": adamw, "nadam95": lambda lr: nadam(0.95), "nadam99": lamb
 #: what a recipe's suffix turns on in "petra.delay_compensation"
 COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale",
                  # weight prediction along an average of the last updates (decay 0.5) instead of the last one
-                 "wpa": {"method": "weight_prediction", "beta": 0.5}}
+                 "wpa": {"method": "weight_prediction", "beta": 0.5},
+                 # half the extrapolation: w + 0.5 s_j d
+                 "wph": {"method": "weight_prediction", "scale": 0.5},
+                 # momentum lowered, not raised, on delayed stages (asynchrony acts as momentum itself,
+                 # Mitliagkas et al. 2016): stage j's moves toward 0.8 by s_j / (s_0 + 1)
+                 "aml": {"method": "adaptive_momentum", "beta1_max": 0.8}}
 
 
 def recipe_parts(recipe: str) -> tuple[str, list]:

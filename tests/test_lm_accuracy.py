@@ -33,5 +33,8 @@ def test_muon10_sets_its_own_muon_lr_and_the_recipe_its_compensation():
     averaged = bench.command(_args(), ["t.txt", "v.txt"], {**job, "recipe": "muon10+wpa"}, "o")
     assert json.loads(averaged[averaged.index("--delay-compensation") + 1]) == {"method": "weight_prediction",
                                                                               "beta": 0.5}
+    lowered = bench.command(_args(), ["t.txt", "v.txt"], {**job, "recipe": "muon10+wph+aml"}, "o")
+    assert json.loads(lowered[lowered.index("--delay-compensation") + 1]) == [
+        {"method": "weight_prediction", "scale": 0.5}, {"method": "adaptive_momentum", "beta1_max": 0.8}]
     with pytest.raises(SystemExit, match="unknown recipe"):
         bench.recipe_parts("muon5+wp")

@@ -11,7 +11,7 @@ from torch import nn
 
 from petra_ds.perf.timeline import (Costs, StageCosts, main, measure_stage_costs, plot_gantt, predict, revnet_costs,
                                     seconds_per_micro_batch, simulate_schedule, validate)
-from petra_ds.schedule import PetraSchedule, Timeline
+from petra_ds.schedule import PetraSchedule, Timeline, delay
 
 F, FG, B = 1.0, 1.3, 2.1  # forward, forward with graph, backward (arbitrary units)
 
@@ -130,6 +130,20 @@ def test_reversible_backprop_recomputes_only_at_reversible_stages():
     assert got == pytest.approx(2 * (F + FG + B) + 3 * (FG + B))
     assert predict(costs, 3, ["1f1b_rev", "1f1b_ckpt"]) == pytest.approx(
         {"1f1b_rev": (3 + J - 1) * (F + FG + B) / 3, "1f1b_ckpt": (3 + J - 1) * (FG + FG + B) / 3})
+
+
+@pytest.mark.parametrize("J,k", [(4, 8), (5, 3), (8, 16)])
+def test_held_micro_batches_follow_each_schedules_definition(J, k):
+    """1F1B's rank r holds min(J - r, k) micro-batches, GPipe all k on every rank; PETRA's stage 0 keeps the
+    tau_0 + 1 inputs it re-reads, a reversible middle stage nothing, a non-reversible one tau_j + 1 inputs,
+    the last stage one graph within its clock."""
+    costs = Costs.uniform(J, F, FG, B)
+    assert simulate_schedule("1f1b", costs, k, 2).held_micro_batches() == {r: min(J - r, k) for r in range(J)}
+    assert simulate_schedule("gpipe", costs, k, 2).held_micro_batches() == {r: k for r in range(J)}
+    reversible = [True] * J
+    reversible[1] = False
+    petra = simulate_schedule("petra", costs, k, 3, reversible=reversible).held_micro_batches()
+    assert petra == {r: (delay(r, J) + 1 if r in (0, 1) else 1 if r == J - 1 else 0) for r in range(J)}
 
 
 def test_deepspeed_backward_per_output_tensor():

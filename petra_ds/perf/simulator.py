@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
-__all__ = ["Compute", "DeadlockError", "Endpoint", "Event", "Mark", "Op", "Post", "Simulation", "Wait", "simulate"]
+__all__ = ["HOLDS", "RELEASES", "Compute", "DeadlockError", "Endpoint", "Event", "Mark", "Op", "Post", "Simulation",
+           "Wait", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class Event:
     end: float
 
 
+#: the compute ops after which a stage keeps a micro-batch's activations, and those that free them
+HOLDS, RELEASES = ("forward", "forward_grad"), ("backward", "backward_weight")
+
+
 @dataclass
 class Simulation:
     """What ran where and when; ``rank_ends[r][w]``: when rank r returned from batch ``w``."""
@@ -82,6 +87,26 @@ class Simulation:
     @property
     def makespan(self) -> float:
         return max((e.end for e in self.events), default=0.0)
+
+
+    def held_micro_batches(self) -> dict[int, int]:
+        """Per rank, the most micro-batches whose activations it held at once: each is held from the end
+        of its forward on a stage to the end of the backward that frees it there (a zero-bubble split
+        frees it at its weight pass). A stage that reconstructs its inputs (PETRA's reversible middle
+        stages) holds nothing. The counts follow from each schedule's order of operations,
+        not from the costs."""
+        rebuilding = {e.stage for e in self.events if e.op == "reconstruct"}
+        held = {r: 0 for r in self.rank_ends}
+        most = dict(held)
+        for e in self.events:
+            if e.stage in rebuilding:
+                continue
+            if e.op in HOLDS:
+                held[e.rank] += 1
+                most[e.rank] = max(most[e.rank], held[e.rank])
+            elif e.op in RELEASES:
+                held[e.rank] -= 1
+        return most
 
 
 class DeadlockError(RuntimeError):

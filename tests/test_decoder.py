@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, ReformerModelWithLMHe
 
 from petra_ds.models import causal_lm
 from petra_ds.models.causal_lm import DecoderForCausalLM, DecoderLMConfig, RevGPTForCausalLM, RevGPTLMConfig
-from petra_ds.models.decoder import DecoderBlock, decoder_layers, split_plain_state
+from petra_ds.models.decoder import DecoderBlock, decoder_layers, plain_prefixes, split_plain_state
 from petra_ds.tools.toy import VOCAB, decoder_tiny_config
 
 from harness import launch
@@ -70,6 +70,39 @@ def test_a_plain_checkpoint_maps_tensor_for_tensor(tie):
     assert torch.equal(head, plain.lm_head.weight)
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_half_grain_loads_the_same_plain_tensors_and_computes_the_block_grain(tie):
+    """grain="half": each decoder layer is an attention half then an MLP half. From one plain checkpoint both grains
+    hold every tensor once, and in float64 they give the same loss and the same gradient for every plain tensor."""
+    config = decoder_tiny_config("llama", hidden=16, layers=2, tie_embeddings=tie)
+    plain = _plain(config)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    grads, losses = {}, {}
+    for grain in ("block", "half"):
+        specs = decoder_layers(config, plain, grain)
+        modules = [spec.build().double() for spec in specs]
+        if grain == "half":
+            assert [type(m).__name__ for m in modules[1:5]] == ["DecoderAttentionHalf", "DecoderMLPHalf"] * 2
+        x = ids
+        for m in modules[:-1]:
+            x = m(x)
+        logits = modules[0].logits(x) if tie else modules[-1](x)
+        losses[grain] = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        losses[grain].backward()
+        own_to_plain = [{own: theirs for theirs, own in layer.items()} for layer in plain_prefixes(config, grain)]
+        grads[grain] = {}
+        for module, names in zip(modules[:-1] if tie else modules, own_to_plain):
+            for name, p in module.named_parameters():
+                own = next(prefix for prefix in names if name.startswith(prefix))
+                grads[grain][names[own] + name[len(own):]] = p.grad
+    assert abs(losses["block"].item() - losses["half"].item()) < 1e-12
+    assert grads["block"].keys() == grads["half"].keys() == {n for n in plain.state_dict() if "rotary" not in n
+                                                              and not (tie and n == "lm_head.weight")}
+    assert max((grads["block"][n] - grads["half"][n]).abs().max().item() for n in grads["block"]) < 1e-12
+    with pytest.raises(ValueError, match="decoder grain 'quarter'"):
+        decoder_layers(config, grain="quarter")
+
+
 def test_configs_the_decoder_cannot_reproduce_are_refused():
     with pytest.raises(ValueError, match="Llama-, Qwen2-, Qwen3- and Mistral-style"):
         decoder_layers(AutoConfig.for_model("gemma", num_hidden_layers=1))
@@ -112,12 +145,14 @@ def _models():
         "revgpt-half": RevGPTForCausalLM(RevGPTLMConfig(vocab_size=40, seq_len=32, d_model=16, n_layers=2, n_heads=2,
                                                         grain="half")),
         "llama": DecoderForCausalLM(DecoderLMConfig.of(decoder_tiny_config("llama", hidden=16, layers=2))),
+        "llama-half": DecoderForCausalLM(DecoderLMConfig.of(decoder_tiny_config("llama", hidden=16, layers=2),
+                                                            grain="half")),
         "qwen2-tied": DecoderForCausalLM(DecoderLMConfig.of(decoder_tiny_config("qwen2", hidden=16, layers=2,
                                                                                 tie_embeddings=True))),
     }
 
 
-@pytest.mark.parametrize("name", ["revgpt", "revgpt-tied", "revgpt-half", "llama", "qwen2-tied"])
+@pytest.mark.parametrize("name", ["revgpt", "revgpt-tied", "revgpt-half", "llama", "llama-half", "qwen2-tied"])
 def test_cached_generation_equals_uncached_token_for_token(name):
     model = _models()[name].double().eval()
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -146,7 +181,7 @@ def test_reformer_generates_the_same_with_and_without_its_cache():
     assert torch.equal(cached, uncached) and cached.shape == (1, 16)
 
 
-@pytest.mark.parametrize("name", ["revgpt-tied", "revgpt-half", "llama"])
+@pytest.mark.parametrize("name", ["revgpt-tied", "revgpt-half", "llama", "llama-half"])
 def test_from_pretrained_gives_the_same_greedy_text(tmp_path, name):
     model = _models()[name].eval()
     prompt = torch.tensor([[3, 1, 4, 1, 5]])

@@ -157,16 +157,18 @@ def test_a_configuration_error_is_one_line_not_a_traceback(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert 'configuration error: "petra.delay_compensation.method" must be one of' in proc.stderr
-    proc = subprocess.run(cmd[:3] + [os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "decoder",
+    proc = subprocess.run(cmd[:3] + [os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "reformer",
                                      "--grain", "half", *cmd[6:]], cwd=ROOT, env=launcher_env(), capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode != 0 and "--grain half splits RevGPT's blocks: use it with --model revgpt" in proc.stderr
+    assert proc.returncode != 0 and "(a Reformer block stays whole)" in proc.stderr
 
 
-def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_path):
+@pytest.mark.parametrize("grain", ["block", "half"])
+def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_path, grain):
     """--model decoder (a reversible Llama with grouped-query attention and a tied head, from Hugging Face's modules),
     J = 4 PETRA stages on two pooled ranks: the gathered model's greedy sample is in summary.json, and the exported
-    model, loaded the usual way, continues the same prompt with the same tokens."""
+    model, loaded the usual way, continues the same prompt with the same tokens. At --grain half its blocks are
+    attention and MLP halves, and the export says so."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import petra_ds.models.causal_lm  # noqa: F401  (registers the model with AutoModelForCausalLM)
@@ -178,7 +180,7 @@ def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_
     valid.write_text("a b\n" + valid.read_text())  # the prompt holds an end of text, the id generate() pads with
     argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "decoder",
             "--data-files", *files, *SMALL, "--stages", "4", "--kv-heads", "1", "--tie-embeddings",
-            "--output-dir", str(out), "--export-hf", str(export)]
+            "--output-dir", str(out), "--export-hf", str(export), "--grain", grain]
     launch({"example": "reformer", "argv": argv}, world_size=2, target=run_example)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == "decoder" and summary["stages"] == 4 and summary["world_size"] == 2
@@ -187,6 +189,8 @@ def test_decoder_on_two_ranks_generates_and_loads_back_with_from_pretrained(tmp_
     model = AutoModelForCausalLM.from_pretrained(export).eval()
     attention = model.blocks[0].F.self_attn
     assert attention.num_key_value_groups == 2  # 2 query heads, 1 key/value head
+    kinds = {"block": ["DecoderBlock"] * 2, "half": ["DecoderAttentionHalf", "DecoderMLPHalf"] * 2}[grain]
+    assert model.config.grain == grain and [type(b).__name__ for b in model.blocks] == kinds
     assert model.tied and model.head is None
     tokenizer = AutoTokenizer.from_pretrained(export)
     assert tokenizer.eos_token_id in sample["prompt_ids"]

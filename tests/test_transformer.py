@@ -11,7 +11,7 @@ from transformers import ReformerConfig, ReformerModelWithLMHead
 from petra_ds.models.reformer import ReformerBlock, layer_states, reformer_layers, reformer_state_dict, to_reformer
 from petra_ds.models.transformer import AttentionHalf, MLPHalf, RevGPTBlock, RevGPTConfig, lm_loss, revgpt_layers
 from petra_ds.nn import ReversibleSequential, micro_batch_rng, reconstruction_error
-from petra_ds.models.decoder import DecoderBlock
+from petra_ds.models.decoder import DecoderAttentionHalf, DecoderBlock
 from petra_ds.tools.toy import decoder_tiny_config, revgpt_tiny_config, token_data
 
 import oracle
@@ -39,6 +39,8 @@ BLOCKS = {
     "llama": lambda: DecoderBlock(decoder_tiny_config("llama", hidden=16, dropout=0.2), 0),
     "qwen2": lambda: DecoderBlock(decoder_tiny_config("qwen2", hidden=16, dropout=0.2), 0),
     "mistral": lambda: DecoderBlock(decoder_tiny_config("mistral", hidden=16, dropout=0.2), 0),
+    # (the decoder's MLP half is HalfCoupling(G, 2) as RevGPT's; Llama's MLP has no dropout for the control below)
+    "llama-attention-half": lambda: DecoderAttentionHalf(decoder_tiny_config("llama", hidden=16, dropout=0.2), 0),
     "reformer-local": lambda: ReformerBlock(reformer_config("local", 0.2), 0),
     "reformer-lsh": lambda: ReformerBlock(reformer_config("lsh", 0.2), 0),  # random rotations too
 }

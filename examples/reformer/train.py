@@ -91,8 +91,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--grain", choices=["block", "half"], default="block",
-                   help="--model revgpt: one pipeline layer per block, or its attention and MLP halves (two layers the "
-                        "partition may cut between: a finer balance with --partition profile)")
+                   help="--model revgpt or decoder: one pipeline layer per block, or its attention and MLP halves (two "
+                        "layers the partition may cut between: a finer balance with --partition profile)")
     p.add_argument("--reformer-config", default=None, help="a ReformerConfig (config.json or its directory)")
     p.add_argument("--from-pretrained", default=None,
                    help="a local model directory: a ReformerModelWithLMHead (--model reformer) or a plain Llama/Qwen/"
@@ -172,7 +172,7 @@ def decoder_model(args, vocab_size: int):
     if config.vocab_size < vocab_size:
         raise SystemExit(f"the decoder's vocab_size {config.vocab_size} is smaller than the tokenizer's {vocab_size}: "
                          "raise it in the config or lower --vocab-size")
-    return decoder_layers(config, plain), DecoderLMConfig.of(config)
+    return decoder_layers(config, plain, args.grain), DecoderLMConfig.of(config, grain=args.grain)
 
 
 #: 1F1B only: DeepSpeed's per-forward dropout reseeding base (see build_model)
@@ -263,8 +263,9 @@ def main() -> None:
                          "give other token ids)")
     if args.from_pretrained and args.model == "revgpt":
         raise SystemExit("--from-pretrained loads a Hugging Face model: use it with --model reformer or --model decoder")
-    if args.grain != "block" and args.model != "revgpt":
-        raise SystemExit(f"--grain {args.grain} splits RevGPT's blocks: use it with --model revgpt")
+    if args.grain != "block" and args.model == "reformer":
+        raise SystemExit(f"--grain {args.grain} splits RevGPT's and the decoder's blocks: use it with --model revgpt "
+                         "or --model decoder (a Reformer block stays whole)")
     if args.hf_config and args.model != "decoder":
         raise SystemExit("--hf-config is the decoder's config: add --model decoder (or use --reformer-config for "
                          "--model reformer)")

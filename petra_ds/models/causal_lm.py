@@ -59,12 +59,14 @@ class RevGPTLMConfig(PretrainedConfig):
 
 
 class DecoderLMConfig(PretrainedConfig):
-    """A reversible decoder: the Hugging Face config its layers come from, kept whole under ``layers_from``."""
+    """A reversible decoder: the Hugging Face config its layers come from, kept whole under ``layers_from``, and
+    its ``grain`` (``"half"``: each block is two pipeline layers)."""
 
     model_type = "petra_reversible_decoder"
 
-    def __init__(self, layers_from: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, layers_from: dict[str, Any] | None = None, grain: str = "block", **kwargs: Any) -> None:
         self.layers_from = dict(layers_from or {"model_type": "llama"})
+        self.grain = grain
         kwargs.pop("num_hidden_layers", None)
         self.num_hidden_layers = self.decoder_config().num_hidden_layers  # generate() sizes its cache by it
         super().__init__(**kwargs)
@@ -78,7 +80,7 @@ class DecoderLMConfig(PretrainedConfig):
         return AutoConfig.for_model(values.pop("model_type"), **values)
 
     def layer_specs(self) -> list[LayerSpec]:
-        return decoder_layers(self.decoder_config())
+        return decoder_layers(self.decoder_config(), grain=self.grain)
 
 
 class ReversibleCausalLM(PreTrainedModel, GenerationMixin):

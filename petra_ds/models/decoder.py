@@ -8,6 +8,9 @@ attention as Hugging Face configures it (SDPA unless the config says otherwise):
     N x DecoderBlock (reversible) y1 = x1 + F(x2), y2 = x2 + G(y1)
                                   F = self_attn(input_layernorm(x2))  (RoPE, causal, grouped-query as configured)
                                   G = mlp(post_attention_layernorm(y1))
+                                  (``grain="half"``: each block as two layers, DecoderAttentionHalf
+                                  y1 = x1 + F(x2) and DecoderMLPHalf y2 = x2 + G(y1), so a partition may
+                                  cut between F and G)
     final norm (non-reversible)  the model's RMSNorm of (y1 + y2) / 2, as RevGPT mixes its streams
     LM head (non-reversible)     lm_head, or the embedding's weight where the config ties them
 
@@ -29,10 +32,10 @@ from torch.nn import functional as F_
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from ..nn.coupling import AdditiveCoupling
+from ..nn.coupling import AdditiveCoupling, HalfCoupling
 from .attention import cached_attention_mask
 from .layer_states import State, load_into, split_by_prefix
-from .transformer import init_normal
+from .transformer import GRAINS, init_normal
 
 TIE_KEY = "embed_tokens"
 _LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
@@ -147,14 +150,39 @@ class DecoderMLP(nn.Module):
         return self.mlp(self.post_attention_layernorm(y1))
 
 
+def initialised_layer(config: PretrainedConfig, layer_idx: int) -> nn.Module:
+    """Hugging Face's decoder layer ``layer_idx``, its weights drawn as the plain model draws them."""
+    layer = hf_decoder_layer(prepared(config), layer_idx)
+    init_normal(layer, config.initializer_range)
+    return layer
+
+
 class DecoderBlock(AdditiveCoupling):
     """Decoder layer ``layer_idx`` of ``config`` as ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``."""
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, state: State | None = None) -> None:
-        layer = hf_decoder_layer(prepared(config), layer_idx)
-        init_normal(layer, config.initializer_range)
+        layer = initialised_layer(config, layer_idx)
         super().__init__(DecoderAttention(config, layer), DecoderMLP(layer))
         load_into(self, state, f"layer {layer_idx}")
+
+
+class DecoderAttentionHalf(HalfCoupling):
+    """Decoder layer ``layer_idx``'s first half: ``y1 = x1 + F(x2)``, ``y2 = x2``."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, state: State | None = None) -> None:
+        super().__init__(DecoderAttention(config, initialised_layer(config, layer_idx)), updates=1)
+        load_into(self, state, f"layer {layer_idx}'s attention")
+
+
+class DecoderMLPHalf(HalfCoupling):
+    """Decoder layer ``layer_idx``'s second half: ``y1 = x1``, ``y2 = x2 + G(x1)``."""
+
+    #: takes no key/value cache at generation
+    attends = False
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, state: State | None = None) -> None:
+        super().__init__(DecoderMLP(initialised_layer(config, layer_idx)), updates=2)
+        load_into(self, state, f"layer {layer_idx}'s MLP")
 
 
 class DecoderNorm(nn.Module):
@@ -183,34 +211,47 @@ class DecoderHead(nn.Module):
 
 # --- names: pipeline layer <-> a plain Hugging Face model of the same config ---
 
-_BLOCK = {"self_attn.": "F.self_attn.", "input_layernorm.": "F.input_layernorm.", "mlp.": "G.mlp.",
-          "post_attention_layernorm.": "G.post_attention_layernorm."}
+_ATTENTION, _MLP = ("self_attn.", "input_layernorm."), ("mlp.", "post_attention_layernorm.")
 
 
-def plain_prefixes(config: PretrainedConfig) -> list[dict[str, str]]:
+def _block_prefixes(i: int, grain: str) -> list[dict[str, str]]:
+    """A plain model's layer ``i`` -> the pipeline layers it becomes: one block (its F and G), or two halves."""
+    attention = {f"model.layers.{i}.{part}": f"F.{part}" for part in _ATTENTION}
+    if grain == "half":
+        return [attention, {f"model.layers.{i}.{part}": f"F.{part}" for part in _MLP}]
+    return [{**attention, **{f"model.layers.{i}.{part}": f"G.{part}" for part in _MLP}}]
+
+
+def plain_prefixes(config: PretrainedConfig, grain: str = "block") -> list[dict[str, str]]:
     """Per pipeline layer: a plain model's name prefix -> the layer's own prefix."""
     layers: list[dict[str, str]] = [{"model.embed_tokens.": "embed_tokens."}]
     for i in range(config.num_hidden_layers):
-        layers.append({f"model.layers.{i}.{plain}": own for plain, own in _BLOCK.items()})
+        layers += _block_prefixes(i, grain)
     layers.append({"model.norm.": "norm."})
     layers.append({"model.embed_tokens.": "embed_tokens."} if config.tie_word_embeddings else {"lm_head.": "lm_head."})
     return layers
 
 
-def split_plain_state(config: PretrainedConfig, plain: State) -> list[State]:
+def split_plain_state(config: PretrainedConfig, plain: State, grain: str = "block") -> list[State]:
     """A plain ``*ForCausalLM`` state dict cut into the pipeline layers' state dicts."""
-    return split_by_prefix({name: value.detach().clone() for name, value in plain.items()}, plain_prefixes(config))
+    return split_by_prefix({name: value.detach().clone() for name, value in plain.items()},
+                           plain_prefixes(config, grain))
 
 
-def decoder_layers(config: PretrainedConfig, model: nn.Module | None = None) -> list[LayerSpec]:
+def decoder_layers(config: PretrainedConfig, model: nn.Module | None = None, grain: str = "block") -> list[LayerSpec]:
     """Layer specs of a reversible decoder for ``config``; with ``model`` (a plain ``*ForCausalLM`` of the same
-    config, e.g. ``LlamaForCausalLM``) every layer starts from its tensors."""
+    config, e.g. ``LlamaForCausalLM``) every layer starts from its tensors. ``grain="half"`` makes each decoder
+    layer two pipeline layers (attention, then MLP)."""
     prepared(config)
+    if grain not in GRAINS:
+        raise ValueError(f"decoder grain {grain!r}: use one of {', '.join(GRAINS)}")
     n = config.num_hidden_layers
-    states: Sequence[State | None] = [None] * (n + 3)
+    kinds = (DecoderAttentionHalf, DecoderMLPHalf) if grain == "half" else (DecoderBlock,)
+    states: Sequence[State | None] = [None] * (len(kinds) * n + 3)
     if model is not None:
-        states = split_plain_state(config, model.state_dict())
-    blocks = [LayerSpec(DecoderBlock, config, i, states[i + 1]) for i in range(n)]
+        states = split_plain_state(config, model.state_dict(), grain)
+    blocks = [LayerSpec(kind, config, i, states[1 + len(kinds) * i + h])
+              for i in range(n) for h, kind in enumerate(kinds)]
     if config.tie_word_embeddings:
         first = TiedLayerSpec(TIE_KEY, DecoderEmbedding, config, states[0], tied_weight_attr=["embed_tokens.weight"])
         head = TiedLayerSpec(TIE_KEY, DecoderEmbedding, config, states[0], forward_fn=tied_logits,

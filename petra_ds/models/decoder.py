@@ -35,7 +35,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from ..nn.coupling import AdditiveCoupling, HalfCoupling
 from .attention import cached_attention_mask
 from .layer_states import State, load_into, split_by_prefix
-from .transformer import GRAINS, init_normal
+from .transformer import GRAINS, init_normal, tied_logits
 
 TIE_KEY = "embed_tokens"
 _LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
@@ -109,10 +109,6 @@ class DecoderEmbedding(nn.Module):
     def logits(self, h: Tensor) -> Tensor:
         """The tied LM head: ``h @ embed_tokens.weight^T``."""
         return F_.linear(h, self.embed_tokens.weight)
-
-
-def tied_logits(embedding: DecoderEmbedding, h: Tensor) -> Tensor:
-    return embedding.logits(h)
 
 
 class DecoderAttention(nn.Module):

@@ -88,7 +88,9 @@ class Embedding(nn.Module):
         return F.linear(h, self.token.weight)
 
 
-def tied_logits(embedding: Embedding, h: Tensor) -> Tensor:
+def tied_logits(embedding: nn.Module, h: Tensor) -> Tensor:
+    """The LM head of a ``TiedLayerSpec`` that shares an embedding layer: that layer's own ``logits`` (RevGPT's
+    and the decoder's embeddings each have one)."""
     return embedding.logits(h)
 
 

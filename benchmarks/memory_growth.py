@@ -126,9 +126,10 @@ def predicted_peaks(model: dict, variant: str, J: int) -> list[float]:
 
 
 def predictions(report: dict, depths: list[int]) -> dict:
-    """Per schedule the time model knows and sequence length: the model fitted to every measured J, its per-rank peaks at each of
-    ``depths`` (summarized like the measurements), and a check of the model on the deepest measured J, predicted
-    from the shallower ones alone (``held_out``: predicted and measured largest-rank peak, MiB)."""
+    """Per schedule the time model knows and sequence length: the model fitted to every measured J, its per-rank
+    peaks at each of ``depths`` (summarized like the measurements), and a check of the model on the deepest
+    measured J, predicted from the shallower ones alone (``held_out``: predicted and measured largest-rank peak,
+    MiB)."""
     measured = sorted({row["J"] for row in report["rows"]})
     out: dict = {}
     for variant in (v for v in report["args"]["variants"] if v in predict.VARIANTS):

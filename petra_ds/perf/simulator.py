@@ -88,13 +88,12 @@ class Simulation:
     def makespan(self) -> float:
         return max((e.end for e in self.events), default=0.0)
 
-
     def held_micro_batches(self) -> dict[int, int]:
         """Per rank, the most micro-batches whose activations it held at once: each is held from the end
         of its forward on a stage to the end of the backward that frees it there (a zero-bubble split
         frees it at its weight pass). A stage that reconstructs its inputs (PETRA's reversible middle
-        stages) holds nothing. The counts follow from each schedule's order of operations,
-        not from the costs."""
+        stages) holds nothing. The counts follow from each schedule's order of operations, not from the
+        costs, as long as every compute costs more than 0 (one of 0 seconds leaves no event)."""
         rebuilding = {e.stage for e in self.events if e.op == "reconstruct"}
         held = {r: 0 for r in self.rank_ends}
         most = dict(held)

@@ -11,9 +11,10 @@ Each run gives samples/s and every rank's peak memory as the allocator sees it
 own peak (its largest rank) at each micro-batch size. Under each cap, each schedule's best configuration is
 its fastest (median samples/s over the rounds) whose largest rank fits; a schedule with none "does not
 fit". Rounds run every configuration once, in turn, so that a slow spell of a shared machine hits all of
-them. The partition is each schedule's default (the same blocks per stage); searching it is not done here.
-Writes ``runs/benchmarks/memory_capped_<model>_<device>.json`` (``--output`` to choose) and prints the
-table.
+them. ``--partitions default profile`` adds the partition to the search: every configuration again with each
+schedule cut by its own measured layer costs (throughput.py's ``--partition profile``); the caps are PETRA's
+peaks with the first partition listed. Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
+(``--output`` to choose) and prints the table.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step, for every configuration")
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--schedules", nargs="+", choices=throughput.VARIANTS, default=SCHEDULES)
+    p.add_argument("--partitions", nargs="+", choices=["default", "profile"], default=["default"],
+                   help="default: each schedule's default cut (the same blocks per stage); profile: each cut by its "
+                        "own measured layer costs")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=3, help="timed train_batch calls per run")
     p.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
@@ -55,35 +59,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, b: int) -> dict[str, dict]:
-    """One round at micro-batch size ``b``: every schedule's samples/s and largest rank's peak bytes."""
+def label(b: int, partition: str) -> str:
+    """A configuration's key in the report: the micro-batch size, and the partition unless it is the default."""
+    return str(b) if partition == "default" else f"{b} {partition}"
+
+
+def run(args: argparse.Namespace, b: int, partition: str) -> dict[str, dict]:
+    """One round at micro-batch size ``b`` and ``partition``: every schedule's samples/s and largest rank's peak
+    bytes."""
+    cut = [] if partition == "default" else ["--partition", partition]
     variants = throughput.report_of([
         "--model", args.model, "--stages", str(args.stages), "--micro-batch-size", str(b), "--micro-batches",
-        str(args.global_batch // b), "--warmup", "2", "--calls", str(args.calls), "--no-costs",
+        str(args.global_batch // b), "--warmup", "2", "--calls", str(args.calls), "--no-costs", *cut,
         "--variants", *args.schedules, *args.model_args])["variants"]
     return {v: {"samples_per_s": variants[v]["samples_per_s"],
                 "peak": max(r["peak"] for r in variants[v]["peak_allocated"])} for v in args.schedules}
 
 
-def best_under(cap: int, configs: dict[int, dict]) -> dict | None:
+def best_under(cap: int, configs: dict[str, dict]) -> dict | None:
     """The fastest configuration (by median samples/s) whose peak fits under ``cap``, or None."""
-    fitting = [{"micro_batch_size": b, **c} for b, c in configs.items() if c["peak"] <= cap]
+    fitting = [c for c in configs.values() if c["peak"] <= cap]
     return max(fitting, key=lambda c: c["median_samples_per_s"], default=None)
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    rounds: dict[str, dict[int, list[dict]]] = {s: {b: [] for b in args.micro_batch_sizes} for s in args.schedules}
+    grid = [(b, p) for p in args.partitions for b in args.micro_batch_sizes]
+    rounds: dict[str, dict[tuple, list[dict]]] = {s: {bp: [] for bp in grid} for s in args.schedules}
     for r in range(args.rounds):
-        for b in args.micro_batch_sizes:
-            print(f"round {r + 1}/{args.rounds}, micro-batch {b}, k = {args.global_batch // b}", flush=True)
-            for schedule, result in run(args, b).items():
-                rounds[schedule][b].append(result)
-    configs = {s: {b: {"median_samples_per_s": statistics.median(x["samples_per_s"] for x in rs),
-                       "rounds_samples_per_s": [x["samples_per_s"] for x in rs], "peak": max(x["peak"] for x in rs)}
-                   for b, rs in per_b.items()} for s, per_b in rounds.items()}
-    caps = {b: configs["petra"][b]["peak"] for b in args.micro_batch_sizes}
+        for b, partition in grid:
+            print(f"round {r + 1}/{args.rounds}, micro-batch {b}, k = {args.global_batch // b}, partition {partition}",
+                  flush=True)
+            for schedule, result in run(args, b, partition).items():
+                rounds[schedule][b, partition].append(result)
+    configs = {s: {label(b, p): {"micro_batch_size": b, "partition": p,
+                                 "median_samples_per_s": statistics.median(x["samples_per_s"] for x in rs),
+                                 "rounds_samples_per_s": [x["samples_per_s"] for x in rs],
+                                 "peak": max(x["peak"] for x in rs)}
+                   for (b, p), rs in per_config.items()} for s, per_config in rounds.items()}
+    caps = {b: configs["petra"][label(b, args.partitions[0])]["peak"] for b in args.micro_batch_sizes}
     table = []
     for b, cap in caps.items():
         best = {s: best_under(cap, configs[s]) for s in args.schedules}
@@ -101,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"cap {row['cap'] / MIB:.2f} MiB (PETRA's peak at micro-batch {row['petra_micro_batch']}):")
         for s, c in row["best"].items():
             fit = "does not fit" if c is None else (f"{c['median_samples_per_s']:8.2f} samples/s at micro-batch "
-                                                     f"{c['micro_batch_size']}, peak {c['peak'] / MIB:.2f} MiB")
+                                                     f"{c['micro_batch_size']} ({c['partition']} partition), peak "
+                                                     f"{c['peak'] / MIB:.2f} MiB")
             print(f"  {s:22s} {fit}")
         ratio = row["petra_over_fastest_peer"]
         print(f"  PETRA / fastest fitting peer ({row['fastest_peer']}): "

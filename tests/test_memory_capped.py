@@ -9,11 +9,13 @@ from subprocess_env import load_benchmark
 
 def test_the_fastest_fitting_configuration_is_chosen():
     bench = load_benchmark("memory_capped")
-    configs = {4: {"median_samples_per_s": 10.0, "peak": 100}, 8: {"median_samples_per_s": 15.0, "peak": 180},
-               16: {"median_samples_per_s": 20.0, "peak": 300}}
+    configs = {bench.label(b, p): {"micro_batch_size": b, "partition": p, "median_samples_per_s": v, "peak": peak}
+               for b, p, v, peak in [(4, "default", 10.0, 100), (8, "default", 15.0, 180), (16, "default", 20.0, 300),
+                                     (8, "profile", 17.0, 190)]}
     assert bench.best_under(300, configs)["micro_batch_size"] == 16
-    assert bench.best_under(299, configs)["micro_batch_size"] == 8  # the fastest no longer fits
-    assert bench.best_under(100, configs) == {"micro_batch_size": 4, **configs[4]}
+    assert bench.best_under(299, configs) == configs["8 profile"]  # the fastest no longer fits; the cut counts
+    assert bench.best_under(189, configs) == configs["8"]
+    assert bench.best_under(100, configs) == configs["4"]
     assert bench.best_under(99, configs) is None  # does not fit
 
 
@@ -50,14 +52,16 @@ def test_a_tiny_search_reports_every_configuration_and_each_cap(tmp_path):
     bench = load_benchmark("memory_capped")
     out = tmp_path / "capped.json"
     report = bench.main(["--stages", "2", "--global-batch", "8", "--micro-batch-sizes", "2", "4", "--schedules",
-                         "petra", "1f1b_ckpt", "--rounds", "2", "--calls", "1", "--output", str(out), "--model-args",
+                         "petra", "1f1b_ckpt", "--partitions", "default", "profile", "--rounds", "2", "--calls", "1",
+                         "--output", str(out), "--model-args",
                          "--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--vocab-size", "64"])
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(report))
-    configs = saved["configs"]  # micro-batch sizes as JSON keys
+    configs = saved["configs"]  # micro-batch size (and a partition other than the default) as JSON keys
     for schedule in ("petra", "1f1b_ckpt"):
-        for b in ("2", "4"):
-            c = configs[schedule][b]
+        assert sorted(configs[schedule]) == ["2", "2 profile", "4", "4 profile"]
+        for key, c in configs[schedule].items():
+            assert key == bench.label(c["micro_batch_size"], c["partition"])
             assert len(c["rounds_samples_per_s"]) == 2 and c["peak"] > 0
     caps = saved["caps"]
     assert [row["cap"] for row in caps] == [configs["petra"]["2"]["peak"], configs["petra"]["4"]["peak"]]

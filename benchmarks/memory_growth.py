@@ -23,6 +23,7 @@ measuring.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -84,13 +85,14 @@ def summarize(ranks: list[dict]) -> dict[str, float]:
     return {"max": max(peaks), "middle": statistics.median(middle), "ranks": peaks}
 
 
-def held(variant: str, J: int) -> list[int]:
+@functools.lru_cache(maxsize=None)
+def held(variant: str, J: int) -> tuple[int, ...]:
     """Per rank, the most micro-batches whose activations ``variant`` holds at once at depth J with k = 2J, from
     the time model's simulation of two steps (``Simulation.held_micro_batches``; the order of operations
-    decides it, so unit costs do)."""
+    decides it, so unit costs do). Simulated once per schedule and depth: every fit and prediction asks."""
     sim = simulate_schedule(variant, Costs.uniform(J, 1.0, 1.0, 1.0), 2 * J, 2)
     counts = sim.held_micro_batches()
-    return [counts[r] for r in range(J)]
+    return tuple(counts[r] for r in range(J))
 
 
 def role(rank: int, J: int) -> str:

@@ -64,7 +64,7 @@ def test_the_memory_model_recovers_its_own_numbers_and_predicts_deeper_pipelines
         assert cell["held_out"]["J"] == 8 and cell["held_out"]["error"] == pytest.approx(0, abs=1e-9)
     first_1f1b = static["first"] + constant["first"] + per_held["1f1b"] * 18
     assert out["1f1b"]["64"]["at"]["18"]["max"] == pytest.approx(first_1f1b / mib)
-    assert bench.held("1f1b", 18)[0] == 18 and bench.held("petra", 18)[1:-1] == [0] * 16
+    assert bench.held("1f1b", 18)[0] == 18 and bench.held("petra", 18)[1:-1] == (0,) * 16
     assert out["petra"]["64"]["at"]["18"]["middle"] == pytest.approx((static["middle"] + constant["middle"]) / mib)
     saved, out_file = tmp_path / "measured.json", tmp_path / "predicted.json"
     saved.write_text(json.dumps(report))

@@ -37,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from example_runs import ROOT, launcher, read_run, run_example, save_report  # noqa: E402  (a folder of scripts)
 
+from petra_ds.util.files import write_text_atomic  # noqa: E402
+
 #: steps from which a run counts as a confirming run rather than a screening one
 CONFIRM_STEPS = 1500
 
@@ -82,14 +84,33 @@ COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr
                  "aml": {"method": "adaptive_momentum", "beta1_max": 0.8}}
 
 
+#: what a recipe's suffix sets in the DeepSpeed config, on either side: "nc" turns gradient clipping off
+#: (DeepSpeed clips the global gradient norm at 1.0 when a config says nothing, PETRA each stage's own norm)
+CONFIG_SUFFIXES = {"nc": {"gradient_clipping": 0}}
+
+
 def recipe_parts(recipe: str) -> tuple[str, list]:
     """("nadam95", ["weight_prediction", "adaptive_momentum"]) for "nadam95+wp+am" (a method with parameters is
-    its config object)."""
+    its config object); config suffixes are not part of it (see :func:`config_overrides`)."""
     name, *extras = recipe.split("+")
-    if name not in OPTIMIZERS or any(e not in COMPENSATIONS for e in extras):
+    if name not in OPTIMIZERS or any(e not in COMPENSATIONS and e not in CONFIG_SUFFIXES for e in extras):
         raise SystemExit(f"unknown recipe {recipe!r}: an optimizer {sorted(OPTIMIZERS)} followed by +"
-                         f"{'/+'.join(COMPENSATIONS)} suffixes")
-    return name, [COMPENSATIONS[e] for e in extras]
+                         f"{'/+'.join([*COMPENSATIONS, *CONFIG_SUFFIXES])} suffixes")
+    return name, [COMPENSATIONS[e] for e in extras if e in COMPENSATIONS]
+
+
+def config_overrides(recipe: str) -> dict:
+    """What the recipe's config suffixes set in the DeepSpeed config ({} for none)."""
+    out: dict = {}
+    for extra in recipe.split("+")[1:]:
+        out.update(CONFIG_SUFFIXES.get(extra, {}))
+    return out
+
+
+def backprop_recipe(recipe: str) -> str:
+    """The backprop run a PETRA recipe is compared with: its optimizer and config suffixes, no compensation."""
+    name, *extras = recipe.split("+")
+    return "+".join([name, *(e for e in extras if e in CONFIG_SUFFIXES)])
 
 
 def stdlib_corpus(out_dir: str, max_chars: int) -> list[str]:
@@ -146,6 +167,13 @@ def finished_jobs(args: argparse.Namespace) -> list[dict]:
 def command(args: argparse.Namespace, files: list[str], job: dict, out: str) -> list[str]:
     optimizer, compensation = recipe_parts(job["recipe"])
     config = args.backprop_config if job["arm"] == "backprop" else args.petra_config
+    overrides = config_overrides(job["recipe"])
+    if overrides:
+        with open(os.path.join(ROOT, config)) as f:
+            section = {**json.load(f), **overrides}
+        config = os.path.join(args.run_dir, "configs", f"{run_name(job)}.json")
+        os.makedirs(os.path.dirname(os.path.join(ROOT, config)), exist_ok=True)
+        write_text_atomic(os.path.join(ROOT, config), json.dumps(section, indent=1))
     cmd = launcher(args.procs) + [
         "examples/reformer/train.py", "--deepspeed_config", config, "--model", "revgpt", "--data-files", *files,
         "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers),
@@ -187,7 +215,7 @@ def jobs(args: argparse.Namespace) -> list[dict]:
     """Backprop once per optimizer the recipes use (and --backprop-optimizers), lr and seed, at --backprop-k
     (its arithmetic does not depend on k); PETRA per recipe, lr, J, k and seed."""
     base = {"steps": args.steps}
-    optimizers = list(dict.fromkeys(args.backprop_optimizers or [recipe_parts(r)[0] for r in args.recipes]))
+    optimizers = list(dict.fromkeys(args.backprop_optimizers or [backprop_recipe(r) for r in args.recipes]))
     out = [dict(base, arm="backprop", recipe=o, lr=lr, J=None, k=args.backprop_k, seed=s)
            for o in optimizers for lr in args.lrs for s in args.seeds]
     out += [dict(base, arm="petra", recipe=r, lr=lr, J=J, k=k, seed=s)
@@ -218,7 +246,7 @@ def best_against_best(runs: list[dict]) -> list[dict]:
         if not backprop:
             continue
         best_name, (best_lr, (best_loss, _)) = min(backprop.items(), key=lambda item: item[1][1][0])
-        own = backprop.get(recipe_parts(recipe)[0])
+        own = backprop.get(backprop_recipe(recipe))
         lrs = sorted(by_lr)
         rows.append({"recipe": recipe, "J": J, "k": k, "steps": steps, "lr": lr, "val_loss": loss, "seeds": seeds,
                      "lr_at_grid_edge": len(lrs) > 1 and lr in (lrs[0], lrs[-1]),
@@ -262,10 +290,10 @@ def plot(report: dict, path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=["adamw+wp", "nadam95", "nadam95+wp", "muon", "muon+wp"],
-                        help="PETRA methods: optimizer[+wp][+am][+lr] (weight prediction, adaptive momentum, "
-                             "lr rescaling)")
-    parser.add_argument("--backprop-optimizers", nargs="*", default=None, choices=sorted(OPTIMIZERS),
-                        help="backprop's optimizers (default: those the recipes use)")
+                        help="PETRA methods: optimizer[+wp][+am][+lr]...[+nc] (weight prediction, adaptive momentum, "
+                             "lr rescaling, ...; nc: no gradient clipping)")
+    parser.add_argument("--backprop-optimizers", nargs="*", default=None,
+                        help="backprop's optimizers, optimizer[+nc] (default: those the recipes use)")
     parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3])
     parser.add_argument("--stages", type=int, nargs="+", default=[4], help="PETRA depths J")
     parser.add_argument("--k", type=int, nargs="+", default=[4], help="micro-batches per step (global batch fixed)")
@@ -295,6 +323,10 @@ def main() -> None:
     args = parser.parse_args()
     for recipe in args.recipes:
         recipe_parts(recipe)
+    for recipe in args.backprop_optimizers or []:
+        if recipe_parts(recipe)[1]:
+            raise SystemExit(f"--backprop-optimizers {recipe}: backprop has no delay compensation; give "
+                             f"{backprop_recipe(recipe)}")
 
     files = stdlib_corpus(os.path.join(ROOT, args.run_dir, "text"), args.max_chars)
     todo = finished_jobs(args) if args.report_only else jobs(args)

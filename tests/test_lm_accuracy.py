@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -38,3 +39,28 @@ def test_muon10_sets_its_own_muon_lr_and_the_recipe_its_compensation():
         {"method": "weight_prediction", "scale": 0.5}, {"method": "adaptive_momentum", "beta1_max": 0.8}]
     with pytest.raises(SystemExit, match="unknown recipe"):
         bench.recipe_parts("muon5+wp")
+
+
+def test_nc_turns_clipping_off_on_both_sides_and_pairs_petra_with_that_backprop(tmp_path):
+    bench = load_benchmark("lm_accuracy")
+    assert bench.recipe_parts("muon10+wp+nc") == ("muon10", ["weight_prediction"])
+    assert bench.backprop_recipe("muon10+wp+nc") == "muon10+nc" and bench.backprop_recipe("muon10+wp") == "muon10"
+    run_dir = str(tmp_path / "runs")
+    job = {"arm": "petra", "recipe": "muon10+wp+nc", "lr": 2e-3, "J": 8, "k": 4, "seed": 0, "steps": 1500}
+    for arm, shipped in (("petra", "ds_configs/petra_lm.json"), ("backprop", "ds_configs/backprop_lm.json")):
+        cmd = bench.command(_args(run_dir=run_dir), ["t.txt", "v.txt"], {**job, "arm": arm}, "o")
+        config = cmd[cmd.index("--deepspeed_config") + 1]
+        assert config != shipped
+        with open(config) as f, open(os.path.join(bench.ROOT, shipped)) as g:
+            assert json.load(f) == {**json.load(g), "gradient_clipping": 0}
+    plain = bench.command(_args(run_dir=run_dir), ["t.txt", "v.txt"], {**job, "recipe": "muon10+wp"}, "o")
+    assert plain[plain.index("--deepspeed_config") + 1] == "ds_configs/petra_lm.json"
+    runs = [{"arm": "backprop", "recipe": "muon10", "lr": 2e-3, "J": None, "k": 4, "steps": 1500,
+             "final_val_loss": 4.40},
+            {"arm": "backprop", "recipe": "muon10+nc", "lr": 2e-3, "J": None, "k": 4, "steps": 1500,
+             "final_val_loss": 4.50},
+            {**job, "final_val_loss": 4.55}]
+    (row,) = bench.best_against_best(runs)
+    assert row["backprop_best"]["optimizer"] == "muon10"
+    assert row["gap_to_best_backprop"] == pytest.approx(0.15 / 4.40)
+    assert row["gap_to_own_optimizer"] == pytest.approx(0.05 / 4.50)

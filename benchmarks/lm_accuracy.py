@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ast
 import glob
+import itertools
 import json
 import os
 import re
@@ -179,7 +180,7 @@ def command(args: argparse.Namespace, files: list[str], job: dict, out: str) -> 
         "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers),
         "--heads", str(args.heads), "--vocab-size", str(args.vocab_size), "--lr", str(job["lr"]),
         "--warmup-steps", str(max(1, round(args.warmup_frac * job["steps"]))), "--max-steps", str(job["steps"]),
-        "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--seed", str(job["seed"]),
+        "--eval-every", str(args.eval_every), "--eval-sequences", str(args.eval_sequences), "--seed", str(job["seed"]),
         "--global-batch", str(args.global_batch), "--micro-batches", str(job["k"]), "--output-dir", out]
     cmd += ["--optimizer", json.dumps(OPTIMIZERS[optimizer](job["lr"]))]
     if job["arm"] == "petra":
@@ -195,6 +196,42 @@ def command(args: argparse.Namespace, files: list[str], job: dict, out: str) -> 
     return cmd
 
 
+def validated_sequences(summary: dict) -> int:
+    """How many held-out sequences a run's validations covered (runs before ``--eval-sequences``: its
+    ``--eval-batches`` micro-batches of its micro-batch size)."""
+    run_args = summary["args"]
+    if run_args.get("eval_sequences") is not None:
+        return run_args["eval_sequences"]
+    return run_args["eval_batches"] * summary["config"]["train_micro_batch_size_per_gpu"]
+
+
+def final_loss_on(out: str, summary: dict, sequences: int, text_dir: str) -> float:
+    """The mean loss of a finished run's final weights (its checkpoint's "final" tag) on the first
+    ``sequences`` held-out sequences of its text (found in ``text_dir``), as the run's own validation computes
+    it: for a run whose validation covered other text (before ``--eval-sequences``, the text depended on the
+    micro-batch size)."""
+    import torch
+
+    from petra_ds.data.text import build_tokenizer, lm_loader, load_text, pack
+    from petra_ds.models.causal_lm import RevGPTLMConfig, causal_lm
+    from petra_ds.models.transformer import RevGPTConfig, lm_loss
+
+    a = summary["args"]
+    files = [os.path.join(ROOT, text_dir, os.path.basename(f)) for f in a["data_files"]]
+    tokenizer = build_tokenizer(os.path.join(ROOT, out, f"tokenizer-{a['tokenizer']}-{a['vocab_size']}"))
+    blocks = pack(load_text(files, seed=a["seed"])["validation"], tokenizer, a["seq_len"])
+    config = RevGPTLMConfig.of(RevGPTConfig(
+        vocab_size=len(tokenizer), seq_len=a["seq_len"], d_model=a["d_model"], n_layers=a["layers"],
+        n_heads=a["heads"], dropout=a["dropout"], tie_embeddings=a["tie_embeddings"], grain=a.get("grain", "block")))
+    model = causal_lm(config, os.path.join(ROOT, out, "checkpoint", "final")).eval()
+    batch = 4 if sequences % 4 == 0 else 1  # the protocol's micro-batch: the same sums as its k = 4 runs
+    losses = []
+    with torch.no_grad():
+        for x, y in itertools.islice(lm_loader(blocks, batch, train=False), sequences // batch):
+            losses.append(float(lm_loss(model(x).logits, y)))
+    return sum(losses) / len(losses)
+
+
 def run_one(args: argparse.Namespace, files: list[str], job: dict) -> dict:
     out = os.path.join(args.run_dir, run_name(job))
     cmd = command(args, files, job, out)
@@ -202,11 +239,28 @@ def run_one(args: argparse.Namespace, files: list[str], job: dict) -> dict:
         (summary, rows), wall = read_run(out), None
     else:
         summary, rows, wall = run_example(cmd, out, env={"TORCHDYNAMO_DISABLE": "1"})
-    print(f"{run_name(job)}: {summary['final_val_loss']:.4f}", flush=True)
     quality = [r for r in rows if r.get("kind") == "gradient_quality"]
     evals = [r for r in rows if "val_loss" in r]
-    return {**job, "final_val_loss": summary["final_val_loss"],
-            "best_val_loss": min(r["val_loss"] for r in evals),
+    seen, final = validated_sequences(summary), summary["final_val_loss"]
+    same_text = seen == args.eval_sequences
+    if same_text:
+        print(f"{run_name(job)}: {final:.4f}", flush=True)
+    elif not os.path.isdir(os.path.join(ROOT, out, "checkpoint", "final")):
+        final = None  # validated on other text, and its final weights were not kept: it compares with nothing
+        print(f"{run_name(job)}: not comparable ({summary['final_val_loss']:.4f} on {seen} other sequences)",
+              flush=True)
+    else:  # its validations saw other text: only its final weights can be compared
+        cached = os.path.join(ROOT, out, f"final_loss_on_{args.eval_sequences}.json")
+        if not os.path.exists(cached):
+            write_text_atomic(cached, json.dumps(final_loss_on(out, summary, args.eval_sequences,
+                                                                 os.path.join(args.run_dir, "text"))))
+        with open(cached) as f:
+            final = json.load(f)
+        print(f"{run_name(job)}: {final:.4f} (revalidated; {summary['final_val_loss']:.4f} on its {seen} sequences)",
+              flush=True)
+    return {**job, "final_val_loss": final, "val_sequences": seen,
+            "revalidated_from": None if same_text else summary["final_val_loss"],
+            "best_val_loss": min(r["val_loss"] for r in evals) if same_text else None,
             "val_curve": [(r["step"], r["val_loss"]) for r in evals], "wall_s": wall,
             "gradient_quality": quality, "command": " ".join(cmd[1:] if args.procs > 1 else ["python"] + cmd[1:])}
 
@@ -226,7 +280,7 @@ def jobs(args: argparse.Namespace) -> list[dict]:
 def cells(runs: list[dict]) -> dict:
     """{(arm, recipe, J, k, steps): {lr: median final validation loss over seeds, "seeds": n}}."""
     grouped: dict = {}
-    for r in runs:
+    for r in (r for r in runs if r["final_val_loss"] is not None):
         grouped.setdefault((r["arm"], r["recipe"], r["J"], r["k"], r["steps"]), {}).setdefault(r["lr"], []).append(
             r["final_val_loss"])
     return {key: {lr: (statistics.median(v), len(v)) for lr, v in by_lr.items()} for key, by_lr in grouped.items()}
@@ -276,8 +330,9 @@ def plot(report: dict, path: str) -> None:
             run = next(r for r in report["runs"] if (r["arm"], r["recipe"], r["lr"], r["J"], r["k"], r["steps"])
                        == (arm, recipe, lr, depth, kk, steps))
             steps_, losses = zip(*run["val_curve"])
+            other_text = "" if run.get("revalidated_from") is None else f" (curve: {run['val_sequences']} other seqs)"
             ax.plot(steps_, losses, marker=".", color="black" if arm == "backprop" else None,
-                    label=f"{'backprop ' if arm == 'backprop' else ''}{recipe} lr {lr:g}")
+                    label=f"{'backprop ' if arm == 'backprop' else ''}{recipe} lr {lr:g}{other_text}")
         ax.set_title(f"J = {J}, k = {k}, {steps} steps")
         ax.set_xlabel("optimizer steps")
         ax.set_ylabel("validation loss")
@@ -310,7 +365,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--eval-batches", type=int, default=30)
+    parser.add_argument("--eval-sequences", type=int, default=120,
+                        help="held-out sequences per validation, the same for every k (a multiple of every micro-batch)")
     parser.add_argument("--gradient-quality", type=int, default=0, metavar="N",
                         help="PETRA runs record the gradient-quality study every N steps")
     parser.add_argument("--max-chars", type=int, default=3_000_000)
@@ -329,14 +385,12 @@ def main() -> None:
                              f"{backprop_recipe(recipe)}")
 
     files = stdlib_corpus(os.path.join(ROOT, args.run_dir, "text"), args.max_chars)
-    todo = finished_jobs(args) if args.report_only else jobs(args)
+    todo = [] if args.report_only else jobs(args)
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = list(pool.map(lambda job: run_one(args, files, job), todo))
-    previous = os.path.join(ROOT, args.output)
-    if os.path.exists(previous):  # merge with earlier invocations: one table over the whole sweep
-        with open(previous) as f:
-            mine = {run_name(r) for r in runs}
-            runs += [r for r in json.load(f)["runs"] if run_name(r) not in mine]
+    # one table over the whole sweep: every finished run of earlier invocations, read back
+    mine = {run_name(r) for r in runs}
+    runs += [run_one(args, files, job) for job in finished_jobs(args) if run_name(job) not in mine]
     backprop = [{"optimizer": recipe, "steps": steps, "lr": min(by_lr, key=lambda lr: by_lr[lr][0]),
                  "val_loss": min(v[0] for v in by_lr.values()), "lrs": sorted(by_lr)}
                 for (arm, recipe, _, _, steps), by_lr in sorted(cells(runs).items(), key=str) if arm == "backprop"]

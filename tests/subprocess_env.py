@@ -15,6 +15,15 @@ def launcher_env() -> dict:
     return env
 
 
+def load_example(name: str):
+    """examples/<name>/train.py as a module named ``<name>_example`` (examples are scripts, not a package)."""
+    path = os.path.join(ROOT, "examples", name, "train.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
 def load_benchmark(name: str):
     """benchmarks/<name>.py as a module named ``<name>_benchmark`` (benchmarks/ is a folder of scripts)."""
     spec = importlib.util.spec_from_file_location(f"{name}_benchmark", os.path.join(ROOT, "benchmarks", f"{name}.py"))

@@ -12,7 +12,7 @@ from subprocess_env import load_benchmark
 def _args(**overrides):
     values = {"procs": 1, "petra_config": "ds_configs/petra_lm.json", "backprop_config": "ds_configs/backprop_lm.json",
               "seq_len": 64, "d_model": 128, "layers": 6, "heads": 4, "vocab_size": 2048, "warmup_frac": 0.05,
-              "eval_every": 100, "eval_batches": 30, "global_batch": 16, "gradient_quality": 0, "backprop_k": 4}
+              "eval_every": 100, "eval_sequences": 120, "global_batch": 16, "gradient_quality": 0, "backprop_k": 4}
     return argparse.Namespace(**{**values, **overrides})
 
 

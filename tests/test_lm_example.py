@@ -1,5 +1,6 @@
 """examples/reformer/train.py end to end on text files made here: data, tokenizer, training, export."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -106,17 +107,27 @@ def test_profile_partition_cuts_petra_and_its_baseline_from_one_costs_file(tmp_p
 
 def test_a_global_batch_is_split_for_the_depth_and_muon_comes_from_the_command_line(tmp_path):
     """--global-batch 16 at J = 4 becomes micro-batch 2 x k = 8 (stage 0 exactly one step behind); --optimizer
-    replaces the config's optimizer, --lr fills its lr and Muon's is MUON_LR_RATIO x it; the run trains and records it."""
+    replaces the config's optimizer, --lr fills its lr and Muon's is MUON_LR_RATIO x it; the run trains and records it.
+    --eval-sequences 12 validates on the first 12 held-out sequences (6 micro-batches of 2), and the final
+    weights, read back by lm_accuracy's revalidation, give the run's own final validation loss."""
+    from subprocess_env import load_benchmark
+
     out = tmp_path / "run"
     muon = {"type": "muon", "params": {"momentum": 0.95, "betas": [0.9, 0.95], "weight_decay": 0.01,
                                        "torch_adam": True}}
+    small = [a for a in SMALL if a not in ("--eval-batches", "3")]
     cmd = [sys.executable, os.path.join(ROOT, "examples", "reformer", "train.py"), "--deepspeed_config",
            os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "revgpt", "--data-files", *_files(tmp_path),
-           *SMALL, "--stages", "4", "--global-batch", "16", "--optimizer", json.dumps(muon), "--lr", "2e-3",
-           "--output-dir", str(out)]
+           *small, "--eval-sequences", "12", "--stages", "4", "--global-batch", "16", "--optimizer", json.dumps(muon),
+           "--lr", "2e-3", "--output-dir", str(out)]
     summary, rows = _run(cmd, out)
     config = summary["config"]
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (2, 8)
+    assert [r["val_sequences"] for r in rows] == [12, 12]
+    bench = load_benchmark("lm_accuracy")
+    assert bench.validated_sequences(summary) == 12
+    assert bench.final_loss_on(str(out), summary, 12, str(tmp_path)) == pytest.approx(summary["final_val_loss"],
+                                                                                     abs=1e-5)
     assert config["optimizer"]["type"] == "muon"
     assert config["optimizer"]["params"]["lr"] == 2e-3
     assert config["optimizer"]["params"]["muon_lr"] == pytest.approx(MUON_LR_RATIO * 2e-3)
@@ -225,3 +236,21 @@ def test_decoder_starts_from_a_plain_llama_checkpoint(tmp_path):
     assert torch.equal(started.embed.embed_tokens.weight, plain.model.embed_tokens.weight)
     assert torch.equal(started.blocks[1].G.mlp.up_proj.weight, plain.model.layers[1].mlp.up_proj.weight)
     assert torch.equal(started.head.lm_head.weight, plain.lm_head.weight)
+
+
+def test_eval_sequences_fix_the_held_out_text_whatever_the_micro_batch():
+    """The same sequences for micro-batches 1, 2 and 4; a count the micro-batch does not divide is refused with
+    the fix; --eval-batches still counts micro-batches; the default is the largest multiple of the micro-batch
+    up to EVAL_SEQUENCES."""
+    from subprocess_env import load_example
+
+    train = load_example("reformer")
+    args = argparse.Namespace(eval_sequences=120, eval_batches=None)
+    assert [train.validation_batches(args, micro) * micro for micro in (1, 2, 4, 8)] == [120] * 4
+    with pytest.raises(SystemExit, match="--eval-sequences 120 is not a multiple of the micro-batch size 16"):
+        train.validation_batches(args, 16)
+    args.eval_sequences, args.eval_batches = None, 3
+    assert train.validation_batches(args, 16) == 3
+    args.eval_batches = None
+    assert train.validation_batches(args, 4) == train.EVAL_SEQUENCES // 4
+    assert train.validation_batches(args, 16) * 16 == 16 * (train.EVAL_SEQUENCES // 16)

@@ -64,6 +64,10 @@ from petra_ds.tools.runs import (RunFiles, add_run_arguments, apply_global_batch
                                  run_main)
 
 
+#: held-out sequences per evaluation when the command line names none
+EVAL_SEQUENCES = 200
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="revgpt", choices=["revgpt", "reformer", "decoder"])
@@ -76,7 +80,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--max-steps", type=int, default=1000, help="train_batch calls")
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=50, help="validation micro-batches per evaluation")
+    held = p.add_mutually_exclusive_group()
+    held.add_argument("--eval-sequences", type=int, default=None,
+                      help="held-out sequences per evaluation, the first N whatever the micro-batch size, so that runs "
+                           "with other micro-batch sizes see the same text; a multiple of the micro-batch size "
+                           f"(default: {EVAL_SEQUENCES}, or the largest multiple below it)")
+    held.add_argument("--eval-batches", type=int, default=None,
+                      help="held-out micro-batches per evaluation instead (their sequences depend on the micro-batch size)")
     p.add_argument("--output-dir", default="runs/lm")
     p.add_argument("--seed", type=int, default=0)
     add_run_arguments(p)
@@ -212,6 +222,18 @@ def build_model(args, config: dict, layers: list, layout, method: str, costs=Non
                                         layer_costs=costs, input_buffer=input_buffer, base_seed=args.seed)
 
 
+def validation_batches(args, micro: int) -> int:
+    """Held-out micro-batches per evaluation: ``--eval-batches``, or ``--eval-sequences`` cut into micro-batches."""
+    if args.eval_batches is not None:
+        return args.eval_batches
+    if args.eval_sequences is None:
+        return max(1, EVAL_SEQUENCES // micro)
+    if args.eval_sequences < micro or args.eval_sequences % micro:
+        raise SystemExit(f"--eval-sequences {args.eval_sequences} is not a multiple of the micro-batch size {micro}: "
+                         f"give a multiple of {micro} (or --eval-batches N for N micro-batches)")
+    return args.eval_sequences // micro
+
+
 def evaluate(engine, loader, batches: int) -> float:
     return float(engine.eval_batch(iter(loader), num_micro_batches=batches))
 
@@ -289,6 +311,7 @@ def main() -> None:
     apply_global_batch(args, config, layout)
     replicas = layout.data_parallel
     micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
+    eval_batches = validation_batches(args, micro)  # a bad --eval-sequences stops the run before it trains
     costs, costs_file = None, None
     if args.partition == "profile":  # the first training micro-batch of the stream
         costs, costs_file = shared_layer_costs(
@@ -320,7 +343,7 @@ def main() -> None:
     shard = (engine.grid.data_parallel_id, replicas)
     data = iter(lm_stream(train_blocks, micro, seed=args.seed, start=done * k, shard=shard))
     val_loader = lm_loader(val_blocks, micro, train=False)
-    eval_batches = min(args.eval_batches, len(val_loader))
+    eval_batches = min(eval_batches, len(val_loader))
     rank0 = dist.get_rank() == 0
     files = RunFiles(args.output_dir, enabled=rank0, resumed_at=done if state else None)
     if rank0:
@@ -345,6 +368,7 @@ def main() -> None:
             val_loss = evaluate(engine, val_loader, eval_batches)
             elapsed = trained_s + time.time() - start
             row = {"step": step, "train_loss": losses[-1][1] if losses else None, "val_loss": val_loss,
+                   "val_sequences": eval_batches * micro,
                    "val_perplexity": math.exp(min(val_loss, 50.0)), "elapsed_s": elapsed,
                    "tokens_per_s": step * micro * k * replicas * args.seq_len / elapsed}
             metrics.append(row)

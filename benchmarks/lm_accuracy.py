@@ -307,7 +307,11 @@ def best_against_best(runs: list[dict]) -> list[dict]:
                      "backprop_best": {"optimizer": best_name, "lr": best_lr, "val_loss": best_loss},
                      "gap_to_best_backprop": (loss - best_loss) / best_loss,
                      "gap_to_own_optimizer": None if own is None else (loss - own[1][0]) / own[1][0],
-                     "screening": steps < CONFIRM_STEPS})
+                     "screening": steps < CONFIRM_STEPS,
+                     # its final losses come from its final weights: its own validations saw other sequences
+                     "revalidated": any(r.get("revalidated_from") is not None for r in runs
+                                        if (r["arm"], r["recipe"], r["J"], r["k"], r["steps"], r["lr"])
+                                        == (arm, recipe, J, k, steps, lr))})
     return sorted(rows, key=lambda r: (r["steps"], r["J"], r["k"], r["val_loss"]))
 
 
@@ -407,7 +411,8 @@ def main() -> None:
         own = r["gap_to_own_optimizer"]
         print(f"{r['steps']:5d} {r['J']:2d} {r['k']:3d} {r['recipe']:16s} {r['lr']:7.0e} {r['val_loss']:9.4f} "
               f"{100 * r['gap_to_best_backprop']:+16.2f}% {'' if own is None else f'{100 * own:+.2f}%':>17s}"
-              f"{'  (lr at grid edge)' if r['lr_at_grid_edge'] else ''}{'  screening' if r['screening'] else ''}")
+              f"{'  (lr at grid edge)' if r['lr_at_grid_edge'] else ''}{'  screening' if r['screening'] else ''}"
+              f"{'  revalidated' if r['revalidated'] else ''}")
 
 
 if __name__ == "__main__":

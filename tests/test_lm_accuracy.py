@@ -64,3 +64,21 @@ def test_nc_turns_clipping_off_on_both_sides_and_pairs_petra_with_that_backprop(
     assert row["backprop_best"]["optimizer"] == "muon10"
     assert row["gap_to_best_backprop"] == pytest.approx(0.15 / 4.40)
     assert row["gap_to_own_optimizer"] == pytest.approx(0.05 / 4.50)
+
+
+def test_a_run_validated_on_other_sequences_is_compared_by_its_revalidated_loss_or_not_at_all():
+    """Rows carry the loss of the final weights on the protocol's sequences; a run that could not be revalidated
+    (final_val_loss None) is in no cell."""
+    bench = load_benchmark("lm_accuracy")
+    backprop = {"arm": "backprop", "recipe": "muon10", "lr": 2e-3, "J": None, "k": 4, "steps": 1500, "seed": 0,
+                "final_val_loss": 4.40, "revalidated_from": None}
+    k8 = {"arm": "petra", "recipe": "muon10+wp", "lr": 2e-3, "J": 8, "k": 8, "steps": 1500, "seed": 0,
+          "final_val_loss": 4.44, "revalidated_from": 4.52}
+    lost = {**k8, "k": 16, "final_val_loss": None, "revalidated_from": None}
+    rows = bench.best_against_best([backprop, k8, lost])
+    assert [(r["k"], r["revalidated"]) for r in rows] == [(8, True)]
+    assert rows[0]["gap_to_best_backprop"] == pytest.approx(0.04 / 4.40)
+    summary = {"args": {"eval_batches": 30}, "config": {"train_micro_batch_size_per_gpu": 2}}
+    assert bench.validated_sequences(summary) == 60
+    summary["args"]["eval_sequences"] = 120
+    assert bench.validated_sequences(summary) == 120

@@ -181,16 +181,13 @@ def run_example(spec: dict[str, Any]) -> dict[str, Any]:
     process (launched as one rank): what a launcher's process runs, without its seconds of imports when
     the rank is pooled. Returns the rank, and with ``spec["return_error"]`` the message of the error that
     ended ``main()`` instead of raising it (the pooled world survives a run expected to fail)."""
-    import importlib.util
     import sys
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", spec["example"],
-                        "train.py")
-    module_spec = importlib.util.spec_from_file_location(f"example_{spec['example']}_train", path)
-    script = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(script)
+    from subprocess_env import load_example
+
+    script = load_example(spec["example"])
     argv = sys.argv
-    sys.argv = [path, *spec["argv"]]
+    sys.argv = [script.__file__, *spec["argv"]]
     error = None
     try:
         script.main()

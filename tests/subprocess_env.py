@@ -1,5 +1,5 @@
 """Where the repository is, the environment for tests that start a launcher in a subprocess, and the
-benchmark scripts loaded as modules."""
+example and benchmark scripts loaded as modules."""
 
 import importlib.util
 import os

@@ -35,8 +35,8 @@ def first_stage_lateness(num_stages: int, k: int) -> str | None:
     return (f"PETRA: stage 0 applies its gradients {behind:g} optimizer steps after its forward (J = {num_stages} "
             f"stages, k = {k} micro-batches per step); at a high learning rate this costs quality. Keep the global "
             f"batch and split it into at least {need} micro-batches per step (\"gradient_accumulation_steps\": "
-            f"{need}, the micro-batch made smaller to match; the examples do it with --global-batch N), or train "
-            "with an optimizer that tolerates the delay (DeepSpeed's \"muon\")")
+            f"{need}, the micro-batch made smaller to match; the examples do it with --global-batch N). DeepSpeed's "
+            "\"muon\" tolerates the delay better than Adam, and gains from more micro-batches too")
 
 
 def reconstructs(stage: int, num_stages: int, reversible: bool, input_buffer: str = "non_reversible") -> bool:

@@ -10,11 +10,14 @@ optimizer offered, over pipeline depths J and micro-batches per step k at a fixe
 
 The text is offline and reproducible: the docstrings of this Python's standard library, one paragraph per
 line, the last 5% of paragraphs held out. Every run is examples/reformer/train.py: warm-up over 5% of the
-steps then cosine decay, dropout 0.1, validation every 100 steps. Backprop is DeepSpeed's engine (1F1B with
---procs > 1; with --procs 1 a single stage: the same arithmetic); PETRA runs its J stages on --procs
-processes (the placement does not change PETRA's arithmetic). A run whose summary.json exists is read back
-instead of run again, so a sweep can be continued, and reports of several invocations merge (--output is
-read first). Prints the best-against-best table, saves the JSON and one PNG of the winning curves.
+steps then cosine decay, dropout 0.1, validation every 100 steps on the first --eval-sequences held-out
+sequences, the same text at every k. Backprop is DeepSpeed's engine (1F1B with --procs > 1; with --procs 1 a
+single stage: the same arithmetic); PETRA runs its J stages on --procs processes (the placement does not
+change PETRA's arithmetic). A run whose summary.json exists is read back instead of run again, so a sweep
+can be continued; the report covers every finished run under --run-dir. A run that validated on other
+sequences (before --eval-sequences, the text depended on the micro-batch size) is scored by its final
+weights on the protocol's sequences, or left out if it kept none. Prints the best-against-best table, saves
+the JSON and one PNG of the winning curves.
 
 Optimizers: adamw, nadam95, nadam99 (constant momentum), muon (Muon at 20x the lr on the hidden matrices, AdamW
 at the lr on the rest) and muon10 (the same at 10x).
@@ -377,7 +380,7 @@ def main() -> None:
     parser.add_argument("--petra-config", default="ds_configs/petra_lm.json")
     parser.add_argument("--backprop-config", default="ds_configs/backprop_lm.json")
     parser.add_argument("--report-only", action="store_true",
-                        help="run nothing: the table and the plot of every finished run under --run-dir")
+                        help="run nothing, only report (every invocation reports every finished run under --run-dir)")
     parser.add_argument("--output", default="runs/lm_accuracy/report.json")
     parser.add_argument("--run-dir", default="runs/lm_accuracy")
     args = parser.parse_args()

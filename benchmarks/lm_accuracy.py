@@ -81,8 +81,10 @@ OPTIMIZERS = {"adamw": adamw, "nadam95": lambda lr: nadam(0.95), "nadam99": lamb
 COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale",
                  # weight prediction along an average of the last updates (decay 0.5) instead of the last one
                  "wpa": {"method": "weight_prediction", "beta": 0.5},
-                 # half the extrapolation: w + 0.5 s_j d
+                 # half the extrapolation: w + 0.5 s_j d; and beyond it: 1.5 and 2 s_j d
                  "wph": {"method": "weight_prediction", "scale": 0.5},
+                 "wp15": {"method": "weight_prediction", "scale": 1.5},
+                 "wp2": {"method": "weight_prediction", "scale": 2.0},
                  # momentum lowered, not raised, on delayed stages (asynchrony acts as momentum itself,
                  # Mitliagkas et al. 2016): stage j's moves toward 0.8 by s_j / (s_0 + 1)
                  "aml": {"method": "adaptive_momentum", "beta1_max": 0.8}}

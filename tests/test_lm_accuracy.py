@@ -37,6 +37,9 @@ def test_muon10_sets_its_own_muon_lr_and_the_recipe_its_compensation():
     lowered = bench.command(_args(), ["t.txt", "v.txt"], {**job, "recipe": "muon10+wph+aml"}, "o")
     assert json.loads(lowered[lowered.index("--delay-compensation") + 1]) == [
         {"method": "weight_prediction", "scale": 0.5}, {"method": "adaptive_momentum", "beta1_max": 0.8}]
+    further = bench.command(_args(), ["t.txt", "v.txt"], {**job, "recipe": "muon10+wp15"}, "o")
+    assert json.loads(further[further.index("--delay-compensation") + 1]) == {"method": "weight_prediction",
+                                                                              "scale": 1.5}
     with pytest.raises(SystemExit, match="unknown recipe"):
         bench.recipe_parts("muon5+wp")
 

@@ -170,16 +170,35 @@ def finished_jobs(args: argparse.Namespace) -> list[dict]:
     return out
 
 
+def shipped_config(args: argparse.Namespace, job: dict) -> str:
+    """The side's shipped DeepSpeed config (--backprop-config or --petra-config)."""
+    return args.backprop_config if job["arm"] == "backprop" else args.petra_config
+
+
+def config_path(args: argparse.Namespace, job: dict) -> str:
+    """The DeepSpeed config a run trains with: the side's shipped one, or, when the recipe has config suffixes,
+    the run's own copy of it with them applied (written by :func:`write_config`)."""
+    if config_overrides(job["recipe"]):
+        return os.path.join(args.run_dir, "configs", f"{run_name(job)}.json")
+    return shipped_config(args, job)
+
+
+def write_config(args: argparse.Namespace, job: dict) -> None:
+    """Write the run's own config when its recipe changes the shipped one (before the run, not when it is read
+    back)."""
+    overrides = config_overrides(job["recipe"])
+    if not overrides:
+        return
+    with open(os.path.join(ROOT, shipped_config(args, job))) as f:
+        section = {**json.load(f), **overrides}
+    path = os.path.join(ROOT, config_path(args, job))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_text_atomic(path, json.dumps(section, indent=1))
+
+
 def command(args: argparse.Namespace, files: list[str], job: dict, out: str) -> list[str]:
     optimizer, compensation = recipe_parts(job["recipe"])
-    config = args.backprop_config if job["arm"] == "backprop" else args.petra_config
-    overrides = config_overrides(job["recipe"])
-    if overrides:
-        with open(os.path.join(ROOT, config)) as f:
-            section = {**json.load(f), **overrides}
-        config = os.path.join(args.run_dir, "configs", f"{run_name(job)}.json")
-        os.makedirs(os.path.dirname(os.path.join(ROOT, config)), exist_ok=True)
-        write_text_atomic(os.path.join(ROOT, config), json.dumps(section, indent=1))
+    config = config_path(args, job)
     cmd = launcher(args.procs) + [
         "examples/reformer/train.py", "--deepspeed_config", config, "--model", "revgpt", "--data-files", *files,
         "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--layers", str(args.layers),
@@ -243,6 +262,7 @@ def run_one(args: argparse.Namespace, files: list[str], job: dict) -> dict:
     if os.path.exists(os.path.join(ROOT, out, "summary.json")):
         (summary, rows), wall = read_run(out), None
     else:
+        write_config(args, job)
         summary, rows, wall = run_example(cmd, out, env={"TORCHDYNAMO_DISABLE": "1"})
     quality = [r for r in rows if r.get("kind") == "gradient_quality"]
     evals = [r for r in rows if "val_loss" in r]

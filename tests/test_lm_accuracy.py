@@ -52,6 +52,7 @@ def test_nc_turns_clipping_off_on_both_sides_and_pairs_petra_with_that_backprop(
     job = {"arm": "petra", "recipe": "muon10+wp+nc", "lr": 2e-3, "J": 8, "k": 4, "seed": 0, "steps": 1500}
     for arm, shipped in (("petra", "ds_configs/petra_lm.json"), ("backprop", "ds_configs/backprop_lm.json")):
         cmd = bench.command(_args(run_dir=run_dir), ["t.txt", "v.txt"], {**job, "arm": arm}, "o")
+        bench.write_config(_args(run_dir=run_dir), {**job, "arm": arm})
         config = cmd[cmd.index("--deepspeed_config") + 1]
         assert config != shipped
         with open(config) as f, open(os.path.join(bench.ROOT, shipped)) as g:

@@ -177,27 +177,31 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_example(spec: dict[str, Any]) -> dict[str, Any]:
-    """``main()`` of ``examples/<spec["example"]>/train.py`` with the command line ``spec["argv"]``, in this
-    process (launched as one rank): what a launcher's process runs, without its seconds of imports when
-    the rank is pooled. Returns the rank, and with ``spec["return_error"]`` the message of the error that
-    ended ``main()`` instead of raising it (the pooled world survives a run expected to fail)."""
+    """``examples/<spec["example"]>/train.py`` with the command line ``spec["argv"]``, in this process
+    (launched as one rank): what a launcher's process runs (the script's ``run_main(main)``), without its
+    seconds of imports when the rank is pooled. Returns the rank, what the run printed to stdout, and with
+    ``spec["return_error"]`` the message of the error or exit that ended it (``"error"``, None when it
+    ended normally) instead of raising it (the pooled world survives a run expected to fail)."""
+    import contextlib
     import sys
 
+    from petra_ds.tools.runs import run_main
     from subprocess_env import load_example
 
     script = load_example(spec["example"])
     argv = sys.argv
     sys.argv = [script.__file__, *spec["argv"]]
-    error = None
+    error, printed = None, io.StringIO()
     try:
-        script.main()
-    except Exception as failure:
+        with contextlib.redirect_stdout(printed):
+            run_main(script.main)
+    except (Exception, SystemExit) as failure:
         if not spec.get("return_error"):
             raise
         error = str(failure)
     finally:
         sys.argv = argv
-    return {"rank": int(os.environ["RANK"]), "error": error}
+    return {"rank": int(os.environ["RANK"]), "error": error, "stdout": printed.getvalue()}
 
 
 def _die(spec: dict[str, Any], what: str) -> None:

@@ -25,6 +25,17 @@ def _files(tmp_path):
 def _run(cmd, out):
     proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _outputs(out)
+
+
+def _example(argv):
+    """examples/reformer/train.py with ``argv`` on one pooled rank: its stdout and the message it exited with."""
+    from harness import launch, run_example
+
+    return launch({"example": "reformer", "argv": argv, "return_error": True}, world_size=1, target=run_example)[0]
+
+
+def _outputs(out):
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert (out / "curves.png").stat().st_size > 1000
@@ -116,11 +127,11 @@ def test_a_global_batch_is_split_for_the_depth_and_muon_comes_from_the_command_l
     muon = {"type": "muon", "params": {"momentum": 0.95, "betas": [0.9, 0.95], "weight_decay": 0.01,
                                        "torch_adam": True}}
     small = SMALL[:SMALL.index("--eval-batches")]  # its last two: the held-out text is given in sequences here
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "reformer", "train.py"), "--deepspeed_config",
-           os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "revgpt", "--data-files", *_files(tmp_path),
-           *small, "--eval-sequences", "12", "--stages", "4", "--global-batch", "16", "--optimizer", json.dumps(muon),
-           "--lr", "2e-3", "--output-dir", str(out)]
-    summary, rows = _run(cmd, out)
+    ran = _example(["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "revgpt",
+                    "--data-files", *_files(tmp_path), *small, "--eval-sequences", "12", "--stages", "4",
+                    "--global-batch", "16", "--optimizer", json.dumps(muon), "--lr", "2e-3", "--output-dir", str(out)])
+    assert ran["error"] is None, ran["error"]
+    summary, rows = _outputs(out)
     config = summary["config"]
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (2, 8)
     assert [r["val_sequences"] for r in rows] == [12, 12]
@@ -138,40 +149,36 @@ def test_resume_never_starts_over_silently(tmp_path):
     """--resume without a checkpoint stops and names the folder it looked in; --resume auto starts fresh and
     says so; --stop-after without --save-every warns that nothing will be saved."""
     out = tmp_path / "run"
-    base = [sys.executable, os.path.join(ROOT, "examples", "reformer", "train.py"), "--deepspeed_config",
-            os.path.join(ROOT, "ds_configs", "backprop_lm.json"), "--model", "revgpt", "--data-files",
-            *_files(tmp_path), *SMALL, "--output-dir", str(out)]
-    proc = subprocess.run(base + ["--resume"], cwd=ROOT, env=launcher_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode != 0 and f"no checkpoint to resume from in {out / 'checkpoints'}" in proc.stderr
-    proc = subprocess.run(base + ["--resume", "auto", "--stop-after", "2"], cwd=ROOT, env=launcher_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"--resume auto: no checkpoint in {out / 'checkpoints'}; starting fresh" in proc.stdout
-    assert "--stop-after 2 without --save-every writes no checkpoint" in proc.stdout
+    base = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "backprop_lm.json"), "--model", "revgpt",
+            "--data-files", *_files(tmp_path), *SMALL, "--output-dir", str(out)]
+    assert _example(base + ["--resume"])["error"].startswith(
+        f"--resume: no checkpoint to resume from in {out / 'checkpoints'}")
+    ran = _example(base + ["--resume", "auto", "--stop-after", "2"])
+    assert ran["error"] is None, ran["error"]
+    assert f"--resume auto: no checkpoint in {out / 'checkpoints'}; starting fresh" in ran["stdout"]
+    assert "--stop-after 2 without --save-every writes no checkpoint" in ran["stdout"]
 
 
 def test_from_pretrained_without_its_tokenizer_is_refused(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "reformer", "train.py"), "--deepspeed_config",
-           os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "reformer", "--from-pretrained",
-           str(tmp_path / "my-reformer"), "--data-files", *_files(tmp_path), "--output-dir", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and f"add --tokenizer {tmp_path / 'my-reformer'}" in proc.stderr
+    ran = _example(["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "reformer",
+                    "--from-pretrained", str(tmp_path / "my-reformer"), "--data-files", *_files(tmp_path),
+                    "--output-dir", str(tmp_path / "run")])
+    assert f"add --tokenizer {tmp_path / 'my-reformer'}" in ran["error"]
 
 
 def test_a_configuration_error_is_one_line_not_a_traceback(tmp_path):
+    """The example's run_main ends a configuration error as SystemExit with one line (Python prints its message
+    and no traceback; tests/test_layout.py sees that in a real interpreter)."""
     config = tmp_path / "bad.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                                   "petra": {"delay_compensation": "nesterov"}}))
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "reformer", "train.py"), "--deepspeed_config", str(config),
-           "--model", "revgpt", "--data-files", *_files(tmp_path), *SMALL, "--output-dir", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert 'configuration error: "petra.delay_compensation.method" must be one of' in proc.stderr
-    proc = subprocess.run(cmd[:3] + [os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "reformer",
-                                     "--grain", "half", *cmd[6:]], cwd=ROOT, env=launcher_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode != 0 and "(a Reformer block stays whole)" in proc.stderr
+    argv = ["--model", "revgpt", "--data-files", *_files(tmp_path), *SMALL, "--output-dir", str(tmp_path / "run")]
+    error = _example(["--deepspeed_config", str(config), *argv])["error"]
+    assert error.startswith('configuration error: "petra.delay_compensation.method" must be one of')
+    assert "\n" not in error
+    error = _example(["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), *argv,
+                      "--model", "reformer", "--grain", "half"])["error"]
+    assert error.endswith("(a Reformer block stays whole)")
 
 
 @pytest.mark.parametrize("grain", ["block", "half"])

@@ -17,6 +17,7 @@ from petra_ds.diagnostics.held import HeldTracker, StepObserved, activations
 from subprocess_env import ROOT, load_benchmark
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+import memory_worker  # noqa: E402
 from memory_worker import launch  # noqa: E402
 F64 = 8
 
@@ -110,8 +111,10 @@ TINY = {"micro_batch": 2, "seq_len": 6, "d_model": 8, "n_heads": 2, "vocab_size"
 ])
 def run(request):
     J, k = request.param
+    from harness import launch as pooled
+
     spec = {**TINY, "J": J, "k": k, "train_batches": max(2, -(-2 * J // k))}  # PETRA reaches its steady state
-    return spec, launch(spec)
+    return spec, pooled(spec, world_size=J, target=memory_worker.run_rank)  # held bytes, not the allocator: pooled
 
 
 def test_petra_reversible_stages_hold_no_activation_at_any_clock_end(run):

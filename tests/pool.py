@@ -52,8 +52,9 @@ from petra_ds.runtime.distributed import free_port
 
 #: a world is replaced after this many tasks (bounds whatever a task leaves behind in a worker)
 MAX_TASKS = 40
-#: at most this many pooled processes (~0.4 GB each): the least recently used worlds make room
-MAX_PROCESSES = 8
+#: at most this many pooled processes (~0.5 GB each): the least recently used worlds make room. 10 keeps
+#: the worlds of 1, 2, 3 and 4 ranks the suite uses all alive (a world started again costs 4-12 s)
+MAX_PROCESSES = 10
 
 
 def enabled() -> bool:

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from petra_ds.data import INFO, build_dataset, make_loader
+from petra_ds.data.stream import resumable_loader
 
 
 def write_pickle(path, obj):
@@ -76,5 +77,9 @@ def test_digits_offline_split_and_loader():
     images, labels = next(iter(loader))
     assert images.shape == (64, 3, 32, 32) and labels.dtype == torch.int64
     assert all(len(batch[1]) == 64 for batch in loader)  # drop_last: one micro-batch shape
+    # workers start from a fork server, never by forking a rank that runs gloo's threads (a forked worker once
+    # hung in os.fork, two-process RevNet example); the examples' two-rank runs with workers are slow tests
+    stream = resumable_loader(train, 64, seed=0, workers=1)
+    assert [d.multiprocessing_context.get_start_method() for d in (loader, stream)] == ["forkserver"] * 2
     eval_images, _ = next(iter(make_loader(test, 360, train=False, workers=0)))
     assert -1 < eval_images.mean() < 1  # normalised

@@ -83,7 +83,18 @@ def parameter_names(model: Any) -> dict[int, str]:
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train in this process (already launched as one rank) and return what it recorded."""
+    """Train in this process (already launched as one rank) and return what it recorded; with
+    ``spec["return_error"]``, an error that ends the run is returned as ``{"error": "<its type>: <its message>"}``
+    instead of raised (a pooled world of one rank survives a run expected to fail)."""
+    if not spec.get("return_error"):
+        return _train(spec)
+    try:
+        return _train(spec)
+    except Exception as failure:
+        return {"error": f"{type(failure).__name__}: {failure}"}
+
+
+def _train(spec: dict[str, Any]) -> dict[str, Any]:
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     import petra_ds

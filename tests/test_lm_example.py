@@ -50,10 +50,10 @@ def test_reformer_one_process_trains_and_exports_a_hugging_face_model(tmp_path):
     from transformers import AutoTokenizer, ReformerModelWithLMHead
 
     out, export = tmp_path / "run", tmp_path / "hf"
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "reformer", "train.py"), "--deepspeed_config",
-           os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "reformer", "--data-files", *_files(tmp_path),
-           *SMALL, "--output-dir", str(out), "--export-hf", str(export)]
-    summary, rows = _run(cmd, out)
+    ran = _example(["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "reformer",
+                    "--data-files", *_files(tmp_path), *SMALL, "--output-dir", str(out), "--export-hf", str(export)])
+    assert ran["error"] is None, ran["error"]
+    summary, rows = _outputs(out)
     assert summary["method"] == "petra" and summary["model"] == "reformer" and summary["stages"] == 4
     assert [r["step"] for r in rows] == [2, 4]
     assert all(abs(r["val_perplexity"] - torch.tensor(r["val_loss"]).exp().item()) < 1e-3 * r["val_perplexity"]

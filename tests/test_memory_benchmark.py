@@ -114,7 +114,9 @@ def run(request):
     from harness import launch as pooled
 
     spec = {**TINY, "J": J, "k": k, "train_batches": max(2, -(-2 * J // k))}  # PETRA reaches its steady state
-    return spec, pooled(spec, world_size=J, target=memory_worker.run_rank)  # held bytes, not the allocator: pooled
+    # pooled ranks: these tests read the held bytes of the run's own graphs, which a reused process does not
+    # change (the allocator peaks of the slow test below come from fresh processes)
+    return spec, pooled(spec, world_size=J, target=memory_worker.run_rank)
 
 
 def test_petra_reversible_stages_hold_no_activation_at_any_clock_end(run):

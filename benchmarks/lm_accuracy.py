@@ -20,7 +20,7 @@ weights on the protocol's sequences, or left out if it kept none. Prints the bes
 the JSON and one PNG of the winning curves.
 
 Optimizers: adamw, nadam95, nadam99 (constant momentum), muon (Muon at 20x the lr on the hidden matrices, AdamW
-at the lr on the rest) and muon10 (the same at 10x).
+at the lr on the rest), muon10 (the same at 10x) and muon10b95 (muon10 with the AdamW part at beta1 0.95).
 """
 
 from __future__ import annotations
@@ -65,18 +65,24 @@ def adamw(lr: float) -> dict:
     return {"type": "AdamW", "params": {"betas": [0.9, 0.95], "weight_decay": 0.01, "torch_adam": True}}
 
 
-def muon_at(ratio: float):
-    """Muon at ``ratio`` times the lr on the hidden matrices instead of the example's ratio."""
+def muon_at(ratio: float, beta1: float | None = None):
+    """Muon at ``ratio`` times the lr on the hidden matrices instead of the example's ratio; ``beta1``: the
+    first-moment coefficient of the AdamW part (the embedding, norms and head) instead of 0.9."""
     def config(lr: float) -> dict:
         section = muon(lr)
         section["params"]["muon_lr"] = ratio * lr
+        if beta1 is not None:
+            section["params"]["betas"] = [beta1, section["params"]["betas"][1]]
         return section
     return config
 
 
 #: optimizer name -> its config section for a learning rate (the run's --lr fills "lr")
 OPTIMIZERS = {"adamw": adamw, "nadam95": lambda lr: nadam(0.95), "nadam99": lambda lr: nadam(0.99),
-              "muon": muon_at(20.0), "muon10": muon_at(10.0)}
+              "muon": muon_at(20.0), "muon10": muon_at(10.0),
+              # the AdamW part at momentum 0.95 (a high momentum absorbs staleness: Zmushko et al. 2026): stage 0,
+              # the most delayed, is the embedding, which the AdamW part steps
+              "muon10b95": muon_at(10.0, beta1=0.95)}
 #: what a recipe's suffix turns on in "petra.delay_compensation"
 COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale",
                  # weight prediction along an average of the last updates (decay 0.5) instead of the last one

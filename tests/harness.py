@@ -86,11 +86,11 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """Train in this process (already launched as one rank) and return what it recorded; with
     ``spec["return_error"]``, an error that ends the run is returned as ``{"error": "<its type>: <its message>"}``
     instead of raised (a pooled world of one rank survives a run expected to fail)."""
-    if not spec.get("return_error"):
-        return _train(spec)
     try:
         return _train(spec)
     except Exception as failure:
+        if not spec.get("return_error"):
+            raise
         return {"error": f"{type(failure).__name__}: {failure}"}
 
 

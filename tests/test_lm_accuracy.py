@@ -40,6 +40,8 @@ def test_muon10_sets_its_own_muon_lr_and_the_recipe_its_compensation():
     further = bench.command(_args(), ["t.txt", "v.txt"], {**job, "recipe": "muon10+wp15"}, "o")
     assert json.loads(further[further.index("--delay-compensation") + 1]) == {"method": "weight_prediction",
                                                                               "scale": 1.5}
+    high = _optimizer(bench.command(_args(), ["t.txt", "v.txt"], {**job, "recipe": "muon10b95+wp"}, "o"))
+    assert high["params"]["betas"] == [0.95, 0.95] and high["params"]["muon_lr"] == pytest.approx(0.02)
     with pytest.raises(SystemExit, match="unknown recipe"):
         bench.recipe_parts("muon5+wp")
 

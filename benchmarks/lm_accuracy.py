@@ -14,7 +14,8 @@ steps then cosine decay, dropout 0.1, validation every 100 steps on the first --
 sequences, the same text at every k. Backprop is DeepSpeed's engine (1F1B with --procs > 1; with --procs 1 a
 single stage: the same arithmetic); PETRA runs its J stages on --procs processes (the placement does not
 change PETRA's arithmetic). A run whose summary.json exists is read back instead of run again, so a sweep
-can be continued; the report covers every finished run under --run-dir. A run that validated on other
+can be continued; the report covers every finished run under --run-dir, plus (--earlier) the runs of an
+earlier report that are not there, since run directories stay on the machine that made them. A run that validated on other
 sequences (before --eval-sequences, the text depended on the micro-batch size) is scored by its final
 weights on the protocol's sequences, or left out if it kept none. Prints the best-against-best table, saves
 the JSON and one PNG of the winning curves.
@@ -174,6 +175,16 @@ def finished_jobs(args: argparse.Namespace) -> list[dict]:
                         "k": args.backprop_k if g["k"] is None else int(g["k"]), "seed": int(g["seed"]),
                         "steps": int(g["steps"])})
     return out
+
+
+def earlier_runs(path: str, run_dir: str) -> list[dict]:
+    """The runs an earlier report holds whose directories are not under run_dir: run directories stay on the
+    machine that made them, the report is what the repository keeps."""
+    with open(os.path.join(ROOT, path)) as f:
+        runs = json.load(f)["runs"]
+    here = {os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(ROOT, run_dir, "*", "summary.json"))}
+    return [{**r, "val_curve": [tuple(point) for point in r["val_curve"]]} for r in runs
+            if run_name(r) not in here]
 
 
 def shipped_config(args: argparse.Namespace, job: dict) -> str:
@@ -409,6 +420,8 @@ def main() -> None:
     parser.add_argument("--backprop-config", default="ds_configs/backprop_lm.json")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing, only report (every invocation reports every finished run under --run-dir)")
+    parser.add_argument("--earlier", metavar="REPORT", default=None,
+                        help="an earlier report's JSON: its runs that are not under --run-dir join this report")
     parser.add_argument("--output", default="runs/lm_accuracy/report.json")
     parser.add_argument("--run-dir", default="runs/lm_accuracy")
     args = parser.parse_args()
@@ -426,6 +439,8 @@ def main() -> None:
     # one table over the whole sweep: every finished run of earlier invocations, read back
     mine = {run_name(r) for r in runs}
     runs += [run_one(args, files, job) for job in finished_jobs(args) if run_name(job) not in mine]
+    if args.earlier:
+        runs += earlier_runs(args.earlier, args.run_dir)
     backprop = [{"optimizer": recipe, "steps": steps, "lr": min(by_lr, key=lambda lr: by_lr[lr][0]),
                  "val_loss": min(v[0] for v in by_lr.values()), "lrs": sorted(by_lr)}
                 for (arm, recipe, _, _, steps), by_lr in sorted(cells(runs).items(), key=str) if arm == "backprop"]

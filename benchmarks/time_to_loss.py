@@ -21,6 +21,12 @@ linearly between the two evaluations around it. Writes ``runs/benchmarks/time_to
 and a PNG of both curves against wall time (``--output`` to choose). A run takes tens of minutes on a CPU:
 rank 0 of each race shows a progress bar on stderr and a line per evaluation (step, validation loss,
 training and elapsed seconds).
+
+Under a memory cap: after its race each run measures every rank's peak memory over one more step, off the
+clock, as the allocator sees it (``throughput.peak_allocated``), and each PETRA race says whether the peer's
+largest rank fits under its own (``peer_fits``). Race the fastest configuration that fits PETRA's peak in
+``memory_capped.py``'s table (e.g. ``--peer 1f1b_ckpt``) to answer "which trains to this loss fastest in
+PETRA's memory?".
 """
 
 from __future__ import annotations
@@ -133,7 +139,8 @@ def data(args: argparse.Namespace):
 
 
 def engine_method(args: argparse.Namespace, margs: argparse.Namespace, train, val):
-    """(train one step, validation loss) of PETRA or a DeepSpeed pipeline."""
+    """(train one step, validation loss, every rank's peak memory over one more step) of PETRA or a DeepSpeed
+    pipeline."""
     import deepspeed
 
     import petra_ds
@@ -146,13 +153,14 @@ def engine_method(args: argparse.Namespace, margs: argparse.Namespace, train, va
         engine, *_ = petra_ds.initialize(model=module, config=config, model_parameters=module.parameters())
     else:
         engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=module.parameters())
-    return (lambda: engine.train_batch(train),
-            lambda: float(engine.eval_batch(iter(val), num_micro_batches=len(val))))
+    step = lambda: engine.train_batch(train)  # noqa: E731
+    return (step, lambda: float(engine.eval_batch(iter(val), num_micro_batches=len(val))),
+            lambda: throughput.peak_allocated(step, list(module.parameters()), engine.optimizer, engine.device))
 
 
 def torch_method(args: argparse.Namespace, margs: argparse.Namespace, train, val):
-    """(train one step, validation loss) of a torch pipelining schedule, with the same optimizer and LR
-    schedule DeepSpeed builds from the config."""
+    """(train one step, validation loss, every rank's peak memory over one more step) of a torch pipelining
+    schedule, with the same optimizer and LR schedule DeepSpeed builds from the config."""
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
     from torch import distributed as dist
 
@@ -183,7 +191,8 @@ def torch_method(args: argparse.Namespace, margs: argparse.Namespace, train, val
         dist.broadcast_object_list(mean, src=0)
         return float(mean[0])
 
-    return step, evaluate
+    return step, evaluate, lambda: throughput.peak_allocated(step, list(peer.parameters()), optimizer,
+                                                             torch.device("cpu"))
 
 
 def whole_model_loss(margs: argparse.Namespace, parts: list[int], states: dict, val) -> float:
@@ -220,7 +229,7 @@ def worker(args: argparse.Namespace) -> None:
     vocab, train, val = data(args)
     margs = model_args(args, vocab)
     build = torch_method if args.worker.startswith("torch_") else engine_method
-    step, evaluate = build(args, margs, train, val)
+    step, evaluate, peak = build(args, margs, train, val)
     steps = args.steps if args.target is None else args.max_steps
     curve, trained, began = [], 0.0, time.perf_counter()
     goal = f"to step {steps}" if args.target is None else f"to val loss {args.target:.4f}, at most {steps} steps"
@@ -244,10 +253,11 @@ def worker(args: argparse.Namespace) -> None:
             if args.target is not None and curve[-1]["val_loss"] <= args.target:
                 break
     bar.close()
+    peaks = peak()  # off the clock, after the race: one more step under the allocator's counter
     if rank0:
         with open(args.result, "w") as f:
-            json.dump(curve, f)
-    del step, evaluate  # they hold the engine, and the engine its process groups
+            json.dump({"curve": curve, "peak_allocated": peaks}, f)
+    del step, evaluate, peak  # they hold the engine, and the engine its process groups
     shutdown()
 
 
@@ -272,7 +282,7 @@ def petra_name(args: argparse.Namespace, split: int | None) -> str:
 
 
 def launch(args: argparse.Namespace, method: str, argv: list[str], data_dir: str, target: float | None,
-           split: int | None = None) -> list[dict]:
+           split: int | None = None) -> dict:
     result = os.path.join(data_dir, f"{method}{split or ''}.json")
     extra = ([] if target is None else ["--target", repr(target)]) + ([] if split is None else ["--split", str(split)])
     throughput.run_launched(__file__, args.stages, [*argv, "--worker", method, "--data-dir", data_dir,
@@ -329,19 +339,23 @@ def main(argv: list[str] | None = None) -> dict | None:
         races = 1 + len(splits)
         print(f"1/{races} {args.peer}: {args.steps} steps for the target, on {args.stages} processes "
               f"(DeepSpeed's start-up, then a line every {args.eval_every} steps)", flush=True)
-        runs = {args.peer: {"curve": launch(args, args.peer, argv, data_dir, target=None)}}
+        runs = {args.peer: launch(args, args.peer, argv, data_dir, target=None)}
         target = next(p["val_loss"] for p in runs[args.peer]["curve"] if p["step"] == args.steps)
         for n, split in enumerate(splits, start=2):
             print(f"{n - 1}/{races} done in {time.time() - began:.0f} s; {n}/{races} {petra_name(args, split)} "
                   f"until val loss {target:.4f}, at most {args.max_steps} steps", flush=True)
-            runs[petra_name(args, split)] = {"curve": launch(args, "petra", argv, data_dir, target, split)}
+            runs[petra_name(args, split)] = launch(args, "petra", argv, data_dir, target, split)
     print(f"{races}/{races} done; {time.time() - began:.0f} s in all", flush=True)
     for run in runs.values():
+        run["peak"] = max(r["peak"] for r in run["peak_allocated"])
+    for name, run in runs.items():
         run["seconds_to_target"] = time_to(run["curve"], target)
         reached = [p["step"] for p in run["curve"] if p["val_loss"] <= target]
         run["steps_to_target"] = reached[0] if reached else None
         mine, peer = run["seconds_to_target"], runs[args.peer]["seconds_to_target"]
         run["time_over_peer"] = None if mine is None else mine / peer
+        if name != args.peer:  # the peer's largest rank under this race's: the race is under PETRA's cap
+            run["peer_fits"] = runs[args.peer]["peak"] <= run["peak"]
     report = {"command": "python benchmarks/time_to_loss.py " + " ".join(argv), "device": throughput.device_name(),
               "torch": torch.__version__, "args": vars(args), "target_val_loss": target, "runs": runs,
               "petra_time_over_peer": runs[petra_name(args, splits[0])]["time_over_peer"]}
@@ -353,7 +367,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     for name, run in runs.items():
         ratio = run["time_over_peer"]
         print(f"{name:44s} steps to target {run['steps_to_target']}, seconds {run['seconds_to_target']}, "
-              "time / peer's: " + ("not reached" if ratio is None else f"{ratio:.3f}x"))
+              "time / peer's: " + ("not reached" if ratio is None else f"{ratio:.3f}x")
+              + f", peak {run['peak'] / 2**20:.1f} MiB (largest rank)"
+              + ("" if name == args.peer else f", the peer {'fits' if run['peer_fits'] else 'does not fit'} under it"))
     print(f"saved {output}")
     return report
 

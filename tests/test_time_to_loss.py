@@ -62,6 +62,11 @@ def test_a_tiny_race_reports_both_curves_and_the_time_ratio(tmp_path, peer, spli
         check_petra_race(report, runs[name], peer)
     assert report["petra_time_over_peer"] == runs[list(runs)[1]]["time_over_peer"]  # the first PETRA race's
     assert all(p["train_s"] > 0 for run in runs.values() for p in run["curve"])
+    for run in runs.values():  # every rank's peak over one more step, by the allocator's counter
+        assert [r["source"] for r in run["peak_allocated"]] == ["AllocatedStorages"] * 2
+        assert run["peak"] == max(r["peak"] for r in run["peak_allocated"]) > 0
+    assert "peer_fits" not in runs[peer]
+    assert all(run["peer_fits"] == (runs[peer]["peak"] <= run["peak"]) for run in list(runs.values())[1:])
 
 
 def check_petra_race(report: dict, petra: dict, peer: str) -> None:

@@ -15,9 +15,9 @@ sequences, the same text at every k. Backprop is DeepSpeed's engine (1F1B with -
 single stage: the same arithmetic); PETRA runs its J stages on --procs processes (the placement does not
 change PETRA's arithmetic). A run whose summary.json exists is read back instead of run again, so a sweep
 can be continued; the report covers every finished run under --run-dir, plus (--earlier) the runs of an
-earlier report that are not there, since run directories stay on the machine that made them. A run that validated on other
-sequences (before --eval-sequences, the text depended on the micro-batch size) is scored by its final
-weights on the protocol's sequences, or left out if it kept none. Prints the best-against-best table, saves
+earlier report that are not there, since run directories stay on the machine that made them. A run that
+validated on other sequences (before --eval-sequences, the text depended on the micro-batch size) is scored
+by its final weights on the protocol's sequences, or left out if it kept none. Prints the best-against-best table, saves
 the JSON and one PNG of the winning curves.
 
 Optimizers: adamw, nadam95, nadam99 (constant momentum), muon (Muon at 20x the lr on the hidden matrices, AdamW

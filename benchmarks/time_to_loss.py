@@ -24,9 +24,10 @@ training and elapsed seconds).
 
 Under a memory cap: after its race each run measures every rank's peak memory over one more step, off the
 clock, as the allocator sees it (``throughput.peak_allocated``), and each PETRA race says whether the peer's
-largest rank fits under its own (``peer_fits``). Race the fastest configuration that fits PETRA's peak in
-``memory_capped.py``'s table (e.g. ``--peer 1f1b_ckpt``) to answer "which trains to this loss fastest in
-PETRA's memory?".
+largest rank fits under its own (``peer_fits``). Race the fastest peer configuration that fits PETRA's
+peak (``memory_capped.py``'s table) to answer "which trains to this loss fastest in PETRA's memory?"; the
+peer may take a smaller micro-batch than PETRA at the same global batch (``--micro-batch-size 2
+--micro-batches 8 --petra-micro-batches 4``: the peer at 2 x 8, PETRA at 4 x 4).
 """
 
 from __future__ import annotations

@@ -202,7 +202,10 @@ def test_every_message_instruction_names_its_channel_and_key():
 
 def test_a_checkpoint_written_before_the_layers_loads(tmp_path):
     """tests/fixtures/checkpoint_before_move: written by the code before the package was split into layers;
-    today's code loads it and reaches, 2 steps later, the losses and parameters that code reached."""
+    today's code loads it and reaches, 2 steps later, the losses and parameters that code reached. Equal up to
+    1e-6, not bitwise: the fixture was written on another CPU, whose float64 kernels differ in the last bits,
+    which Adam's two steps grow to about 1e-8; one step fewer moves a parameter by 1e-3, the lr (both
+    measured)."""
     import importlib.util
     import shutil
 
@@ -218,10 +221,11 @@ def test_a_checkpoint_written_before_the_layers_loads(tmp_path):
     shutil.copytree(fixture.OUT, load_dir)
     expected = torch.load(load_dir / "expected.pt", weights_only=False)
     resumed = launch({**fixture.SPEC, "train_batches": 4, "load_dir": str(load_dir)})
-    assert resumed[-1]["losses"] == expected["losses"]
+    assert resumed[-1]["losses"] == pytest.approx(expected["losses"], abs=1e-6)
     params = merged_params(resumed)
     assert params.keys() == expected["params"].keys()
-    assert all(torch.equal(params[name], expected["params"][name]) for name in params)
+    for name in params:
+        torch.testing.assert_close(params[name], expected["params"][name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_traces_recorded_before_the_layers_replay():

@@ -17,8 +17,8 @@ change PETRA's arithmetic). A run whose summary.json exists is read back instead
 can be continued; the report covers every finished run under --run-dir, plus (--earlier) the runs of an
 earlier report that are not there, since run directories stay on the machine that made them. A run that
 validated on other sequences (before --eval-sequences, the text depended on the micro-batch size) is scored
-by its final weights on the protocol's sequences, or left out if it kept none. Prints the best-against-best table, saves
-the JSON and one PNG of the winning curves.
+by its final weights on the protocol's sequences, or left out if it kept none. Prints the best-against-best
+table, saves the JSON and one PNG of the winning curves.
 
 Optimizers: adamw, nadam95, nadam99 (constant momentum), muon (Muon at 20x the lr on the hidden matrices, AdamW
 at the lr on the rest), muon10 (the same at 10x) and muon10b95 (muon10 with the AdamW part at beta1 0.95).
@@ -82,7 +82,7 @@ def muon_at(ratio: float, beta1: float | None = None):
 OPTIMIZERS = {"adamw": adamw, "nadam95": lambda lr: nadam(0.95), "nadam99": lambda lr: nadam(0.99),
               "muon": muon_at(20.0), "muon10": muon_at(10.0),
               # the AdamW part at momentum 0.95 (a high momentum absorbs staleness: Zmushko et al. 2026): stage 0,
-              # the most delayed, is the embedding, which the AdamW part steps
+              # the most delayed, holds the embedding, which the AdamW part steps
               "muon10b95": muon_at(10.0, beta1=0.95)}
 #: what a recipe's suffix turns on in "petra.delay_compensation"
 COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale",
@@ -177,14 +177,11 @@ def finished_jobs(args: argparse.Namespace) -> list[dict]:
     return out
 
 
-def earlier_runs(path: str, run_dir: str) -> list[dict]:
-    """The runs an earlier report holds whose directories are not under run_dir: run directories stay on the
+def earlier_runs(path: str, known: set[str]) -> list[dict]:
+    """The runs an earlier report holds that are not ``known`` (by run name): run directories stay on the
     machine that made them, the report is what the repository keeps."""
     with open(os.path.join(ROOT, path)) as f:
-        runs = json.load(f)["runs"]
-    here = {os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(ROOT, run_dir, "*", "summary.json"))}
-    return [{**r, "val_curve": [tuple(point) for point in r["val_curve"]]} for r in runs
-            if run_name(r) not in here]
+        return [r for r in json.load(f)["runs"] if run_name(r) not in known]
 
 
 def shipped_config(args: argparse.Namespace, job: dict) -> str:
@@ -440,7 +437,7 @@ def main() -> None:
     mine = {run_name(r) for r in runs}
     runs += [run_one(args, files, job) for job in finished_jobs(args) if run_name(job) not in mine]
     if args.earlier:
-        runs += earlier_runs(args.earlier, args.run_dir)
+        runs += earlier_runs(args.earlier, {run_name(r) for r in runs})  # a run read back here wins
     backprop = [{"optimizer": recipe, "steps": steps, "lr": min(by_lr, key=lambda lr: by_lr[lr][0]),
                  "val_loss": min(v[0] for v in by_lr.values()), "lrs": sorted(by_lr)}
                 for (arm, recipe, _, _, steps), by_lr in sorted(cells(runs).items(), key=str) if arm == "backprop"]

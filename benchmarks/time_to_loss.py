@@ -347,9 +347,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                   f"until val loss {target:.4f}, at most {args.max_steps} steps", flush=True)
             runs[petra_name(args, split)] = launch(args, "petra", argv, data_dir, target, split)
     print(f"{races}/{races} done; {time.time() - began:.0f} s in all", flush=True)
-    for run in runs.values():
+    for name, run in runs.items():  # the peer first
         run["peak"] = max(r["peak"] for r in run["peak_allocated"])
-    for name, run in runs.items():
         run["seconds_to_target"] = time_to(run["curve"], target)
         reached = [p["step"] for p in run["curve"] if p["val_loss"] <= target]
         run["steps_to_target"] = reached[0] if reached else None

@@ -90,16 +90,13 @@ def test_a_run_validated_on_other_sequences_is_compared_by_its_revalidated_loss_
     assert bench.validated_sequences(summary) == 120
 
 
-def test_an_earlier_reports_runs_join_unless_their_directory_is_here(tmp_path):
-    """--earlier: a run directory under --run-dir wins over the earlier report's copy of the same run."""
+def test_an_earlier_reports_runs_join_unless_the_report_has_them(tmp_path):
+    """--earlier: a run read back from --run-dir wins over the earlier report's copy of the same run."""
     bench = load_benchmark("lm_accuracy")
-    run_dir = tmp_path / "runs"
     job = {"arm": "petra", "recipe": "muon10+wp", "lr": 2e-3, "J": 8, "k": 4, "seed": 0, "steps": 1500}
     gone = {**job, "final_val_loss": 4.50, "val_curve": [[100, 6.0], [1500, 4.50]]}
     kept = {**job, "seed": 1, "final_val_loss": 4.49, "val_curve": [[100, 6.1], [1500, 4.49]]}
     report = tmp_path / "earlier.json"
     report.write_text(json.dumps({"runs": [gone, kept]}))
-    (run_dir / bench.run_name(kept)).mkdir(parents=True)
-    (run_dir / bench.run_name(kept) / "summary.json").write_text("{}")
-    (carried,) = bench.earlier_runs(str(report), str(run_dir))
-    assert carried["seed"] == 0 and carried["val_curve"] == [(100, 6.0), (1500, 4.50)]
+    (carried,) = bench.earlier_runs(str(report), {bench.run_name(kept)})
+    assert carried == gone

@@ -12,8 +12,10 @@ own peak (its largest rank) at each micro-batch size. Under each cap, each sched
 its fastest (median samples/s over the rounds) whose largest rank fits; a schedule with none "does not
 fit". Rounds run every configuration once, in turn, so that a slow spell of a shared machine hits all of
 them. ``--partitions default profile`` adds the partition to the search: every configuration again with each
-schedule cut by its own measured layer costs (throughput.py's ``--partition profile``); the caps are PETRA's
-peaks with the first partition listed. Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
+schedule cut by its own measured layer costs (throughput.py's ``--partition profile``). ``--grains block half``
+(RevGPT) adds the grain: every configuration again with each block as its attention and MLP halves, which a
+profiled cut may separate (throughput.py's ``--grain``). The caps are PETRA's peaks with the first partition
+and the first grain listed. Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
 (``--output`` to choose) and prints the table.
 """
 
@@ -45,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partitions", nargs="+", choices=["default", "profile"], default=["default"],
                    help="default: each schedule's default cut (the same blocks per stage); profile: each cut by its "
                         "own measured layer costs")
+    p.add_argument("--grains", nargs="+", choices=["block", "half"], default=["block"],
+                   help="revgpt: block, one layer per block; half, its attention and MLP halves as two layers")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=3, help="timed train_batch calls per run")
     p.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
@@ -54,24 +58,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for b in args.micro_batch_sizes:
         if b < 1 or args.global_batch % b:
             p.error(f"--micro-batch-sizes {b} must divide --global-batch {args.global_batch}")
+    if args.model != "revgpt" and args.grains != ["block"]:
+        p.error("--grains half needs --model revgpt: only RevGPT's blocks come as halves")
     if "petra" not in args.schedules:
         p.error("--schedules must include petra: its peaks are the caps")
     return args
 
 
-def label(b: int, partition: str) -> str:
-    """A configuration's key in the report: the micro-batch size, and the partition unless it is the default."""
-    return str(b) if partition == "default" else f"{b} {partition}"
+def label(b: int, partition: str, grain: str = "block") -> str:
+    """A configuration's key in the report: the micro-batch size, then the partition and the grain where they are
+    not the defaults."""
+    return " ".join([str(b)] + [partition] * (partition != "default") + [grain] * (grain != "block"))
 
 
-def run(args: argparse.Namespace, b: int, partition: str) -> dict[str, dict]:
-    """One round at micro-batch size ``b`` and ``partition``: every schedule's samples/s and largest rank's peak
-    bytes."""
+def run(args: argparse.Namespace, b: int, partition: str, grain: str) -> dict[str, dict]:
+    """One round at micro-batch size ``b``, ``partition`` and ``grain``: every schedule's samples/s and largest
+    rank's peak bytes."""
     cut = [] if partition == "default" else ["--partition", partition]
+    layers = [] if grain == "block" else ["--grain", grain]
     variants = throughput.report_of([
         "--model", args.model, "--stages", str(args.stages), "--micro-batch-size", str(b), "--micro-batches",
         str(args.global_batch // b), "--warmup", "2", "--calls", str(args.calls), "--no-costs", *cut,
-        "--variants", *args.schedules, *args.model_args])["variants"]
+        "--variants", *args.schedules, *layers, *args.model_args])["variants"]
     return {v: {"samples_per_s": variants[v]["samples_per_s"],
                 "peak": max(r["peak"] for r in variants[v]["peak_allocated"])} for v in args.schedules}
 
@@ -85,20 +93,20 @@ def best_under(cap: int, configs: dict[str, dict]) -> dict | None:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    grid = [(b, p) for p in args.partitions for b in args.micro_batch_sizes]
-    rounds: dict[str, dict[tuple, list[dict]]] = {s: {bp: [] for bp in grid} for s in args.schedules}
+    grid = [(b, p, g) for g in args.grains for p in args.partitions for b in args.micro_batch_sizes]
+    rounds: dict[str, dict[tuple, list[dict]]] = {s: {bpg: [] for bpg in grid} for s in args.schedules}
     for r in range(args.rounds):
-        for b, partition in grid:
-            print(f"round {r + 1}/{args.rounds}, micro-batch {b}, k = {args.global_batch // b}, partition {partition}",
-                  flush=True)
-            for schedule, result in run(args, b, partition).items():
-                rounds[schedule][b, partition].append(result)
-    configs = {s: {label(b, p): {"micro_batch_size": b, "partition": p,
+        for b, partition, grain in grid:
+            print(f"round {r + 1}/{args.rounds}, micro-batch {b}, k = {args.global_batch // b}, partition {partition}, "
+                  f"grain {grain}", flush=True)
+            for schedule, result in run(args, b, partition, grain).items():
+                rounds[schedule][b, partition, grain].append(result)
+    configs = {s: {label(b, p, g): {"micro_batch_size": b, "partition": p, "grain": g,
                                  "median_samples_per_s": statistics.median(x["samples_per_s"] for x in rs),
                                  "rounds_samples_per_s": [x["samples_per_s"] for x in rs],
                                  "peak": max(x["peak"] for x in rs)}
-                   for (b, p), rs in per_config.items()} for s, per_config in rounds.items()}
-    caps = {b: configs["petra"][label(b, args.partitions[0])]["peak"] for b in args.micro_batch_sizes}
+                   for (b, p, g), rs in per_config.items()} for s, per_config in rounds.items()}
+    caps = {b: configs["petra"][label(b, args.partitions[0], args.grains[0])]["peak"] for b in args.micro_batch_sizes}
     table = []
     for b, cap in caps.items():
         best = {s: best_under(cap, configs[s]) for s in args.schedules}
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"cap {row['cap'] / MIB:.2f} MiB (PETRA's peak at micro-batch {row['petra_micro_batch']}):")
         for s, c in row["best"].items():
             fit = "does not fit" if c is None else (f"{c['median_samples_per_s']:8.2f} samples/s at micro-batch "
-                                                     f"{c['micro_batch_size']} ({c['partition']} partition), peak "
+                                                     f"{c['micro_batch_size']} ({c['partition']} partition, {c['grain']} grain), peak "
                                                      f"{c['peak'] / MIB:.2f} MiB")
             print(f"  {s:22s} {fit}")
         ratio = row["petra_over_fastest_peer"]

@@ -17,6 +17,7 @@ def test_the_fastest_fitting_configuration_is_chosen():
     assert bench.best_under(189, configs) == configs["8"]
     assert bench.best_under(100, configs) == configs["4"]
     assert bench.best_under(99, configs) is None  # does not fit
+    assert [bench.label(8, "default", "half"), bench.label(8, "profile", "half")] == ["8 half", "8 profile half"]
 
 
 def test_arguments_that_cannot_keep_the_global_batch_are_refused(capsys):
@@ -27,6 +28,9 @@ def test_arguments_that_cannot_keep_the_global_batch_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--schedules", "1f1b", "1f1b_ckpt"])
     assert "--schedules must include petra" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "revnet", "--grains", "block", "half"])
+    assert "--grains half needs --model revgpt" in capsys.readouterr().err
 
 
 def test_a_split_backward_keeps_the_checkpointed_recomputation_until_the_weight_pass():
@@ -52,16 +56,18 @@ def test_a_tiny_search_reports_every_configuration_and_each_cap(tmp_path):
     bench = load_benchmark("memory_capped")
     out = tmp_path / "capped.json"
     report = bench.main(["--stages", "2", "--global-batch", "8", "--micro-batch-sizes", "2", "4", "--schedules",
-                         "petra", "1f1b_ckpt", "--partitions", "default", "profile", "--rounds", "2", "--calls", "1",
+                         "petra", "1f1b_ckpt", "--partitions", "default", "profile", "--grains", "block", "half",
+                         "--rounds", "2", "--calls", "1",
                          "--output", str(out), "--model-args",
                          "--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--vocab-size", "64"])
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(report))
     configs = saved["configs"]  # micro-batch size (and a partition other than the default) as JSON keys
     for schedule in ("petra", "1f1b_ckpt"):
-        assert sorted(configs[schedule]) == ["2", "2 profile", "4", "4 profile"]
+        assert sorted(configs[schedule]) == ["2", "2 half", "2 profile", "2 profile half",
+                                             "4", "4 half", "4 profile", "4 profile half"]
         for key, c in configs[schedule].items():
-            assert key == bench.label(c["micro_batch_size"], c["partition"])
+            assert key == bench.label(c["micro_batch_size"], c["partition"], c["grain"])
             assert len(c["rounds_samples_per_s"]) == 2 and c["peak"] > 0
     caps = saved["caps"]
     assert [row["cap"] for row in caps] == [configs["petra"]["2"]["peak"], configs["petra"]["4"]["peak"]]

@@ -60,3 +60,30 @@ def replica_view(engine):
                   "running_stats": [t.clone() for t in running_stat_tensors(st.norms)]}
         x = y
     return out
+
+
+def modules_a_window_runs(engine):
+    """The petra_ds modules whose Python code runs during one ``train_batch`` window (the pipeline already
+    filled by the harness's run), seen by ``sys.setprofile``: every Python function call of this thread."""
+    import itertools
+    import sys
+
+    import torch
+
+    from petra_ds.tools.toy import toy_data
+
+    data = itertools.cycle(toy_data(4, engine.train_micro_batch_size_per_gpu(), 0, torch.get_default_dtype()))
+    seen = set()
+
+    def record(frame, event, arg):
+        if event == "call":
+            name = frame.f_globals.get("__name__", "")
+            if name.startswith("petra_ds."):
+                seen.add(name)
+
+    sys.setprofile(record)
+    try:
+        engine.train_batch(data)
+    finally:
+        sys.setprofile(None)
+    return sorted(seen)

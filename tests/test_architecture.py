@@ -4,6 +4,7 @@ harness out of the package, one handler per instruction, and checkpoints from be
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -180,6 +181,32 @@ def test_one_handler_per_instruction_and_no_other():
     names = [cls.__name__ for cls in handlers]
     assert len(names) == len(set(names))
     assert all(callable(handlers[cls]) for cls in INSTRUCTIONS)
+
+
+def documented_clock_modules() -> tuple[int, set[str]]:
+    """ARCHITECTURE.md's count of the modules one training window runs and the modules it names there."""
+    text = open(os.path.join(ROOT, "ARCHITECTURE.md")).read()
+    paragraph = text.split("**Modules a clock crosses.**")[1].split("\n\n")[0]
+    count = int(re.search(r"code\s+in\s+(\d+)\s+petra_ds\s+modules", paragraph).group(1))
+    names = {"petra_ds." + path.replace("/", ".") for path in re.findall(r"`([a-z_]+/[a-z_]+)\.py`", paragraph)
+             if os.path.isdir(os.path.join(PACKAGE, path.split("/")[0]))}
+    return count, names
+
+
+def test_one_window_runs_the_modules_the_architecture_names():
+    """The modules a training window runs once the pipeline is full (each stage's first-forward check of its
+    layers is behind it), seen by a profiler on every rank of a pipeline whose middle stages reconstruct, are
+    the ones ARCHITECTURE.md lists, and as many as it says; the toy model's own layers
+    (tools/toy.py, built on nn/coupling.py) come on top, as a user's model would."""
+    from harness import launch
+
+    results = launch({"pipe": 2, "stages_per_rank": 2, "train_batches": 3, "drain": False, "capture_grads": False,
+                      "probe": "probes:modules_a_window_runs"})
+    assert any(reconstructs for r in results for reconstructs in r["reconstructs"].values())
+    ran = set().union(*(r["probe"] for r in results)) - {"petra_ds.tools.toy", "petra_ds.nn.coupling"}
+    count, listed = documented_clock_modules()
+    assert ran == listed
+    assert count == len(listed)
 
 
 def test_every_message_instruction_names_its_channel_and_key():

@@ -20,6 +20,16 @@ def test_the_fastest_fitting_configuration_is_chosen():
     assert [bench.label(8, "default", "half"), bench.label(8, "profile", "half")] == ["8 half", "8 profile half"]
 
 
+def test_a_peer_configuration_above_every_cap_is_left_out_after_round_one():
+    bench = load_benchmark("memory_capped")
+    rounds = {"petra": {(4, "default", "block"): [{"peak": 100}], (8, "default", "block"): [{"peak": 180}],
+                        (8, "profile", "block"): [{"peak": 500}]},
+              "1f1b": {(4, "default", "block"): [{"peak": 180}], (8, "default", "block"): [{"peak": 181}],
+                       (8, "profile", "block"): [{"peak": 120}]}}
+    caps = [(4, "default", "block"), (8, "default", "block")]  # PETRA's profiled peak is not a cap
+    assert bench.above_every_cap(rounds, caps) == {("1f1b", (8, "default", "block"))}
+
+
 def test_arguments_that_cannot_keep_the_global_batch_are_refused(capsys):
     bench = load_benchmark("memory_capped")
     with pytest.raises(SystemExit):
@@ -68,7 +78,10 @@ def test_a_tiny_search_reports_every_configuration_and_each_cap(tmp_path):
                                              "4", "4 half", "4 profile", "4 profile half"]
         for key, c in configs[schedule].items():
             assert key == bench.label(c["micro_batch_size"], c["partition"], c["grain"])
-            assert len(c["rounds_samples_per_s"]) == 2 and c["peak"] > 0
+            assert c["peak"] > 0
+            above = schedule != "petra" and c["peak"] > max(configs["petra"][b]["peak"] for b in ("2", "4"))
+            assert c["above_every_cap"] == above
+            assert len(c["rounds_samples_per_s"]) == (1 if above else 2)  # timed once, then left out
     caps = saved["caps"]
     assert [row["cap"] for row in caps] == [configs["petra"]["2"]["peak"], configs["petra"]["4"]["peak"]]
     for row in caps:

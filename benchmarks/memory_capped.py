@@ -17,13 +17,15 @@ schedule cut by its own measured layer costs (throughput.py's ``--partition prof
 profiled cut may separate (throughput.py's ``--grain``). The caps are PETRA's peaks with the first partition
 and the first grain listed. A peer's configuration whose first round peaks above every cap can be chosen under
 none, so later rounds skip it (its one round stays in the report, marked ``above_every_cap``; ``--time-all``
-times it in every round). Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
+times it in every round). The report ends with the choice under no cap: each schedule's fastest configuration
+(PETRA's against the fastest peer's). Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
 (``--output`` to choose) and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -96,10 +98,31 @@ def above_every_cap(rounds: dict[str, dict[tuple, list[dict]]], cap_configs: lis
             for c, rs in per_config.items() if rs[0]["peak"] > largest}
 
 
-def best_under(cap: int, configs: dict[str, dict]) -> dict | None:
+def best_under(cap: float, configs: dict[str, dict]) -> dict | None:
     """The fastest configuration (by median samples/s) whose peak fits under ``cap``, or None."""
     fitting = [c for c in configs.values() if c["peak"] <= cap]
     return max(fitting, key=lambda c: c["median_samples_per_s"], default=None)
+
+
+def choice(cap: float, configs: dict[str, dict[str, dict]]) -> dict:
+    """Under ``cap``: each schedule's best fitting configuration, the fastest peer's name and PETRA's samples/s
+    over that peer's."""
+    best = {s: best_under(cap, per_schedule) for s, per_schedule in configs.items()}
+    peers = {s: c for s, c in best.items() if s != "petra" and c is not None}
+    fastest = max(peers, key=lambda s: peers[s]["median_samples_per_s"], default=None)
+    return {"best": best, "fastest_peer": fastest, "petra_over_fastest_peer": None if fastest is None else
+            best["petra"]["median_samples_per_s"] / peers[fastest]["median_samples_per_s"]}
+
+
+def print_choice(row: dict) -> None:
+    for s, c in row["best"].items():
+        fit = "does not fit" if c is None else (
+            f"{c['median_samples_per_s']:8.2f} samples/s at micro-batch {c['micro_batch_size']} ({c['partition']} "
+            f"partition, {c['grain']} grain), peak {c['peak'] / MIB:.2f} MiB")
+        print(f"  {s:22s} {fit}")
+    ratio = row["petra_over_fastest_peer"]
+    print(f"  PETRA / fastest fitting peer ({row['fastest_peer']}): "
+          + ("no peer fits" if ratio is None else f"{ratio:.3f}x"))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -125,29 +148,19 @@ def main(argv: list[str] | None = None) -> dict:
                                     "peak": max(x["peak"] for x in rs)}
                    for (b, p, g), rs in per_config.items()} for s, per_config in rounds.items()}
     caps = {b: configs["petra"][label(*config)]["peak"] for b, config in zip(args.micro_batch_sizes, cap_configs)}
-    table = []
-    for b, cap in caps.items():
-        best = {s: best_under(cap, configs[s]) for s in args.schedules}
-        peers = {s: c for s, c in best.items() if s != "petra" and c is not None}
-        fastest = max(peers, key=lambda s: peers[s]["median_samples_per_s"], default=None)
-        table.append({"cap": cap, "petra_micro_batch": b, "best": best, "fastest_peer": fastest,
-                      "petra_over_fastest_peer": None if fastest is None else
-                      best["petra"]["median_samples_per_s"] / peers[fastest]["median_samples_per_s"]})
+    table = [{"cap": cap, "petra_micro_batch": b, **choice(cap, configs)} for b, cap in caps.items()]
+    unconstrained = choice(math.inf, configs)
     report = {"command": "python benchmarks/memory_capped.py " + " ".join(argv), "device": throughput.device_name(),
-              "torch": torch.__version__, "args": vars(args), "configs": configs, "caps": table}
+              "torch": torch.__version__, "args": vars(args), "configs": configs, "caps": table,
+              "unconstrained": unconstrained}
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     output = args.output or os.path.join("runs", "benchmarks", f"memory_capped_{args.model}_{tag}.json")
     save_report(output, report)
     for row in table:
         print(f"cap {row['cap'] / MIB:.2f} MiB (PETRA's peak at micro-batch {row['petra_micro_batch']}):")
-        for s, c in row["best"].items():
-            fit = "does not fit" if c is None else (f"{c['median_samples_per_s']:8.2f} samples/s at micro-batch "
-                                                     f"{c['micro_batch_size']} ({c['partition']} partition, {c['grain']} grain), peak "
-                                                     f"{c['peak'] / MIB:.2f} MiB")
-            print(f"  {s:22s} {fit}")
-        ratio = row["petra_over_fastest_peer"]
-        print(f"  PETRA / fastest fitting peer ({row['fastest_peer']}): "
-              + ("no peer fits" if ratio is None else f"{ratio:.3f}x"))
+        print_choice(row)
+    print("no cap (each schedule's fastest configuration; one timed once has one round):")
+    print_choice(unconstrained)
     print(f"saved {output}")
     return report
 

@@ -1,6 +1,7 @@
 """benchmarks/memory_capped.py: the choice under a cap, by hand, and (slow) a tiny run of the search."""
 
 import json
+import math
 
 import pytest
 
@@ -17,6 +18,12 @@ def test_the_fastest_fitting_configuration_is_chosen():
     assert bench.best_under(189, configs) == configs["8"]
     assert bench.best_under(100, configs) == configs["4"]
     assert bench.best_under(99, configs) is None  # does not fit
+    peer = {"8": {"micro_batch_size": 8, "median_samples_per_s": 18.0, "peak": 150}}
+    both = {"petra": configs, "1f1b": peer}
+    capped, free = bench.choice(189, both), bench.choice(math.inf, both)
+    assert capped["fastest_peer"] == "1f1b" and capped["petra_over_fastest_peer"] == 15.0 / 18.0
+    assert free["best"]["petra"] == configs["16"] and free["petra_over_fastest_peer"] == 20.0 / 18.0
+    assert bench.choice(100, both)["petra_over_fastest_peer"] is None  # no peer fits
     assert [bench.label(8, "default", "half"), bench.label(8, "profile", "half")] == ["8 half", "8 profile half"]
 
 
@@ -82,6 +89,8 @@ def test_a_tiny_search_reports_every_configuration_and_each_cap(tmp_path):
             above = schedule != "petra" and c["peak"] > max(configs["petra"][b]["peak"] for b in ("2", "4"))
             assert c["above_every_cap"] == above
             assert len(c["rounds_samples_per_s"]) == (1 if above else 2)  # timed once, then left out
+    fastest = max(configs["petra"].values(), key=lambda c: c["median_samples_per_s"])
+    assert saved["unconstrained"]["best"]["petra"] == fastest
     caps = saved["caps"]
     assert [row["cap"] for row in caps] == [configs["petra"]["2"]["peak"], configs["petra"]["4"]["peak"]]
     for row in caps:

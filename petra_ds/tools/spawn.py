@@ -39,9 +39,14 @@ def deepspeed_shm_buffers() -> set[str]:
 
 
 def remove_deepspeed_shm_buffers(before: set[str]) -> None:
-    """Unlink the buffers created since ``before`` was taken that no live process maps: those of processes
-    that have exited. Hundreds of launches would otherwise fill the machine's memory. (Checking every
-    process, not only this one, leaves alone the buffers of another launch that is still running.)"""
+    """Unlink the buffers created since ``before`` was taken whose launch has ended: no live process maps
+    them and no process listens on their launch's port. Hundreds of launches would otherwise fill the
+    machine's memory.
+
+    A buffer is named after its launch's ``MASTER_PORT``, on which rank 0's store listens from before the
+    buffers are made until the launch ends. A rank writes its buffer (66 MB) before it maps it, and its
+    peers wait for it to appear; unlinked in between, they would wait forever. The port tells that launch,
+    still running, from one that has ended."""
     left = deepspeed_shm_buffers() - before
     if not left:
         return
@@ -54,12 +59,36 @@ def remove_deepspeed_shm_buffers(before: set[str]) -> None:
             except OSError:  # gone, or not ours to read
                 continue
     maps = "".join(mapped)
+    listening = listening_ports()
     for name in left:
-        if name not in maps:
+        if name not in maps and buffer_port(name) not in listening:
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
             except FileNotFoundError:
                 pass
+
+
+def buffer_port(name: str) -> int | None:
+    """The ``MASTER_PORT`` in a buffer's name (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``)."""
+    port = name.rsplit("_", 2)[-2] if name.count("_") >= 2 else ""
+    return int(port) if port.isdigit() else None
+
+
+def listening_ports() -> set[int | None]:
+    """The TCP ports a socket listens on in this network namespace, and None: a buffer whose name has no port
+    counts as its launch running."""
+    ports: set[int | None] = {None}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:

@@ -61,7 +61,8 @@ def remove_deepspeed_shm_buffers(before: set[str]) -> None:
     maps = "".join(mapped)
     listening = listening_ports()
     for name in left:
-        if name not in maps and buffer_port(name) not in listening:
+        port = buffer_port(name)  # a name without a port: its launch cannot be told ended, so it stays
+        if name not in maps and port is not None and port not in listening:
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
             except FileNotFoundError:
@@ -74,10 +75,9 @@ def buffer_port(name: str) -> int | None:
     return int(port) if port.isdigit() else None
 
 
-def listening_ports() -> set[int | None]:
-    """The TCP ports a socket listens on in this network namespace, and None: a buffer whose name has no port
-    counts as its launch running."""
-    ports: set[int | None] = {None}
+def listening_ports() -> set[int]:
+    """The TCP ports a socket listens on in this network namespace."""
+    ports: set[int] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:

@@ -8,6 +8,7 @@ A row is marked by a first feature of 1000 (finite); stage 1's layers misbehave 
 """
 
 import itertools
+import math
 import logging
 
 import pytest
@@ -256,3 +257,37 @@ def test_the_reversibility_check_names_non_finite_values_as_such():
     with pytest.raises(ReversibilityError, match=r"NanInverse does not invert: its inverse\(\) returns NaN on the "
                                                  r"finite output of a finite input"):
         check_reversible(NanInverse(), torch.randn(2, 3))
+
+
+def magnitude_by_definition(tensors) -> float:
+    """max |x| over every element, written out: NaN if any element is NaN."""
+    flat = torch.cat([t.detach().double().flatten() for t in tensors])
+    return float("nan") if bool(flat.isnan().any()) else float(flat.abs().max())
+
+
+@pytest.mark.parametrize("case", ["negative", "positive", "+inf", "-inf", "nan and inf", "bf16 and a scalar"])
+def test_largest_magnitude_is_max_abs_over_every_element(case):
+    """The watch's one scalar per value (read from each tensor's minimum and maximum) against max |x| written
+    out, for the values whose sign or special value the min/max reading must not lose."""
+    from petra_ds.runtime.finite import gradients_finite, largest_magnitude
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(7, 5, generator=g), torch.randn(300, generator=g)]
+    if case == "negative":
+        tensors[1][17] = -50.0  # the largest magnitude is a minimum
+    elif case == "positive":
+        tensors[0][3, 2] = 40.0
+    elif case == "+inf":
+        tensors[1][5] = float("inf")
+    elif case == "-inf":
+        tensors[0][0, 0] = -float("inf")
+    elif case == "nan and inf":
+        tensors[0][1, 1], tensors[1][0] = float("inf"), float("nan")
+    else:
+        tensors = [tensors[0].bfloat16() * -9, torch.tensor(-100.0)]
+    got, want = float(largest_magnitude(tensors)), magnitude_by_definition(tensors)
+    assert (math.isnan(got) and math.isnan(want)) or got == want
+    params = [nn.Parameter(torch.zeros_like(t, dtype=torch.float32)) for t in tensors]
+    for p, t in zip(params, tensors):
+        p.grad = t.float()
+    assert gradients_finite(params, "here", "skip", lambda: None) == math.isfinite(want)

@@ -11,10 +11,11 @@ Each run gives samples/s and every rank's peak memory as the allocator sees it
 own peak (its largest rank) at each micro-batch size. Under each cap, each schedule's best configuration is
 its fastest (median samples/s over the rounds) whose largest rank fits; a schedule with none "does not
 fit". List a size below the smallest cap you care about: under PETRA's peak at micro-batch b, a peer may fit
-at b / 2 and lose little speed (the default 2 4 8 16 lets it, for the caps at 4, 8 and 16). Rounds run every configuration once, in turn, so that a slow spell of a shared machine hits all of
-them. ``--partitions default profile`` adds the partition to the search: every configuration again with each
-schedule cut by its own measured layer costs (throughput.py's ``--partition profile``). ``--grains block half``
-(RevGPT) adds the grain: every configuration again with each block as its attention and MLP halves, which a
+at b / 2 and lose little speed (the default 2 4 8 16 lets it, for the caps at 4, 8 and 16). Rounds run every
+configuration once, in turn, so that a slow spell of a shared machine hits all of them.
+``--partitions default profile`` adds the partition to the search: every configuration again with each schedule
+cut by its own measured layer costs (throughput.py's ``--partition profile``). ``--grains block half`` (RevGPT)
+adds the grain: every configuration again with each block as its attention and MLP halves, which a
 profiled cut may separate (throughput.py's ``--grain``). The caps are PETRA's peaks with the first partition
 and the first grain listed. A peer's configuration whose first round peaks above every cap can be chosen under
 none, so later rounds skip it (its one round stays in the report, marked ``above_every_cap``; ``--time-all``

@@ -8,8 +8,8 @@ A row is marked by a first feature of 1000 (finite); stage 1's layers misbehave 
 """
 
 import itertools
-import math
 import logging
+import math
 
 import pytest
 import torch

@@ -183,7 +183,7 @@ def gradients_finite(params: list[Tensor], where: str, non_finite: str, earlier:
     """One check per step (not per micro-batch): are the k accumulated gradients finite? With
     ``non_finite: "raise"`` a non-finite one raises before the optimizer could write NaN, after ``earlier()``
     (``FiniteWatch.check``) has raised for the value that went non-finite first, if it saw one."""
-    grads = [p.grad for p in params if p.grad.numel()]
+    grads = float_tensors([p.grad for p in params])
     if not grads or bool(largest_magnitude(grads).isfinite()):
         return True
     if non_finite == "raise":

@@ -20,7 +20,17 @@ profiled cut may separate (throughput.py's ``--grain``). The caps are PETRA's pe
 and the first grain listed. A peer's configuration whose first round peaks above every cap can be chosen under
 none, so later rounds skip it (its one round stays in the report, marked ``above_every_cap``; ``--time-all``
 times it in every round). The report ends with the choice under no cap: each schedule's fastest configuration
-(PETRA's against the fastest peer's). Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
+(PETRA's against the fastest peer's).
+
+Beside each cap stands PETRA's ceiling there (``ceiling``): at each micro-batch size, every round, the driver
+measures the layers' costs (throughput.py's ``--partition profile`` measurement, in this process with the
+workers' thread count) and takes b over the slowest stage's compute per clock at the best cut
+(``petra_ds.pipeline.partition``, PETRA's rule: a stage before the last runs its forward, rebuilds its graph
+and runs its backward; the last runs forward and backward once). Messages, the optimizer step and the engine
+are left out, so no PETRA implementation on these layers and this many stages goes faster: the ceiling over
+the fastest fitting peer bounds what any could reach against it, and PETRA's samples/s over the ceiling is the
+fraction its clock loses to everything else. Under a cap the ceiling is the best of the micro-batch sizes at
+which a measured PETRA configuration fits (another cut might fit a larger one; only the searched cuts count). Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
 (``--output`` to choose) and prints the table.
 """
 
@@ -31,6 +41,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 
 import torch
 
@@ -38,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import throughput  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 from example_runs import save_report  # noqa: E402
+from petra_ds.pipeline.partition import LayerCost, balanced_parts, stage_costs  # noqa: E402
 
 MIB = 2 ** 20
 SCHEDULES = ["petra", "1f1b", "1f1b_ckpt", "torch_zbv", "torch_zbv_ckpt", "torch_dualpipev", "torch_dualpipev_ckpt"]
@@ -92,6 +104,31 @@ def run(args: argparse.Namespace, b: int, partition: str, grain: str, schedules:
                 "peak": max(r["peak"] for r in variants[v]["peak_allocated"])} for v in schedules}
 
 
+def ceiling_samples_per_s(costs: list[LayerCost], micro_batch_size: int, stages: int) -> float:
+    """Samples/s if a PETRA clock took only its slowest stage's compute at the best cut of ``costs`` into
+    ``stages`` stages: an upper bound for any PETRA implementation (messages, step and engine left out)."""
+    return micro_batch_size / max(stage_costs(costs, balanced_parts(costs, stages)))
+
+
+def measured_ceiling(args: argparse.Namespace, b: int, grain: str) -> float:
+    """:func:`ceiling_samples_per_s` at micro-batch size ``b`` and ``grain``, from the layers' costs measured now
+    in this process (throughput.py's measurement for ``--partition profile``)."""
+    layers = [] if grain == "block" else ["--grain", grain]
+    model = throughput.parse_args(["--model", args.model, "--stages", str(args.stages), "--micro-batch-size", str(b),
+                                   *layers, *args.model_args])
+    with tempfile.TemporaryDirectory() as tmp:
+        costs = throughput.measure_costs(model, os.path.join(tmp, "layer_costs.json"))
+    return ceiling_samples_per_s(costs, b, args.stages)
+
+
+def ceiling_under(cap: float, petra: dict[str, dict], ceilings: dict[str, dict]) -> dict | None:
+    """PETRA's ceiling under ``cap``: the highest of ``ceilings`` (keyed by micro-batch size and grain, as
+    :func:`label` writes them) over the micro-batch sizes and grains of PETRA's configurations that fit; None if
+    none fits."""
+    fitting = {label(c["micro_batch_size"], "default", c["grain"]) for c in petra.values() if c["peak"] <= cap}
+    return max((ceilings[key] for key in fitting), key=lambda c: c["samples_per_s"], default=None)
+
+
 def above_every_cap(rounds: dict[str, dict[tuple, list[dict]]], cap_configs: list[tuple]) -> set[tuple[str, tuple]]:
     """(schedule, configuration) of each peer configuration whose first round peaked above PETRA's peak in every
     configuration of ``cap_configs``: no cap can choose it."""
@@ -106,14 +143,22 @@ def best_under(cap: float, configs: dict[str, dict]) -> dict | None:
     return max(fitting, key=lambda c: c["median_samples_per_s"], default=None)
 
 
-def choice(cap: float, configs: dict[str, dict[str, dict]]) -> dict:
+def choice(cap: float, configs: dict[str, dict[str, dict]], ceilings: dict[str, dict] | None = None) -> dict:
     """Under ``cap``: each schedule's best fitting configuration, the fastest peer's name and PETRA's samples/s
-    over that peer's."""
+    over that peer's; with ``ceilings`` (see :func:`ceiling_under`) also PETRA's ceiling there, over that peer's
+    samples/s, and PETRA's measured fraction of it."""
     best = {s: best_under(cap, per_schedule) for s, per_schedule in configs.items()}
     peers = {s: c for s, c in best.items() if s != "petra" and c is not None}
     fastest = max(peers, key=lambda s: peers[s]["median_samples_per_s"], default=None)
-    return {"best": best, "fastest_peer": fastest, "petra_over_fastest_peer": None if fastest is None else
-            best["petra"]["median_samples_per_s"] / peers[fastest]["median_samples_per_s"]}
+    row = {"best": best, "fastest_peer": fastest, "petra_over_fastest_peer": None if fastest is None else
+           best["petra"]["median_samples_per_s"] / peers[fastest]["median_samples_per_s"]}
+    if ceilings is not None:
+        top = ceiling_under(cap, configs["petra"], ceilings)
+        row["ceiling"] = None if top is None else {
+            **top, "over_fastest_peer": None if fastest is None else
+            top["samples_per_s"] / peers[fastest]["median_samples_per_s"],
+            "petra_fraction": best["petra"]["median_samples_per_s"] / top["samples_per_s"]}
+    return row
 
 
 def print_choice(row: dict, peer: str = "fastest fitting peer") -> None:
@@ -125,6 +170,11 @@ def print_choice(row: dict, peer: str = "fastest fitting peer") -> None:
     ratio = row["petra_over_fastest_peer"]
     print(f"  PETRA / {peer} ({row['fastest_peer']}): "
           + ("no peer fits" if ratio is None else f"{ratio:.3f}x"))
+    top = row.get("ceiling")
+    if top is not None:
+        over = "" if top["over_fastest_peer"] is None else f", {top['over_fastest_peer']:.3f}x the {peer}"
+        print(f"  PETRA's ceiling: {top['samples_per_s']:.2f} samples/s at micro-batch {top['micro_batch_size']}{over};"
+              f" PETRA runs at {top['petra_fraction']:.1%} of it")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -134,7 +184,11 @@ def main(argv: list[str] | None = None) -> dict:
     rounds: dict[str, dict[tuple, list[dict]]] = {s: {bpg: [] for bpg in grid} for s in args.schedules}
     cap_configs = [(b, args.partitions[0], args.grains[0]) for b in args.micro_batch_sizes]
     skip: set[tuple[str, tuple]] = set()
+    sizes = [(b, g) for g in args.grains for b in args.micro_batch_sizes]
+    ceiling_rounds: dict[tuple, list[float]] = {bg: [] for bg in sizes}
     for r in range(args.rounds):
+        for b, grain in sizes:
+            ceiling_rounds[b, grain].append(measured_ceiling(args, b, grain))
         for b, partition, grain in grid:
             schedules = [s for s in args.schedules if (s, (b, partition, grain)) not in skip]
             print(f"round {r + 1}/{args.rounds}, micro-batch {b}, k = {args.global_batch // b}, partition {partition}, "
@@ -149,11 +203,13 @@ def main(argv: list[str] | None = None) -> dict:
                                     "rounds_samples_per_s": [x["samples_per_s"] for x in rs],
                                     "peak": max(x["peak"] for x in rs)}
                    for (b, p, g), rs in per_config.items()} for s, per_config in rounds.items()}
+    ceilings = {label(b, "default", g): {"micro_batch_size": b, "grain": g, "samples_per_s": statistics.median(xs),
+                                         "rounds_samples_per_s": xs} for (b, g), xs in ceiling_rounds.items()}
     caps = {b: configs["petra"][label(*config)]["peak"] for b, config in zip(args.micro_batch_sizes, cap_configs)}
-    table = [{"cap": cap, "petra_micro_batch": b, **choice(cap, configs)} for b, cap in caps.items()]
-    unconstrained = choice(math.inf, configs)
+    table = [{"cap": cap, "petra_micro_batch": b, **choice(cap, configs, ceilings)} for b, cap in caps.items()]
+    unconstrained = choice(math.inf, configs, ceilings)
     report = {"command": "python benchmarks/memory_capped.py " + " ".join(argv), "device": throughput.device_name(),
-              "torch": torch.__version__, "args": vars(args), "configs": configs, "caps": table,
+              "torch": torch.__version__, "args": vars(args), "configs": configs, "ceilings": ceilings, "caps": table,
               "unconstrained": unconstrained}
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     output = args.output or os.path.join("runs", "benchmarks", f"memory_capped_{args.model}_{tag}.json")

@@ -27,6 +27,35 @@ def test_the_fastest_fitting_configuration_is_chosen():
     assert [bench.label(8, "default", "half"), bench.label(8, "profile", "half")] == ["8 half", "8 profile half"]
 
 
+def test_petras_ceiling_is_the_slowest_stage_at_the_best_cut_and_the_best_fitting_size():
+    bench = load_benchmark("memory_capped")
+    from petra_ds.pipeline.partition import LayerCost
+
+    stem = LayerCost(forward=1.0, forward_grad=1.2, backward=2.0)  # not reversible: recomputed from its kept input
+    block = LayerCost(forward=1.0, forward_grad=1.1, backward=2.0, reconstruct=1.3)
+    head = LayerCost(forward=0.5, forward_grad=1.0, backward=2.0)
+    # cut after the stem: stage 0 = 1 + 1.2 + 2 = 4.2; the last stage keeps its graph: (1.1 + 1) + (2 + 2) = 6.1
+    # cut after the block: stage 0 = (1 + 1) + (1.2 + 1.1) + (2 + 2) = 8.3; the last stage 1 + 2 = 3
+    assert bench.ceiling_samples_per_s([stem, block, head], 4, 2) == pytest.approx(4 / 6.1)
+    # J = 3: stem 4.2, the block in the middle reconstructs, 1 + 1.3 + 2 = 4.3, the head 3
+    assert bench.ceiling_samples_per_s([stem, block, head], 4, 3) == pytest.approx(4 / 4.3)
+
+    petra = {bench.label(b, p): {"micro_batch_size": b, "partition": p, "grain": "block", "peak": peak,
+                                 "median_samples_per_s": v}
+             for b, p, peak, v in [(4, "default", 100, 8.0), (8, "default", 180, 12.0), (8, "profile", 150, 13.0)]}
+    ceilings = {"4": {"micro_batch_size": 4, "grain": "block", "samples_per_s": 10.0},
+                "8": {"micro_batch_size": 8, "grain": "block", "samples_per_s": 15.0}}
+    assert bench.ceiling_under(160, petra, ceilings) == ceilings["8"]  # micro-batch 8 fits with the profiled cut
+    assert bench.ceiling_under(120, petra, ceilings) == ceilings["4"]
+    assert bench.ceiling_under(99, petra, ceilings) is None
+    peer = {"4": {"micro_batch_size": 4, "median_samples_per_s": 12.5, "peak": 140}}
+    row = bench.choice(160, {"petra": petra, "1f1b": peer}, ceilings)
+    assert row["ceiling"]["samples_per_s"] == 15.0
+    assert row["ceiling"]["over_fastest_peer"] == 15.0 / 12.5 and row["ceiling"]["petra_fraction"] == 13.0 / 15.0
+    assert bench.choice(120, {"petra": petra, "1f1b": peer}, ceilings)["ceiling"]["over_fastest_peer"] is None
+    assert "ceiling" not in bench.choice(160, {"petra": petra, "1f1b": peer})
+
+
 def test_a_peer_configuration_above_every_cap_is_left_out_after_round_one():
     bench = load_benchmark("memory_capped")
     rounds = {"petra": {(4, "default", "block"): [{"peak": 100}], (8, "default", "block"): [{"peak": 180}],
@@ -91,6 +120,12 @@ def test_a_tiny_search_reports_every_configuration_and_each_cap(tmp_path):
             assert len(c["rounds_samples_per_s"]) == (1 if above else 2)  # timed once, then left out
     fastest = max(configs["petra"].values(), key=lambda c: c["median_samples_per_s"])
     assert saved["unconstrained"]["best"]["petra"] == fastest
+    assert sorted(saved["ceilings"]) == ["2", "2 half", "4", "4 half"]
+    for key, c in saved["ceilings"].items():
+        assert key == bench.label(c["micro_batch_size"], "default", c["grain"]) and len(c["rounds_samples_per_s"]) == 2
+    top = saved["unconstrained"]["ceiling"]
+    assert top["samples_per_s"] == max(c["samples_per_s"] for c in saved["ceilings"].values())
+    assert top["petra_fraction"] < 1  # a bound: PETRA's clock adds messages, the step and the engine to the compute
     caps = saved["caps"]
     assert [row["cap"] for row in caps] == [configs["petra"]["2"]["peak"], configs["petra"]["4"]["peak"]]
     for row in caps:

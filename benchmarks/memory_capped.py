@@ -22,15 +22,16 @@ none, so later rounds skip it (its one round stays in the report, marked ``above
 times it in every round). The report ends with the choice under no cap: each schedule's fastest configuration
 (PETRA's against the fastest peer's).
 
-Beside each cap stands PETRA's ceiling there (``ceiling``): at each micro-batch size, every round, the driver
-measures the layers' costs (throughput.py's ``--partition profile`` measurement, in this process with the
-workers' thread count) and takes b over the slowest stage's compute per clock at the best cut
-(``petra_ds.pipeline.partition``, PETRA's rule: a stage before the last runs its forward, rebuilds its graph
-and runs its backward; the last runs forward and backward once). Messages, the optimizer step and the engine
-are left out, so no PETRA implementation on these layers and this many stages goes faster: the ceiling over
-the fastest fitting peer bounds what any could reach against it, and PETRA's samples/s over the ceiling is the
-fraction its clock loses to everything else. Under a cap the ceiling is the best of the micro-batch sizes at
-which a measured PETRA configuration fits (another cut might fit a larger one; only the searched cuts count). Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
+Beside each cap stands PETRA's compute bound there (``ceiling``). At each micro-batch size, every round, the
+driver measures the layers' costs (throughput.py's ``--partition profile`` measurement, in this process with
+the workers' thread count); a cut's bound is b over its slowest stage's compute per clock
+(``petra_ds.pipeline.partition.stage_cost``, PETRA's rule: a stage before the last runs its forward, rebuilds
+its graph and runs its backward; the last runs forward and backward once), median over the rounds. It leaves
+out messages, the optimizer step and the engine, so it estimates what a PETRA clock on those layers could
+reach; it is not a proof (layers timed alone, one at a time, on an idle core). Each PETRA configuration gets
+the bound of the cut it ran and its fraction of it; each cap, the best bound of the PETRA configurations that
+fit, and the bound at the best cut of the sizes that fit (that cut's memory unmeasured), each over the fastest
+fitting peer. Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
 (``--output`` to choose) and prints the table.
 """
 
@@ -92,41 +93,66 @@ def label(b: int, partition: str, grain: str = "block") -> str:
 
 
 def run(args: argparse.Namespace, b: int, partition: str, grain: str, schedules: list[str]) -> dict[str, dict]:
-    """One round at micro-batch size ``b``, ``partition`` and ``grain``: each of ``schedules``' samples/s and
-    largest rank's peak bytes."""
+    """One round at micro-batch size ``b``, ``partition`` and ``grain``: each of ``schedules``' samples/s, largest
+    rank's peak bytes and cut (layer boundaries)."""
     cut = [] if partition == "default" else ["--partition", partition]
     layers = [] if grain == "block" else ["--grain", grain]
     variants = throughput.report_of([
         "--model", args.model, "--stages", str(args.stages), "--micro-batch-size", str(b), "--micro-batches",
         str(args.global_batch // b), "--warmup", "2", "--calls", str(args.calls), "--no-costs", *cut,
         "--variants", *schedules, *layers, *args.model_args])["variants"]
-    return {v: {"samples_per_s": variants[v]["samples_per_s"],
+    return {v: {"samples_per_s": variants[v]["samples_per_s"], "parts": variants[v].get("parts"),
                 "peak": max(r["peak"] for r in variants[v]["peak_allocated"])} for v in schedules}
 
 
-def ceiling_samples_per_s(costs: list[LayerCost], micro_batch_size: int, stages: int) -> float:
-    """Samples/s if a PETRA clock took only its slowest stage's compute at the best cut of ``costs`` into
-    ``stages`` stages: an upper bound for any PETRA implementation (messages, step and engine left out)."""
-    return micro_batch_size / max(stage_costs(costs, balanced_parts(costs, stages)))
+def compute_bound(costs: list[LayerCost], micro_batch_size: int, parts: list[int]) -> float:
+    """Samples/s if a PETRA clock took only its slowest stage's compute, the layers ``costs`` cut at ``parts``
+    (messages, step and engine left out)."""
+    return micro_batch_size / max(stage_costs(costs, parts))
 
 
-def measured_ceiling(args: argparse.Namespace, b: int, grain: str) -> float:
-    """:func:`ceiling_samples_per_s` at micro-batch size ``b`` and ``grain``, from the layers' costs measured now
-    in this process (throughput.py's measurement for ``--partition profile``)."""
+def measure_layer_costs(args: argparse.Namespace, b: int, grain: str) -> list[LayerCost]:
+    """The layers' costs at micro-batch size ``b`` and ``grain``, measured now in this process (throughput.py's
+    measurement for ``--partition profile``)."""
     layers = [] if grain == "block" else ["--grain", grain]
     model = throughput.parse_args(["--model", args.model, "--stages", str(args.stages), "--micro-batch-size", str(b),
                                    *layers, *args.model_args])
     with tempfile.TemporaryDirectory() as tmp:
-        costs = throughput.measure_costs(model, os.path.join(tmp, "layer_costs.json"))
-    return ceiling_samples_per_s(costs, b, args.stages)
+        return throughput.measure_costs(model, os.path.join(tmp, "layer_costs.json"))
 
 
-def ceiling_under(cap: float, petra: dict[str, dict], ceilings: dict[str, dict]) -> dict | None:
-    """PETRA's ceiling under ``cap``: the highest of ``ceilings`` (keyed by micro-batch size and grain, as
-    :func:`label` writes them) over the micro-batch sizes and grains of PETRA's configurations that fit; None if
-    none fits."""
-    fitting = {label(c["micro_batch_size"], "default", c["grain"]) for c in petra.values() if c["peak"] <= cap}
-    return max((ceilings[key] for key in fitting), key=lambda c: c["samples_per_s"], default=None)
+def bounds(petra: dict[str, dict], costs: dict[tuple, list[list[LayerCost]]], stages: int) -> dict[str, dict]:
+    """Writes into each of PETRA's configurations ``petra`` (with the ``parts`` it ran) its cut's
+    :func:`compute_bound` (median over the rounds of ``costs``, keyed by micro-batch size and grain) and its
+    measured fraction of it; returns, per micro-batch size and grain, the bound at the best cut of each
+    round's costs."""
+    for c in petra.values():
+        rounds = costs[c["micro_batch_size"], c["grain"]]
+        c["compute_bound"] = statistics.median(compute_bound(x, c["micro_batch_size"], c["parts"]) for x in rounds)
+        c["of_compute_bound"] = c["median_samples_per_s"] / c["compute_bound"]
+    best = {}
+    for (b, g), rounds in costs.items():
+        cuts = [balanced_parts(x, stages) for x in rounds]
+        best[label(b, "default", g)] = {"micro_batch_size": b, "grain": g, "best_cuts": cuts, "compute_bound":
+                                        statistics.median(compute_bound(x, b, p) for x, p in zip(rounds, cuts))}
+    return best
+
+
+def ceiling_under(cap: float, petra: dict[str, dict], best_cuts: dict[str, dict], peer: float | None) -> dict | None:
+    """Under ``cap``: the best compute bound of PETRA's configurations that fit (each at the cut it ran), and the
+    best bound at the best cut (see :func:`bounds`) of the micro-batch sizes and grains that fit, each over the
+    fastest fitting peer's samples/s ``peer`` (None: no peer fits); None if no PETRA configuration fits."""
+    fitting = [(k, c) for k, c in petra.items() if c["peak"] <= cap]
+    if not fitting:
+        return None
+    key, ran = max(fitting, key=lambda kc: kc[1]["compute_bound"])
+    best = max((best_cuts[label(c["micro_batch_size"], "default", c["grain"])] for _, c in fitting),
+               key=lambda c: c["compute_bound"])
+    return {"at_cut_run": {"config": key, "compute_bound": ran["compute_bound"],
+                           "over_fastest_peer": None if peer is None else ran["compute_bound"] / peer},
+            "at_best_cut": {"micro_batch_size": best["micro_batch_size"], "grain": best["grain"],
+                            "compute_bound": best["compute_bound"],
+                            "over_fastest_peer": None if peer is None else best["compute_bound"] / peer}}
 
 
 def above_every_cap(rounds: dict[str, dict[tuple, list[dict]]], cap_configs: list[tuple]) -> set[tuple[str, tuple]]:
@@ -143,21 +169,18 @@ def best_under(cap: float, configs: dict[str, dict]) -> dict | None:
     return max(fitting, key=lambda c: c["median_samples_per_s"], default=None)
 
 
-def choice(cap: float, configs: dict[str, dict[str, dict]], ceilings: dict[str, dict] | None = None) -> dict:
+def choice(cap: float, configs: dict[str, dict[str, dict]], best_cuts: dict[str, dict] | None = None) -> dict:
     """Under ``cap``: each schedule's best fitting configuration, the fastest peer's name and PETRA's samples/s
-    over that peer's; with ``ceilings`` (see :func:`ceiling_under`) also PETRA's ceiling there, over that peer's
-    samples/s, and PETRA's measured fraction of it."""
+    over that peer's; with ``best_cuts`` (see :func:`bounds`) also PETRA's compute bounds there
+    (:func:`ceiling_under`)."""
     best = {s: best_under(cap, per_schedule) for s, per_schedule in configs.items()}
     peers = {s: c for s, c in best.items() if s != "petra" and c is not None}
     fastest = max(peers, key=lambda s: peers[s]["median_samples_per_s"], default=None)
     row = {"best": best, "fastest_peer": fastest, "petra_over_fastest_peer": None if fastest is None else
            best["petra"]["median_samples_per_s"] / peers[fastest]["median_samples_per_s"]}
-    if ceilings is not None:
-        top = ceiling_under(cap, configs["petra"], ceilings)
-        row["ceiling"] = None if top is None else {
-            **top, "over_fastest_peer": None if fastest is None else
-            top["samples_per_s"] / peers[fastest]["median_samples_per_s"],
-            "petra_fraction": best["petra"]["median_samples_per_s"] / top["samples_per_s"]}
+    if best_cuts is not None:
+        row["ceiling"] = ceiling_under(cap, configs["petra"], best_cuts,
+                                       None if fastest is None else peers[fastest]["median_samples_per_s"])
     return row
 
 
@@ -165,16 +188,18 @@ def print_choice(row: dict, peer: str = "fastest fitting peer") -> None:
     for s, c in row["best"].items():
         fit = "does not fit" if c is None else (
             f"{c['median_samples_per_s']:8.2f} samples/s at micro-batch {c['micro_batch_size']} ({c['partition']} "
-            f"partition, {c['grain']} grain), peak {c['peak'] / MIB:.2f} MiB")
+            f"partition, {c['grain']} grain), peak {c['peak'] / MIB:.2f} MiB"
+            + (f", {c['of_compute_bound']:.1%} of its compute bound" if "of_compute_bound" in c else ""))
         print(f"  {s:22s} {fit}")
     ratio = row["petra_over_fastest_peer"]
     print(f"  PETRA / {peer} ({row['fastest_peer']}): "
           + ("no peer fits" if ratio is None else f"{ratio:.3f}x"))
     top = row.get("ceiling")
     if top is not None:
-        over = "" if top["over_fastest_peer"] is None else f", {top['over_fastest_peer']:.3f}x the {peer}"
-        print(f"  PETRA's ceiling: {top['samples_per_s']:.2f} samples/s at micro-batch {top['micro_batch_size']}{over};"
-              f" PETRA runs at {top['petra_fraction']:.1%} of it")
+        ran, cut = top["at_cut_run"], top["at_best_cut"]
+        over = [f", {x['over_fastest_peer']:.3f}x the {peer}" if x["over_fastest_peer"] else "" for x in (ran, cut)]
+        print(f"  PETRA's compute bound: {ran['compute_bound']:.2f} samples/s at {ran['config']}{over[0]}; at the best "
+              f"cut {cut['compute_bound']:.2f} at micro-batch {cut['micro_batch_size']}{over[1]}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -184,11 +209,10 @@ def main(argv: list[str] | None = None) -> dict:
     rounds: dict[str, dict[tuple, list[dict]]] = {s: {bpg: [] for bpg in grid} for s in args.schedules}
     cap_configs = [(b, args.partitions[0], args.grains[0]) for b in args.micro_batch_sizes]
     skip: set[tuple[str, tuple]] = set()
-    sizes = [(b, g) for g in args.grains for b in args.micro_batch_sizes]
-    ceiling_rounds: dict[tuple, list[float]] = {bg: [] for bg in sizes}
+    costs: dict[tuple, list[list[LayerCost]]] = {(b, g): [] for g in args.grains for b in args.micro_batch_sizes}
     for r in range(args.rounds):
-        for b, grain in sizes:
-            ceiling_rounds[b, grain].append(measured_ceiling(args, b, grain))
+        for b, grain in costs:
+            costs[b, grain].append(measure_layer_costs(args, b, grain))
         for b, partition, grain in grid:
             schedules = [s for s in args.schedules if (s, (b, partition, grain)) not in skip]
             print(f"round {r + 1}/{args.rounds}, micro-batch {b}, k = {args.global_batch // b}, partition {partition}, "
@@ -201,15 +225,14 @@ def main(argv: list[str] | None = None) -> dict:
                                     "above_every_cap": (s, (b, p, g)) in skip,
                                     "median_samples_per_s": statistics.median(x["samples_per_s"] for x in rs),
                                     "rounds_samples_per_s": [x["samples_per_s"] for x in rs],
-                                    "peak": max(x["peak"] for x in rs)}
+                                    "peak": max(x["peak"] for x in rs), "parts": rs[0]["parts"]}
                    for (b, p, g), rs in per_config.items()} for s, per_config in rounds.items()}
-    ceilings = {label(b, "default", g): {"micro_batch_size": b, "grain": g, "samples_per_s": statistics.median(xs),
-                                         "rounds_samples_per_s": xs} for (b, g), xs in ceiling_rounds.items()}
+    best_cuts = bounds(configs["petra"], costs, args.stages)
     caps = {b: configs["petra"][label(*config)]["peak"] for b, config in zip(args.micro_batch_sizes, cap_configs)}
-    table = [{"cap": cap, "petra_micro_batch": b, **choice(cap, configs, ceilings)} for b, cap in caps.items()]
-    unconstrained = choice(math.inf, configs, ceilings)
+    table = [{"cap": cap, "petra_micro_batch": b, **choice(cap, configs, best_cuts)} for b, cap in caps.items()]
+    unconstrained = choice(math.inf, configs, best_cuts)
     report = {"command": "python benchmarks/memory_capped.py " + " ".join(argv), "device": throughput.device_name(),
-              "torch": torch.__version__, "args": vars(args), "configs": configs, "ceilings": ceilings, "caps": table,
+              "torch": torch.__version__, "args": vars(args), "configs": configs, "best_cuts": best_cuts, "caps": table,
               "unconstrained": unconstrained}
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     output = args.output or os.path.join("runs", "benchmarks", f"memory_capped_{args.model}_{tag}.json")

@@ -27,32 +27,46 @@ def test_the_fastest_fitting_configuration_is_chosen():
     assert [bench.label(8, "default", "half"), bench.label(8, "profile", "half")] == ["8 half", "8 profile half"]
 
 
-def test_petras_ceiling_is_the_slowest_stage_at_the_best_cut_and_the_best_fitting_size():
+def test_petras_compute_bound_is_its_slowest_stage_at_the_cut_and_the_best_fitting_one():
     bench = load_benchmark("memory_capped")
     from petra_ds.pipeline.partition import LayerCost
 
     stem = LayerCost(forward=1.0, forward_grad=1.2, backward=2.0)  # not reversible: recomputed from its kept input
     block = LayerCost(forward=1.0, forward_grad=1.1, backward=2.0, reconstruct=1.3)
     head = LayerCost(forward=0.5, forward_grad=1.0, backward=2.0)
+    layers = [stem, block, head]
     # cut after the stem: stage 0 = 1 + 1.2 + 2 = 4.2; the last stage keeps its graph: (1.1 + 1) + (2 + 2) = 6.1
+    assert bench.compute_bound(layers, 4, [0, 1, 3]) == pytest.approx(4 / 6.1)
     # cut after the block: stage 0 = (1 + 1) + (1.2 + 1.1) + (2 + 2) = 8.3; the last stage 1 + 2 = 3
-    assert bench.ceiling_samples_per_s([stem, block, head], 4, 2) == pytest.approx(4 / 6.1)
+    assert bench.compute_bound(layers, 4, [0, 2, 3]) == pytest.approx(4 / 8.3)
     # J = 3: stem 4.2, the block in the middle reconstructs, 1 + 1.3 + 2 = 4.3, the head 3
-    assert bench.ceiling_samples_per_s([stem, block, head], 4, 3) == pytest.approx(4 / 4.3)
+    assert bench.compute_bound(layers, 4, [0, 1, 2, 3]) == pytest.approx(4 / 4.3)
 
+    slow = [LayerCost(2 * c.forward, 2 * c.forward_grad, 2 * c.backward, c.reconstruct and 2 * c.reconstruct)
+            for c in layers]
+    costs = {(4, "block"): [layers, slow, slow], (8, "block"): [slow, slow, slow]}
     petra = {bench.label(b, p): {"micro_batch_size": b, "partition": p, "grain": "block", "peak": peak,
-                                 "median_samples_per_s": v}
-             for b, p, peak, v in [(4, "default", 100, 8.0), (8, "default", 180, 12.0), (8, "profile", 150, 13.0)]}
-    ceilings = {"4": {"micro_batch_size": 4, "grain": "block", "samples_per_s": 10.0},
-                "8": {"micro_batch_size": 8, "grain": "block", "samples_per_s": 15.0}}
-    assert bench.ceiling_under(160, petra, ceilings) == ceilings["8"]  # micro-batch 8 fits with the profiled cut
-    assert bench.ceiling_under(120, petra, ceilings) == ceilings["4"]
-    assert bench.ceiling_under(99, petra, ceilings) is None
-    peer = {"4": {"micro_batch_size": 4, "median_samples_per_s": 12.5, "peak": 140}}
-    row = bench.choice(160, {"petra": petra, "1f1b": peer}, ceilings)
-    assert row["ceiling"]["samples_per_s"] == 15.0
-    assert row["ceiling"]["over_fastest_peer"] == 15.0 / 12.5 and row["ceiling"]["petra_fraction"] == 13.0 / 15.0
-    assert bench.choice(120, {"petra": petra, "1f1b": peer}, ceilings)["ceiling"]["over_fastest_peer"] is None
+                                 "median_samples_per_s": v, "parts": parts}
+             for b, p, peak, v, parts in [(4, "default", 100, 0.5, [0, 2, 3]), (8, "default", 180, 0.4, [0, 2, 3]),
+                                          (8, "profile", 150, 0.6, [0, 1, 3])]}
+    best_cuts = bench.bounds(petra, costs, 2)
+    assert petra["4"]["compute_bound"] == pytest.approx(4 / 16.6)  # the median of the rounds: a slow one
+    assert petra["8"]["compute_bound"] == pytest.approx(8 / 16.6)
+    assert petra["8 profile"]["compute_bound"] == pytest.approx(8 / 12.2)
+    assert petra["8 profile"]["of_compute_bound"] == pytest.approx(0.6 / (8 / 12.2))
+    assert best_cuts["8"]["best_cuts"] == [[0, 1, 3]] * 3 and best_cuts["4"]["compute_bound"] == pytest.approx(4 / 12.2)
+
+    capped = bench.ceiling_under(160, petra, best_cuts, peer=0.5)  # micro-batch 8 fits with the profiled cut
+    assert capped["at_cut_run"]["config"] == "8 profile"
+    assert capped["at_cut_run"]["over_fastest_peer"] == pytest.approx(8 / 12.2 / 0.5)
+    assert capped["at_best_cut"]["micro_batch_size"] == 8
+    low = bench.ceiling_under(120, petra, best_cuts, peer=None)  # micro-batch 4 alone, at its cut and at the best
+    assert low["at_cut_run"]["compute_bound"] == pytest.approx(4 / 16.6)
+    assert low["at_cut_run"]["over_fastest_peer"] is None
+    assert low["at_best_cut"]["compute_bound"] == pytest.approx(4 / 12.2)
+    assert bench.ceiling_under(99, petra, best_cuts, peer=0.5) is None
+    peer = {"4": {"micro_batch_size": 4, "median_samples_per_s": 0.5, "peak": 140}}
+    assert bench.choice(160, {"petra": petra, "1f1b": peer}, best_cuts)["ceiling"] == capped
     assert "ceiling" not in bench.choice(160, {"petra": petra, "1f1b": peer})
 
 
@@ -120,12 +134,15 @@ def test_a_tiny_search_reports_every_configuration_and_each_cap(tmp_path):
             assert len(c["rounds_samples_per_s"]) == (1 if above else 2)  # timed once, then left out
     fastest = max(configs["petra"].values(), key=lambda c: c["median_samples_per_s"])
     assert saved["unconstrained"]["best"]["petra"] == fastest
-    assert sorted(saved["ceilings"]) == ["2", "2 half", "4", "4 half"]
-    for key, c in saved["ceilings"].items():
-        assert key == bench.label(c["micro_batch_size"], "default", c["grain"]) and len(c["rounds_samples_per_s"]) == 2
+    assert sorted(saved["best_cuts"]) == ["2", "2 half", "4", "4 half"]
+    for key, c in saved["best_cuts"].items():
+        assert key == bench.label(c["micro_batch_size"], "default", c["grain"]) and len(c["best_cuts"]) == 2
+    for c in configs["petra"].values():
+        assert c["parts"][0] == 0 and len(c["parts"]) == 3 and c["compute_bound"] > 0
+        assert c["of_compute_bound"] < 1  # an estimate, but a tiny model's clock is mostly messages and engine
     top = saved["unconstrained"]["ceiling"]
-    assert top["samples_per_s"] == max(c["samples_per_s"] for c in saved["ceilings"].values())
-    assert top["petra_fraction"] < 1  # a bound: PETRA's clock adds messages, the step and the engine to the compute
+    assert top["at_best_cut"]["compute_bound"] == max(c["compute_bound"] for c in saved["best_cuts"].values())
+    assert top["at_cut_run"]["compute_bound"] == max(c["compute_bound"] for c in configs["petra"].values())
     caps = saved["caps"]
     assert [row["cap"] for row in caps] == [configs["petra"]["2"]["peak"], configs["petra"]["4"]["peak"]]
     for row in caps:

@@ -93,3 +93,22 @@ def test_keyed_gradients_match_autograd_with_dropout():
 def test_derived_seeds_depend_on_order_and_every_part():
     assert derive_seed(1, 2, 3) != derive_seed(3, 2, 1)
     assert len({derive_seed(0, m, 0) for m in range(1000)}) == 1000
+
+
+def test_a_keyed_scope_does_not_ask_whether_cuda_is_available(monkeypatch):
+    """DeepSpeed sets PYTORCH_NVML_BASED_CUDA_CHECK=1, so on a machine without a GPU a CUDA build answers
+    ``torch.cuda.is_available()`` by loading NVML again on every call; a scope runs twice per layer and
+    micro-batch, so it forks the current device's generator only once CUDA is initialised, and the draws are
+    the same as ever."""
+    layer = make_layer()
+    x = inputs(0)
+    with torch.no_grad(), micro_batch_rng(seed=7, micro_batch=0, stage=2):
+        before = layer(x)
+
+    def refuse():
+        raise AssertionError("a keyed scope asked torch.cuda.is_available()")
+
+    monkeypatch.setattr(torch.cuda, "is_available", refuse)
+    with torch.no_grad(), micro_batch_rng(seed=7, micro_batch=0, stage=2):
+        after = layer(x)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

@@ -30,8 +30,8 @@ its graph and runs its backward; the last runs forward and backward once), media
 out messages, the optimizer step and the engine, so it estimates what a PETRA clock on those layers could
 reach; it is not a proof (layers timed alone, one at a time, on an idle core). Each PETRA configuration gets
 the bound of the cut it ran and its fraction of it; each cap, the best bound of the PETRA configurations that
-fit, and the bound at the best cut of the sizes that fit (that cut's memory unmeasured), each over the fastest
-fitting peer. Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
+fit, and the bound at the best cut of the sizes that fit (that cut's peak is known only where a searched
+configuration ran it), each over the fastest fitting peer. Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
 (``--output`` to choose) and prints the table.
 """
 

@@ -19,8 +19,11 @@ adds the grain: every configuration again with each block as its attention and M
 profiled cut may separate (throughput.py's ``--grain``). The caps are PETRA's peaks with the first partition
 and the first grain listed. A peer's configuration whose first round peaks above every cap can be chosen under
 none, so later rounds skip it (its one round stays in the report, marked ``above_every_cap``; ``--time-all``
-times it in every round). The report ends with the choice under no cap: each schedule's fastest configuration
-(PETRA's against the fastest peer's).
+times it in every round), unless it was its schedule's fastest in that round: the choice under no cap, at the
+report's end (each schedule's fastest configuration, PETRA's against the fastest peer's), gets every round of
+it. A torch schedule that refuses k micro-batches on this many ranks (DualPipeV needs k >= 2 x ranks) is not
+run at that size; the report lists it under ``refused``. PETRA, which never flushes, runs any k: searching a
+micro-batch size with k = 2 shows what that is worth.
 
 Beside each cap stands PETRA's compute bound there (``ceiling``). At each micro-batch size, every round, the
 driver measures the layers' costs (throughput.py's ``--partition profile`` measurement, in this process with
@@ -50,6 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import throughput  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 from example_runs import save_report  # noqa: E402
+import torch_pipe  # noqa: E402
+from petra_ds.perf.torch_programs import UnsupportedMicroBatches, rank_actions  # noqa: E402
 from petra_ds.pipeline.partition import LayerCost, balanced_parts, stage_costs  # noqa: E402
 
 MIB = 2 ** 20
@@ -157,10 +162,24 @@ def ceiling_under(cap: float, petra: dict[str, dict], best_cuts: dict[str, dict]
 
 def above_every_cap(rounds: dict[str, dict[tuple, list[dict]]], cap_configs: list[tuple]) -> set[tuple[str, tuple]]:
     """(schedule, configuration) of each peer configuration whose first round peaked above PETRA's peak in every
-    configuration of ``cap_configs``: no cap can choose it."""
+    configuration of ``cap_configs`` (no cap can choose it), except each peer's fastest in that round (the
+    choice under no cap may)."""
     largest = max(rounds["petra"][c][0]["peak"] for c in cap_configs)
+    fastest = {s: max(per_config, key=lambda c: per_config[c][0]["samples_per_s"]) for s, per_config in rounds.items()}
     return {(s, c) for s, per_config in rounds.items() if s != "petra"
-            for c, rs in per_config.items() if rs[0]["peak"] > largest}
+            for c, rs in per_config.items() if rs[0]["peak"] > largest and c != fastest[s]}
+
+
+def refusal(schedule: str, ranks: int, k: int) -> str | None:
+    """Why torch's ``schedule`` does not run ``k`` micro-batches on ``ranks`` ranks, or None if it does (PETRA
+    and DeepSpeed's schedules run any k)."""
+    if schedule not in torch_pipe.VARIANTS:
+        return None
+    try:
+        rank_actions(schedule, ranks, k)
+    except UnsupportedMicroBatches as e:
+        return str(e)
+    return None
 
 
 def best_under(cap: float, configs: dict[str, dict]) -> dict | None:
@@ -206,7 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     grid = [(b, p, g) for g in args.grains for p in args.partitions for b in args.micro_batch_sizes]
-    rounds: dict[str, dict[tuple, list[dict]]] = {s: {bpg: [] for bpg in grid} for s in args.schedules}
+    refused = {s: {label(*bpg): why for bpg in grid if (why := refusal(s, args.stages, args.global_batch // bpg[0]))}
+               for s in args.schedules}
+    rounds: dict[str, dict[tuple, list[dict]]] = {s: {bpg: [] for bpg in grid if label(*bpg) not in refused[s]}
+                                                  for s in args.schedules}
     cap_configs = [(b, args.partitions[0], args.grains[0]) for b in args.micro_batch_sizes]
     skip: set[tuple[str, tuple]] = set()
     costs: dict[tuple, list[list[LayerCost]]] = {(b, g): [] for g in args.grains for b in args.micro_batch_sizes}
@@ -214,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
         for b, grain in costs:
             costs[b, grain].append(measure_layer_costs(args, b, grain))
         for b, partition, grain in grid:
-            schedules = [s for s in args.schedules if (s, (b, partition, grain)) not in skip]
+            schedules = [s for s in args.schedules if (b, partition, grain) in rounds[s]
+                         and (s, (b, partition, grain)) not in skip]
             print(f"round {r + 1}/{args.rounds}, micro-batch {b}, k = {args.global_batch // b}, partition {partition}, "
                   f"grain {grain}: {' '.join(schedules)}", flush=True)
             for schedule, result in run(args, b, partition, grain, schedules).items():
@@ -232,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = [{"cap": cap, "petra_micro_batch": b, **choice(cap, configs, best_cuts)} for b, cap in caps.items()]
     unconstrained = choice(math.inf, configs, best_cuts)
     report = {"command": "python benchmarks/memory_capped.py " + " ".join(argv), "device": throughput.device_name(),
-              "torch": torch.__version__, "args": vars(args), "configs": configs, "best_cuts": best_cuts, "caps": table,
+              "torch": torch.__version__, "args": vars(args), "configs": configs, "refused": refused, "best_cuts": best_cuts, "caps": table,
               "unconstrained": unconstrained}
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     output = args.output or os.path.join("runs", "benchmarks", f"memory_capped_{args.model}_{tag}.json")
@@ -240,6 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
     for row in table:
         print(f"cap {row['cap'] / MIB:.2f} MiB (PETRA's peak at micro-batch {row['petra_micro_batch']}):")
         print_choice(row)
+    for s, why in refused.items():
+        if why:
+            print(f"{s} not run at micro-batch {', '.join(why)}: torch refuses k (e.g. {next(iter(why.values()))})")
     print("no cap (each schedule's fastest configuration; one timed once has one round):")
     print_choice(unconstrained, "fastest peer")
     print(f"saved {output}")

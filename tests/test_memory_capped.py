@@ -70,14 +70,27 @@ def test_petras_compute_bound_is_its_slowest_stage_at_the_cut_and_the_best_fitti
     assert "ceiling" not in bench.choice(160, {"petra": petra, "1f1b": peer})
 
 
-def test_a_peer_configuration_above_every_cap_is_left_out_after_round_one():
+def test_a_peer_configuration_above_every_cap_is_left_out_after_round_one_unless_its_fastest():
     bench = load_benchmark("memory_capped")
-    rounds = {"petra": {(4, "default", "block"): [{"peak": 100}], (8, "default", "block"): [{"peak": 180}],
-                        (8, "profile", "block"): [{"peak": 500}]},
-              "1f1b": {(4, "default", "block"): [{"peak": 180}], (8, "default", "block"): [{"peak": 181}],
-                       (8, "profile", "block"): [{"peak": 120}]}}
+    rounds = {"petra": {(4, "default", "block"): [{"peak": 100, "samples_per_s": 5.0}],
+                        (8, "default", "block"): [{"peak": 180, "samples_per_s": 6.0}],
+                        (8, "profile", "block"): [{"peak": 500, "samples_per_s": 7.0}]},
+              "1f1b": {(4, "default", "block"): [{"peak": 180, "samples_per_s": 5.0}],
+                       (8, "default", "block"): [{"peak": 181, "samples_per_s": 6.0}],
+                       (8, "profile", "block"): [{"peak": 120, "samples_per_s": 4.0}]},
+              "torch_dualpipev": {(4, "default", "block"): [{"peak": 300, "samples_per_s": 5.0}],
+                                  (8, "default", "block"): [{"peak": 400, "samples_per_s": 8.0}]}}
     caps = [(4, "default", "block"), (8, "default", "block")]  # PETRA's profiled peak is not a cap
-    assert bench.above_every_cap(rounds, caps) == {("1f1b", (8, "default", "block"))}
+    # 1F1B's (8, default) fits no cap but is its fastest: the choice under no cap needs all its rounds
+    assert bench.above_every_cap(rounds, caps) == {("torch_dualpipev", (4, "default", "block"))}
+
+
+def test_a_micro_batch_count_torch_refuses_is_not_run():
+    bench = load_benchmark("memory_capped")
+    assert "DualPipeV" in bench.refusal("torch_dualpipev", 2, 2)  # it needs k >= 2 x ranks
+    assert bench.refusal("torch_dualpipev", 2, 4) is None
+    assert bench.refusal("torch_zbv", 2, 2) is None
+    assert bench.refusal("petra", 2, 1) is None and bench.refusal("1f1b", 2, 1) is None
 
 
 def test_arguments_that_cannot_keep_the_global_batch_are_refused(capsys):

@@ -34,8 +34,9 @@ out messages, the optimizer step and the engine, so it estimates what a PETRA cl
 reach; it is not a proof (layers timed alone, one at a time, on an idle core). Each PETRA configuration gets
 the bound of the cut it ran and its fraction of it; each cap, the best bound of the PETRA configurations that
 fit, and the bound at the best cut of the sizes that fit (that cut's peak is known only where a searched
-configuration ran it), each over the fastest fitting peer. Writes ``runs/benchmarks/memory_capped_<model>_<device>.json``
-(``--output`` to choose) and prints the table.
+configuration ran it), each over the fastest fitting peer.
+
+Writes ``runs/benchmarks/memory_capped_<model>_<device>.json`` (``--output`` to choose) and prints the table.
 """
 
 from __future__ import annotations
@@ -255,8 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     table = [{"cap": cap, "petra_micro_batch": b, **choice(cap, configs, best_cuts)} for b, cap in caps.items()]
     unconstrained = choice(math.inf, configs, best_cuts)
     report = {"command": "python benchmarks/memory_capped.py " + " ".join(argv), "device": throughput.device_name(),
-              "torch": torch.__version__, "args": vars(args), "configs": configs, "refused": refused, "best_cuts": best_cuts, "caps": table,
-              "unconstrained": unconstrained}
+              "torch": torch.__version__, "args": vars(args), "configs": configs, "refused": refused,
+              "best_cuts": best_cuts, "caps": table, "unconstrained": unconstrained}
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     output = args.output or os.path.join("runs", "benchmarks", f"memory_capped_{args.model}_{tag}.json")
     save_report(output, report)

@@ -117,7 +117,7 @@ def compute_bound(costs: list[LayerCost], micro_batch_size: int, parts: list[int
     return micro_batch_size / max(stage_costs(costs, parts))
 
 
-def measure_layer_costs(args: argparse.Namespace, b: int, grain: str) -> list[LayerCost]:
+def layer_costs_at(args: argparse.Namespace, b: int, grain: str) -> list[LayerCost]:
     """The layers' costs at micro-batch size ``b`` and ``grain``, measured now in this process (throughput.py's
     measurement for ``--partition profile``)."""
     layers = [] if grain == "block" else ["--grain", grain]
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     costs: dict[tuple, list[list[LayerCost]]] = {(b, g): [] for g in args.grains for b in args.micro_batch_sizes}
     for r in range(args.rounds):
         for b, grain in costs:
-            costs[b, grain].append(measure_layer_costs(args, b, grain))
+            costs[b, grain].append(layer_costs_at(args, b, grain))
         for b, partition, grain in grid:
             schedules = [s for s in args.schedules if (b, partition, grain) in rounds[s]
                          and (s, (b, partition, grain)) not in skip]

@@ -393,7 +393,7 @@ def petra_buffer_peak(engine, params):
                 self.most = max(self.most, sum(held[c] for c in BUFFER_CATEGORIES))
 
         def stop(self) -> int:
-            engine.observers.remove(self)
+            engine.unobserve(self)
             return self.most
 
     return engine.observe(BufferPeak())
@@ -445,7 +445,7 @@ def stage_costs(engine, data) -> dict:
 
     inputs = engine.observe(Inputs())
     engine.train_batch(data)
-    engine.observers.remove(inputs)
+    engine.unobserve(inputs)
     x, labels = inputs.seen[0]
     costs = measure_stage_costs(stage.run, x, [p for p in stage.params if p.requires_grad],
                                 loss_fn=stage.loss_fn if stage.is_last else None, labels=labels,

@@ -23,6 +23,12 @@ THIRD_PARTY = {
              "that its process groups end before the interpreter's teardown (DeepSpeed has no reset)",
     "_dynamo": "torch._dynamo.config.disable: DeepSpeed's Muon kernel runs eagerly on CPU instead of a torch.compile "
                "build (the only switch besides TORCHDYNAMO_DISABLE before torch is imported)",
+    "_foreach_abs": "torch's multi-tensor ops (what torch's own optimizers and clip_grad_norm_ use): one fused op "
+                    "per list of tensors instead of one per tensor",
+    "_foreach_max": "torch's multi-tensor maximum, see _foreach_abs",
+    "_foreach_norm": "torch's multi-tensor norm, see _foreach_abs",
+    "_profiler_enabled": "torch.autograd._profiler_enabled(): whether a torch.profiler is recording, so that the "
+                         "engine labels each instruction only then (torch has no public query)",
     "_attn_implementation": "Hugging Face's config field naming the attention kernel: from_pretrained sets it on a "
                             "plain model's config, a config has no public setter",
     "_no_split_modules": "Hugging Face's per-model list whose first entry names its decoder layer class: the one "

@@ -20,6 +20,7 @@ from torch import nn
 
 import petra_ds
 from petra_ds.nn import AdditiveCoupling, Reversible, ReversibilityError, check_reversible
+from petra_ds.runtime.observe import Observer
 from petra_ds.schedule import backward_micro_batch, forward_micro_batch
 from petra_ds.tools.toy import CLASSES, IN_FEATURES, toy_data, toy_layer_specs
 
@@ -113,12 +114,13 @@ class Head(nn.Linear):
         return super().forward(torch.tanh(x))
 
 
-def engine_with(middle: LayerSpec, petra: dict | None = None, specs: list | None = None, stages: int = J):
+def engine_with(middle: LayerSpec, petra: dict | None = None, specs: list | None = None, stages: int = J,
+                optimizer: dict | None = None):
     model = petra_ds.PetraPipelineModule(
         specs or [LayerSpec(Carry), middle, LayerSpec(Head)], topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
         loss_fn=nn.CrossEntropyLoss(), stages_per_rank=stages, partition_method="uniform", base_seed=1234)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": K, "steps_per_print": 10**9,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+              "optimizer": optimizer or {"type": "SGD", "params": {"lr": 0.01}},
               "petra": {"stages_per_rank": stages, **(petra or {})}}
     engine, *_ = petra_ds.initialize(model=model, config=config)
     return engine
@@ -266,10 +268,10 @@ def magnitude_by_definition(tensors) -> float:
 
 
 @pytest.mark.parametrize("case", ["negative", "positive", "+inf", "-inf", "nan and inf", "bf16 and a scalar"])
-def test_largest_magnitude_is_max_abs_over_every_element(case):
-    """The watch's one scalar per value (read from each tensor's minimum and maximum) against max |x| written
-    out, for the values whose sign or special value the min/max reading must not lose."""
-    from petra_ds.runtime.finite import gradients_finite, largest_magnitude
+def test_max_abs_each_is_max_abs_over_every_element_of_each_tensor(case):
+    """The watch's one scalar per tensor (one fused reduction over all of them) against max |x| written out,
+    for the values whose sign or special value the reduction must not lose."""
+    from petra_ds.runtime.finite import max_abs_each
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(7, 5, generator=g), torch.randn(300, generator=g)]
@@ -285,9 +287,52 @@ def test_largest_magnitude_is_max_abs_over_every_element(case):
         tensors[0][1, 1], tensors[1][0] = float("inf"), float("nan")
     else:
         tensors = [tensors[0].bfloat16() * -9, torch.tensor(-100.0)]
-    got, want = float(largest_magnitude(tensors)), magnitude_by_definition(tensors)
-    assert (math.isnan(got) and math.isnan(want)) or got == want
-    params = [nn.Parameter(torch.zeros_like(t, dtype=torch.float32)) for t in tensors]
-    for p, t in zip(params, tensors):
-        p.grad = t.float()
-    assert gradients_finite(params, "here", "skip", lambda: None) == math.isfinite(want)
+    got = max_abs_each(tensors)
+    assert got.dtype == torch.float32 and got.shape == (len(tensors),)
+    for value, t in zip(got.tolist(), tensors):
+        want = magnitude_by_definition([t])
+        assert (math.isnan(value) and math.isnan(want)) or value == want
+
+
+class StepWatch(Observer):
+    """Stage 1's parameters and optimizer step counts around each of its steps."""
+
+    def __init__(self) -> None:
+        self.before, self.after = {}, {}
+
+    @staticmethod
+    def _state(engine):
+        optimizer = engine.stage_optimizers[1]
+        counts = [float(optimizer.state[p]["step"]) for p in engine.stages[1].params if "step" in optimizer.state[p]]
+        return [p.detach().clone() for p in engine.stages[1].params], counts
+
+    def before_step(self, engine, stage, step):
+        if stage == 1:
+            self.before[step] = self._state(engine)
+
+    def after_step(self, engine, stage, step):
+        if stage == 1:
+            self.after[step] = self._state(engine)
+
+
+@pytest.mark.parametrize("optimizer", [{"type": "SGD", "params": {"lr": 0.01, "fused": True}},
+                                       {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True, "fused": True}},
+                                       {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}}])
+def test_a_step_with_a_non_finite_gradient_is_skipped_and_named_after_the_window(world_of_one, optimizer):
+    """Under "skip" a NaN gradient's step is skipped: on the device by a fused optimizer (``found_inf``, no host
+    read), by a host read otherwise; the window's read names it. Stage 1's parameters and its optimizer's step
+    counts are exactly as before that step; its other steps move them."""
+    from petra_ds.runtime.finite import skips_on_device
+
+    engine = engine_with(LayerSpec(Poison, "output"), petra={"non_finite": "skip"}, optimizer=optimizer)
+    assert skips_on_device(engine.stage_optimizers[1]) == bool(optimizer["params"].get("fused"))
+    watch = engine.observe(StepWatch())
+    train(engine, data())
+    skipped = [step for stage, step in engine.skipped_steps if stage == 1]
+    assert skipped == [(MARKED // K) + 1], engine.skipped_steps
+    for step, (params, counts) in watch.after.items():
+        moved = not all(torch.equal(a, b) for a, b in zip(watch.before[step][0], params))
+        assert moved == (step not in skipped), step
+        if watch.before[step][1]:  # the optimizer's state exists from its first step on
+            assert counts == [c + (step not in skipped) for c in watch.before[step][1]]
+    assert all(bool(p.isfinite().all()) for p in engine.module.parameters())

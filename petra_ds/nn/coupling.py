@@ -33,6 +33,12 @@ def _leaf(t: Tensor) -> Tensor:
     return t.detach().requires_grad_()
 
 
+def _undo(y: Tensor, residual: Tensor) -> Tensor:
+    """``y - residual`` in ``y``'s dtype, outside any graph (no detached views needed)."""
+    with torch.no_grad():
+        return y - residual.to(y.dtype)
+
+
 class AdditiveCoupling(Reversible):
     """``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``."""
 
@@ -67,10 +73,10 @@ class AdditiveCoupling(Reversible):
         with torch.enable_grad():
             y1_leaf = _leaf(y1)
             g = self._g(y1_leaf)
-            x2_leaf = _leaf(y2.detach() - g.detach().to(y2.dtype))
+        x2_leaf = _undo(y2, g).requires_grad_()
+        with torch.enable_grad():
             f = self._f(x2_leaf)
-        x1 = y1.detach() - f.detach().to(y1.dtype)
-        return (x1, x2_leaf.detach()), _AdditiveTape(y1_leaf, g, x2_leaf, f)
+        return (_undo(y1, f), x2_leaf.detach()), _AdditiveTape(y1_leaf, g, x2_leaf, f)
 
 
 class _AdditiveTape(Tape):
@@ -111,8 +117,7 @@ class SwapCoupling(Reversible):
         with torch.enable_grad():
             x2_leaf = _leaf(y1)
             f = self._f(x2_leaf)
-        x1 = y2.detach() - f.detach().to(y2.dtype)
-        return (x1, y1.detach()), _SwapTape(x2_leaf, f)
+        return (_undo(y2, f), y1.detach()), _SwapTape(x2_leaf, f)
 
 
 class _SwapTape(Tape):
@@ -166,8 +171,7 @@ class HalfCoupling(Reversible):
         with torch.enable_grad():
             xb_leaf = _leaf(yb)
             f = self._f(xb_leaf)
-        xa = ya.detach() - f.detach().to(ya.dtype)
-        return self._pair(xa, xb_leaf.detach()), _HalfTape(xb_leaf, f, self._pair)
+        return self._pair(_undo(ya, f), yb.detach()), _HalfTape(xb_leaf, f, self._pair)
 
 
 class _HalfTape(Tape):

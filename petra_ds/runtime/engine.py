@@ -26,9 +26,9 @@ from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, EvalForwa
                         Timeline, Window, channels)
 from . import checkpoint, messages
 from .config import PetraConfig, check_stages_per_rank
-from .finite import FiniteWatch, gradients_finite
+from .finite import FiniteWatch, skips_on_device
 from .memory import memory_report
-from .observe import Callbacks, Holdings, Observer
+from .observe import Callbacks, Holdings, Observer, hook_table
 from .optimizers import StageOptimizers, StageSchedulers, single_or_combined, stage_optimizers, stage_schedulers
 from .stage import Stage, StageOptions
 from .transport import Transport
@@ -60,6 +60,9 @@ class PetraEngine(PipelineEngine):
         #: what the stages read and make, checked for NaN / Inf on the device, read once per window
         self.finite = FiniteWatch(lambda: self.clock_now, self.local_stage_ids, self.num_petra_stages,
                                   check_finite=petra_config.check_finite, non_finite=petra_config.non_finite)
+        #: (stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``), as the windows'
+        #: reads found them (the watch's own list)
+        self.skipped_steps: list[tuple[int, int]] = self.finite.skipped_steps
         for j in self.local_stage_ids:
             last = j == self.num_petra_stages - 1
             stage = Stage(j, self.num_petra_stages, stage_layers(module, j), options,
@@ -77,7 +80,7 @@ class PetraEngine(PipelineEngine):
         self.inbox: dict[channels.Key, tuple] = {}
         self._outbox: dict[int, dict[channels.Key, tuple]] = {j: {} for j in self.local_stage_ids}
         self._loaded: dict[int, tuple[Any, Any]] = {}  # stage 0's micro-batches read, not yet run
-        self.clock_now, self._window_losses, self._data = 0, [], None
+        self.clock_now, self._window_losses, self._data, self._window_loss = 0, [], None, math.nan
         #: every message and collective of this rank (``PETRA_DS_COMM_TRACE=<dir>`` records them)
         self.transport = Transport(rank=self.global_rank, device=self.device, local_stages=self.local_stage_ids,
                                    stage_rank=self.stage_rank, clock=lambda: self.clock_now)
@@ -85,18 +88,28 @@ class PetraEngine(PipelineEngine):
         self._eval: dict[str, Any] | None = None  # an eval_batch call's options and results
         self._callbacks = Callbacks()
         #: what watches the clocks (``observe``); the gradient-quality study is one of them when enabled
-        self.observers: list[Observer] = [self._callbacks]
+        self._observers: tuple[Observer, ...] = (self._callbacks,)
+        self._hooks = hook_table(self._observers)
         self.gradient_quality: Observer | None = None
-        #: (stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``)
-        self.skipped_steps: list[tuple[int, int]] = []
         self._configure_python_gc()
 
     # --- observers ---
 
     def observe(self, observer: Observer) -> Observer:
         """Call ``observer``'s hooks from now on (see :mod:`petra_ds.runtime.observe`); returns it."""
-        self.observers.append(observer)
+        self._observers += (observer,)
+        self._hooks = hook_table(self._observers)
         return observer
+
+    def unobserve(self, observer: Observer) -> None:
+        """Stop calling ``observer``'s hooks."""
+        self._observers = tuple(o for o in self._observers if o is not observer)
+        self._hooks = hook_table(self._observers)
+
+    @property
+    def observers(self) -> tuple[Observer, ...]:
+        """The registered observers, in the order their hooks run (``observe`` / ``unobserve`` change it)."""
+        return self._observers
 
     @property
     def step_observers(self) -> list:
@@ -109,8 +122,8 @@ class PetraEngine(PipelineEngine):
         return self._callbacks.clocks
 
     def _notify(self, hook: str, *args: Any) -> None:
-        for observer in self.observers:
-            getattr(observer, hook)(self, *args)
+        for method in self._hooks[hook]:
+            method(self, *args)
 
     def holdings(self, stage: int) -> Holdings:
         """What ``stage`` keeps alive now beyond its model and optimizer (a read-only view)."""
@@ -163,8 +176,8 @@ class PetraEngine(PipelineEngine):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.agg_train_loss = loss
-        if self.global_rank == 0 and self.monitor.enabled and not math.isnan(loss.item()):
-            self.monitor.write_events([("Train/Samples/train_loss", loss.item(), self.global_samples)])
+        if self.global_rank == 0 and self.monitor.enabled and not math.isnan(self._window_loss):
+            self.monitor.write_events([("Train/Samples/train_loss", self._window_loss, self.global_samples)])
         return loss
 
     def drain(self) -> Tensor:
@@ -215,12 +228,20 @@ class PetraEngine(PipelineEngine):
             window, self.pipeline_ranks, self.stage_id, stages_per_rank=self.stages_per_rank,
             gradient_accumulation_steps=self.micro_batches, reversible=self.reversible,
             input_buffer=self.petra_config.input_buffer, ties=self.ties.specs()))
-        self.finite.check()
-        self.timeline.advance(window)
         loss = self._reduce_loss(self._window_losses)
+        self._read_window(loss)
+        self.timeline.advance(window)
         self._notify("window_end", window)
         self.transport.save_trace()
         return loss
+
+    def _read_window(self, loss: Tensor) -> None:
+        """The window's one host transfer: the loss (kept for the monitor) and every non-finite check of the
+        window; raises for the first non-finite value (``non_finite: "raise"``) or logs it."""
+        checks = self.finite.take()
+        values = (loss.reshape(1) if checks is None else torch.cat([loss.reshape(1).float(), checks])).tolist()
+        self._window_loss = values[0]
+        self.finite.raise_or_log(None if checks is None else self.finite.report(values[1:]))
 
     def _exec(self, schedule: PetraSchedule | EvalSchedule) -> None:
         """DeepSpeed's instruction loop, one clock per step. Training clocks tell the observers where the
@@ -229,14 +250,25 @@ class PetraEngine(PipelineEngine):
         start = schedule.start_clock if training else 0
         for clock, cmds in enumerate(schedule, start=start):
             self.clock_now = clock
+            watched = bool(self._hooks["before_instruction"] or self._hooks["after_instruction"])
+            labelled = torch.autograd._profiler_enabled()
             for i, cmd in enumerate(cmds):
                 if training and i == cmds.forwards_end:
                     self._notify("forwards_done", clock)
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
-                handler(self, cmd)
+                if watched:
+                    self._notify("before_instruction", cmd)
+                if labelled:  # a trace shows each instruction as one labelled range
+                    with torch.profiler.record_function(f"petra {cmd!r}"):
+                        handler(self, cmd)
+                else:
+                    handler(self, cmd)
+                if watched:
+                    self._notify("after_instruction", cmd)
             if training:
+                self.finite.flush()
                 self._notify("clock_end", clock)
                 if cmds.forwards_end == len(cmds):
                     self._notify("forwards_done", clock)
@@ -328,14 +360,21 @@ class PetraEngine(PipelineEngine):
                                                  self.grid.get_data_parallel_group(),
                                                  f"the data-parallel reduction of stage {stage}")
         self._outbox[stage].update(self.ties.gradients(stage, step, lambda key: self.inbox.pop(key, None)))
-        finite = gradients_finite(params, f"stage {stage}, optimizer step {step}, clock {self.clock_now}",
-                                  self.petra_config.non_finite, self.finite.check)
-        if not finite:
-            self.skipped_steps.append((stage, step))
-        if finite and self.gradient_clipping() > 0:
-            torch.nn.utils.clip_grad_norm_(st.stepped, self.gradient_clipping())
+        grads = [p.grad for p in st.stepped]
+        norm = None
+        if self.gradient_clipping() > 0:  # its total norm is the step's finite check
+            self.finite.flush_gradients()
+            norm = torch.nn.utils.clip_grad_norm_(st.stepped, self.gradient_clipping())
+        found_inf = self.finite.step(stage, step, st.last_micro_batch, grads, norm)
+        on_device = optimizer is not None and skips_on_device(optimizer)
+        # a host read, only for an optimizer that cannot skip on the device
+        finite = found_inf is None or on_device or not bool(found_inf)
+        if not finite and self.petra_config.non_finite == "raise":
+            self.finite.check()
         self._notify("before_step", stage, step)
         if optimizer is not None and finite:
+            if on_device:
+                optimizer.found_inf = found_inf
             st.compensation.step(optimizer.step, optimizer, step)
         self._notify("after_step", stage, step)
         for p in params:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature

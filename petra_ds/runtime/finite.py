@@ -3,10 +3,13 @@ reconstruction, a loss or a gradient, with its stage, micro-batch and clock, and
 
 Met later, a NaN is misread: a round trip through it fails for any inverse, a loss through it sends the
 user to the loss. So each stage checks what it reads and makes, where it makes it (``Stage`` calls the
-watch). The checks stay on the device: one scalar per value, max |x|, which is NaN if the value holds a
-NaN and Inf if it holds an Inf. The host reads them in one transfer per ``train_batch`` window, where the
-engine synchronises for the loss anyway, and earlier only when an optimizer step's gradient check, which
-synchronises already, finds a non-finite gradient. No host-device synchronisation is added per clock.
+watch). The checks stay on the device: one scalar per tensor, max |x|, which is NaN if the tensor holds a NaN and
+Inf if it holds an Inf, reduced in one fused reduction per clock and step. The host reads them once per
+``train_batch`` window, in the transfer that reads the window's loss. An optimizer step is guarded without
+the host: its gradients' check is a device flag, and an optimizer that can skip on the device (torch's fused
+ones, ``skips_on_device``) is handed it as ``found_inf``; any other optimizer makes the engine read the flag
+(one host synchronisation per step). So no step applies a non-finite gradient, and the value that went
+non-finite first is named, with its stage, micro-batch and clock, at the end of the window.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ _CHECK = {
                       "with the weights as they are now overflowed. Lower the learning rate, try "
                       '"delay_compensation": "weight_prediction", or keep this stage\'s inputs '
                       '("input_buffer": "all")',
+    "step": "No earlier NaN or Inf was seen on this rank: it came in with the data-parallel average or a tied "
+            "weight's gradient (another rank's NonFiniteError names its origin), or \"check_finite\" is off",
     "gradient": 'Check the learning rate, the scale of the loss (a sum where a mean was meant), "gradient_clipping" '
                 "and, under bf16, mixed precision",
 }
@@ -52,12 +57,14 @@ class Sighting:
     clock: int
     #: the stage, on another rank, whose message this value was computed from (None: this rank's own)
     sender: int | None = None
+    #: the optimizer step whose gradients these are (None: a value of one micro-batch)
+    step: int | None = None
 
     def message(self, value: str) -> str:
         """The error's text for this value holding ``value`` ("NaN" or "Inf")."""
         where = f"stage {self.stage}, micro-batch {self.micro_batch}, clock {self.clock}"
-        text = f"non-finite {self.kind} at {where}: {value} in {self.what}. " \
-               f"{_CHECK[self.kind].format(stage=self.stage)}."
+        hint = _CHECK["step" if self.step is not None else self.kind].format(stage=self.stage)
+        text = f"non-finite {self.kind} at {where}: {value} in {self.what}. {hint}."
         if self.sender is not None:
             text += (f" What it was computed from came from stage {self.sender}, on another rank: if that rank "
                      "stopped with a NonFiniteError too, its message names where this began.")
@@ -65,25 +72,30 @@ class Sighting:
 
 
 def float_tensors(values: Any) -> list[Tensor]:
-    """The non-empty floating-point tensors inside ``values`` (nested), detached."""
-    return [t.detach() for t in tensors_in(values) if t.is_floating_point() and t.numel()]
+    """The non-empty floating-point tensors inside ``values`` (nested), as they are: they are only reduced,
+    under ``no_grad``, so no detached view (one more op per tensor) is made."""
+    return [t for t in tensors_in(values) if t.is_floating_point() and t.numel()]
 
 
-def largest_magnitude(tensors: Sequence[Tensor]) -> Tensor:
-    """max |x| over ``tensors``, one float32 scalar on their device: NaN if one holds a NaN, else Inf if one
-    holds an Inf. Reductions only, no host synchronisation. Read from each tensor's minimum and maximum
-    (max |x| = max(max x, -min x), NaN kept): one vectorised pass, where the inf-norm is a scalar loop on CPU
-    (10x slower on a stage's gradients; 3-6% of PETRA's RevGPT throughput on 2 CPU ranks)."""
+def max_abs_each(tensors: Sequence[Tensor]) -> Tensor:
+    """max |x| of each tensor, as one float32 vector on the first non-CPU device among them (else the CPU):
+    NaN where a tensor holds a NaN, else Inf where it holds an Inf. One fused reduction per device, whatever
+    the number of tensors, and no host synchronisation. On CUDA the foreach infinity norm (one pass of
+    multi-tensor kernels); on the CPU, where that norm is a scalar loop 10x slower than a vectorised one,
+    the foreach maximum of the foreach absolute values."""
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    target = next((d for d in by_device if d.type != "cpu"), next(iter(by_device), torch.device("cpu")))
+    parts = []
     with torch.no_grad():
-        ends = _stack([torch.stack(torch.aminmax(t)).float() for t in tensors])
-        return torch.maximum(ends.amax(), -ends.amin())
-
-
-def _stack(values: Sequence[Tensor]) -> Tensor:
-    """The values as one tensor (stacked on a new first dimension), on a GPU if one of them is on it (a data
-    dict can stay on the host)."""
-    device = next((v.device for v in values if v.device.type != "cpu"), values[0].device)
-    return torch.stack([v.to(device) for v in values])
+        for device, group in by_device.items():
+            if device.type == "cpu":
+                maxima = torch.stack(torch._foreach_max(torch._foreach_abs(group))).float()
+            else:
+                maxima = torch.stack(torch._foreach_norm(group, math.inf, dtype=torch.float32))
+            parts.append(maxima.to(target, non_blocking=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class FiniteWatch:
@@ -91,7 +103,12 @@ class FiniteWatch:
 
     ``check_finite`` (the ``"petra"`` key) checks micro-batches, activations, reconstructions and gradients;
     losses are checked as well whenever ``non_finite`` is "raise" (what that key promised before this
-    watch existed). ``clock`` returns the engine's clock now; ``local_stages`` are this rank's stages."""
+    watch existed), and every optimizer step's gradients always. ``clock`` returns the engine's clock now;
+    ``local_stages`` are this rank's stages.
+
+    What the stages report waits, by reference, until :meth:`flush` reduces all of it in one fused reduction
+    (the engine flushes before each step and at the end of each clock): a handful of kernels per clock
+    instead of a few per value and tensor."""
 
     def __init__(self, clock: Callable[[], int], local_stages: Iterable[int], num_stages: int, *,
                  check_finite: bool = True, non_finite: str = "raise") -> None:
@@ -100,8 +117,12 @@ class FiniteWatch:
         self._num_stages = num_stages
         self.check_finite = check_finite
         self.non_finite = non_finite
-        self._seen: list[Sighting] = []
-        self._largest: list[Tensor] = []  # device scalars, one per entry of _seen
+        self._seen: list[Sighting] = []  # one per tensor reduced, in the order of _maxima's entries
+        self._maxima: list[Tensor] = []  # device vectors, one per flush
+        self._pending: list[tuple[Sighting, Tensor]] = []
+        self._gradients_pending = False  # whether _pending holds gradients that a step will rewrite
+        #: (stage, step) of the optimizer steps skipped for non-finite gradients, as the reads found them
+        self.skipped_steps: list[tuple[int, int]] = []
 
     @classmethod
     def off(cls) -> "FiniteWatch":
@@ -122,7 +143,7 @@ class FiniteWatch:
     def loss(self, stage: int, m: int, loss: Tensor) -> None:
         """The last stage's loss (also with ``check_finite`` off, under ``non_finite: "raise"``)."""
         if self.check_finite or self.non_finite == "raise":
-            self._record("loss", "the loss", stage, m, loss, sender=stage - 1)
+            self._record(self._sighting("loss", "the loss", stage, m, stage - 1), loss)
 
     def reconstruction(self, stage: int, m: int, x: Any) -> None:
         """The input a reversible stage rebuilt by inverting its layers (it sends it upstream)."""
@@ -133,41 +154,93 @@ class FiniteWatch:
         earlier check would have seen them) and the input gradient a stage other than 0 sends upstream."""
         grads = [p.grad for p in params if p.grad is not None]
         self._see("gradient", "the gradient of its parameters", stage, m, grads, sender=stage + 1)
+        self._gradients_pending = self._gradients_pending or (self.check_finite and bool(grads))
         if stage > 0:
             self._see("gradient", f"the input gradient it sends to stage {stage - 1}", stage, m, dx,
                       sender=stage + 1)
 
+    def step(self, stage: int, step: int, m: int, grads: Sequence[Tensor], norm: Tensor | None = None) -> Tensor | None:
+        """Before optimizer step ``step`` of ``stage`` (``m``: its last micro-batch): 1.0 where a gradient it is
+        about to apply (data-parallel average and tied weights' gradients included) holds a NaN or Inf, else
+        0.0, as a float32 device scalar (torch's ``found_inf``); None without gradients. ``norm``: their total
+        norm, already computed (gradient clipping), which is non-finite exactly then (or, in the way
+        ``GradScaler`` and DeepSpeed read an overflow, where the squares overflow). Checked whatever
+        ``check_finite`` says: it guards the step."""
+        grads = float_tensors(grads)
+        if not grads:
+            return None
+        self.flush_gradients()
+        value = max_abs_each(grads).amax() if norm is None else norm.float()
+        sighting = Sighting("gradient", f"the gradients of its optimizer step {step}", stage, m, self._clock(),
+                            step=step)
+        self._pending.append((sighting, value))
+        with torch.no_grad():
+            return torch.nan_to_num(value * 0, nan=1.0)
+
+    def flush_gradients(self) -> None:
+        """Flush before a step rewrites the gradients that backwards reported."""
+        if self._gradients_pending:
+            self.flush()
+
     def _see(self, kind: str, what: str, stage: int, m: int, values: Any, sender: int | None = None) -> None:
         if self.check_finite:
-            self._record(kind, what, stage, m, values, sender)
+            self._record(self._sighting(kind, what, stage, m, sender), values)
 
-    def _record(self, kind: str, what: str, stage: int, m: int, values: Any, sender: int | None = None) -> None:
-        tensors = float_tensors(values)
-        if not tensors:
-            return
+    def _sighting(self, kind: str, what: str, stage: int, m: int, sender: int | None) -> Sighting:
         remote = sender is not None and 0 <= sender < self._num_stages and sender not in self._local
-        self._seen.append(Sighting(kind, what, stage, m, self._clock(), sender if remote else None))
-        self._largest.append(largest_magnitude(tensors))
+        return Sighting(kind, what, stage, m, self._clock(), sender if remote else None)
+
+    def _record(self, sighting: Sighting, values: Any) -> None:
+        for t in float_tensors(values):
+            self._pending.append((sighting, t))
+
+    def flush(self) -> None:
+        """Reduce what was reported since the last flush to one max |x| per tensor, on the device. The values
+        must not change before their flush: the engine flushes before a step rewrites the gradients."""
+        self._gradients_pending = False
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self._maxima.append(max_abs_each([t for _, t in pending]))
+        self._seen.extend(s for s, _ in pending)
 
     # --- what the engine reads ---
 
-    def first(self) -> tuple[Sighting, str] | None:
-        """The first value recorded since the last read that holds a NaN or Inf, with "NaN" or "Inf"; None if
-        every one is finite. One host synchronisation; the records are forgotten."""
-        seen, largest = self._seen, self._largest
-        self._seen, self._largest = [], []
-        if not seen:
+    def take(self) -> Tensor | None:
+        """Everything recorded since the last read, reduced, as one float32 device vector (None if nothing
+        was): the engine reads it in the transfer that reads the window's loss, and hands it to :meth:`report`."""
+        self.flush()
+        if not self._maxima:
             return None
-        for sighting, value in zip(seen, _stack(largest).tolist()):
+        return self._maxima[0] if len(self._maxima) == 1 else torch.cat(self._maxima)
+
+    def report(self, values: Sequence[float]) -> tuple[Sighting, str] | None:
+        """Given the host values of :meth:`take`'s vector: note the skipped steps, forget the records, and
+        return the first value that holds a NaN or Inf, with "NaN" or "Inf" (None if all are finite)."""
+        seen = self._seen
+        self._seen, self._maxima = [], []
+        found, skipped = None, []
+        for sighting, value in zip(seen, values):
             if not math.isfinite(value):
-                return sighting, "NaN" if math.isnan(value) else "Inf"
-        return None
+                found = found or (sighting, "NaN" if math.isnan(value) else "Inf")
+                if sighting.step is not None and (sighting.stage, sighting.step) not in skipped:
+                    skipped.append((sighting.stage, sighting.step))
+        self.skipped_steps.extend(skipped)
+        return found
+
+    def first(self) -> tuple[Sighting, str] | None:
+        """The first value recorded since the last read that holds a NaN or Inf (see :meth:`report`). One host
+        synchronisation."""
+        vector = self.take()
+        return None if vector is None else self.report(vector.tolist())
 
     def check(self) -> None:
-        """Raise :class:`NonFiniteError` for the first non-finite value recorded since the last read
-        (``non_finite: "raise"``), or log it and train on (``"skip"``: the optimizer steps it poisons are
-        skipped)."""
-        found = self.first()
+        """:meth:`first`, then :meth:`raise_or_log` it."""
+        self.raise_or_log(self.first())
+
+    def raise_or_log(self, found: tuple[Sighting, str] | None) -> None:
+        """Raise :class:`NonFiniteError` for ``found`` (``non_finite: "raise"``), or log it and train on
+        (``"skip"``: the optimizer steps it poisons are skipped)."""
         if found is None:
             return
         sighting, value = found
@@ -179,17 +252,9 @@ class FiniteWatch:
                              micro_batch=sighting.micro_batch, clock=sighting.clock, value=value)
 
 
-def gradients_finite(params: list[Tensor], where: str, non_finite: str, earlier: Callable[[], None]) -> bool:
-    """One check per step (not per micro-batch): are the k accumulated gradients finite? With
-    ``non_finite: "raise"`` a non-finite one raises before the optimizer could write NaN, after ``earlier()``
-    (``FiniteWatch.check``) has raised for the value that went non-finite first, if it saw one."""
-    grads = float_tensors([p.grad for p in params])
-    if not grads or bool(largest_magnitude(grads).isfinite()):
-        return True
-    if non_finite == "raise":
-        earlier()
-        raise NonFiniteError(
-            f"non-finite gradient at {where}, no earlier NaN or Inf seen on this rank: it came in with the "
-            "data-parallel average or a tied weight's gradient (another rank's NonFiniteError names its origin), "
-            'or "check_finite" is off. Set "petra": {"non_finite": "skip"} to skip such updates', kind="gradient")
-    return False
+def skips_on_device(optimizer: Any) -> bool:
+    """Whether ``optimizer`` can skip a step on the device: torch's fused optimizers (Adam, AdamW, SGD, ...)
+    read ``found_inf`` (as set by ``torch.amp.GradScaler``) and leave parameters, state and step count
+    untouched where it is non-zero."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and \
+        bool(getattr(optimizer, "defaults", {}).get("fused"))

@@ -9,6 +9,8 @@ clock meets them::
     window_start -> [after_forward ... forwards_done] -> [before_backward, after_backward ...]
                  -> before_step, after_step ... -> clock_end -> ... -> window_end
 
+and around every instruction ``before_instruction`` / ``after_instruction``.
+
 ``forwards_done`` comes once per clock after its forwards and the activations' batch, before any
 backward or parameter change (what the gradient-quality probe needs). Observers that change what the
 engine computes do not exist: every hook runs with the training math already decided.
@@ -17,7 +19,7 @@ engine computes do not exist: every hook runs with the training math already dec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from ..schedule import Window
@@ -55,6 +57,23 @@ class Observer:
 
     def window_end(self, engine: PetraEngine, window: Window) -> None:
         """The window's clocks ran and the loss was reduced, on every rank (collectives are safe here)."""
+
+    def before_instruction(self, engine: PetraEngine, instruction: Any) -> None:
+        """The engine is about to execute ``instruction`` (one of ``petra_ds.schedule.INSTRUCTIONS``), in
+        training and in ``eval_batch``: what measuring a clock action by action needs."""
+
+    def after_instruction(self, engine: PetraEngine, instruction: Any) -> None:
+        """The engine executed ``instruction``."""
+
+
+HOOKS = tuple(name for name in vars(Observer) if not name.startswith("_"))
+
+
+def hook_table(observers: Sequence[Observer]) -> dict[str, tuple[Callable, ...]]:
+    """Per hook, the bound methods of the observers that override it, in registration order: the engine
+    calls only those, so a hook nobody watches costs one lookup per clock, not a call per observer."""
+    return {hook: tuple(getattr(o, hook) for o in observers if getattr(type(o), hook) is not getattr(Observer, hook))
+            for hook in HOOKS}
 
 
 class Callbacks(Observer):

@@ -122,6 +122,8 @@ class Stage:
         self._side_stream: torch.cuda.Stream | None = None
         self._swapped: list[Tensor] | None = None
         self.backwards = 0
+        #: the micro-batch of the last backward (what names a step's gradients)
+        self.last_micro_batch = -1
         #: backwards that ran block by block (``reconstruct_overlap``)
         self.block_wise_backwards = 0
         self._truth: dict[int, Activation] = {}
@@ -315,6 +317,7 @@ class Stage:
             _, dx = self.vjp(m, x_tilde, delta, update_bn=not self._bn_in_forward)
         self._restore_params()
         self.backwards += 1
+        self.last_micro_batch = m
         self._account()
         self.finite.gradients(self.index, m, self.params, dx)
         return dx, x_tilde

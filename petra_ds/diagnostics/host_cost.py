@@ -1,0 +1,138 @@
+"""What a clock costs the host, counted without a GPU: the aten ops it dispatches and the host syncs it makes.
+
+On a GPU every aten op is at least one kernel launch the host pays for, and every read of a device value on
+the host (``.item()``, ``bool(t)``, ``.tolist()``, ``.cpu()``, an op whose output shape depends on values)
+makes the host wait for the device to catch up. Both are properties of the program, not of the machine, so a
+CPU run counts them as a GPU run would meet them:
+
+- :class:`OpCounter` counts the ops dispatched (a ``TorchDispatchMode``: each op once, as the dispatcher sees
+  it from Python, whatever its kernel does inside), by name and by the scope it ran in;
+- :class:`HostSyncs` counts the reads of tensor values on the host, with the line of code that made each;
+- :class:`InstructionScopes` is the observer that tells the counters which instruction of which stage
+  runs (``engine.observe``), so that counts come per stage and per instruction.
+
+On a CPU run every tensor lives on the host, so ``HostSyncs`` counts every value read whatever its device:
+on a GPU the optimizer's host-side step counters (torch's non-fused optimizers keep ``step`` on the CPU)
+would not sync; the engine's own reads would.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import traceback
+from typing import Any, Hashable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..runtime.observe import Observer
+
+#: ops that read a tensor's values on the host, or whose output shape depends on them (a sync on a GPU)
+SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+                         "unique_consecutive", "unique_dim", "equal", "is_nonzero", "repeat_interleave"})
+#: tensor methods that copy a tensor's values to host memory
+SYNCING_METHODS = ("tolist", "cpu", "numpy", "__array__")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched while active: ``by_name[op]`` and ``by_scope[scope][op]``, where
+    ``scope`` is whatever was last set (``None`` outside any)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_name: collections.Counter[str] = collections.Counter()
+        self.by_scope: dict[Hashable, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.scope: Hashable = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.by_name[name] += 1
+        self.by_scope[self.scope][name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_name.values())
+
+    def scope_totals(self) -> dict[Hashable, int]:
+        return {scope: sum(counts.values()) for scope, counts in self.by_scope.items()}
+
+
+class _SyncingOps(TorchDispatchMode):
+    def __init__(self, owner: "HostSyncs") -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNCING_OPS:
+            self.owner.note(f"aten.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+class HostSyncs(TorchFunctionMode):
+    """Counts the host reads of tensor values while active (``count``), each with the first line of code
+    outside torch that made it (``where``): the aten ops of :data:`SYNCING_OPS` and the methods of
+    :data:`SYNCING_METHODS`. A ``.tolist()`` is one read, however many ops it runs inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: collections.Counter[str] = collections.Counter()
+        self._ops = _SyncingOps(self)
+        self._inside = 0
+
+    @property
+    def count(self) -> int:
+        return sum(self.where.values())
+
+    def note(self, what: str) -> None:
+        if self._inside:
+            return
+        self.where[f"{what} at {_caller()}"] += 1
+
+    def __enter__(self):
+        self._ops.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        return self._ops.__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNCING_METHODS and args and isinstance(args[0], torch.Tensor):
+            self.note(f"Tensor.{name}")
+            self._inside += 1
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self._inside -= 1
+        return func(*args, **(kwargs or {}))
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside torch and this module."""
+    here = os.path.abspath(__file__)
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path != here and not path.startswith(torch_dir):
+            return f"{os.path.relpath(path)}:{frame.lineno}"
+    return "?"
+
+
+class InstructionScopes(Observer):
+    """Sets ``counter.scope`` to ``(stage, instruction name)`` around every instruction the engine runs, and
+    back to ``None`` after: what the engine does between instructions (the window's end, its read) stays
+    unscoped."""
+
+    def __init__(self, counter: OpCounter) -> None:
+        self.counter = counter
+
+    def before_instruction(self, engine: Any, instruction: Any) -> None:
+        self.counter.scope = (instruction.kwargs.get("stage"), type(instruction).__name__)
+
+    def after_instruction(self, engine: Any, instruction: Any) -> None:
+        self.counter.scope = None

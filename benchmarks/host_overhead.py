@@ -46,7 +46,7 @@ MODELS = ("revgpt", "revnet18")
 #: what changes an op count is kept from benchmarks/gpu.py (blocks, stages, heads, k); the rest is narrowed
 FULL = {"k": 4, "revgpt_blocks": 12, "revgpt_heads": 12, "revgpt_d": 96, "revgpt_seq": 16, "revgpt_batch": 2,
         "revgpt_stages": 4, "revnet_width": 8, "revnet_image": 8, "revnet_batch": 2, "revnet_stages": 10,
-        "time_blocks": 8, "time_stages": 4, "rounds": 5, "calls": 20}
+        "time_blocks": 8, "time_stages": 4, "rounds": 9, "calls": 10}
 TINY = {"k": 4, "revgpt_blocks": 4, "revgpt_heads": 2, "revgpt_d": 16, "revgpt_seq": 8, "revgpt_batch": 2,
         "revgpt_stages": 3, "revnet_width": 4, "revnet_image": 8, "revnet_batch": 2, "revnet_stages": 10,
         "time_blocks": 4, "time_stages": 2, "rounds": 2, "calls": 4}
@@ -188,25 +188,14 @@ def stage_kind(stage: Any) -> str:
 
 
 def count_plain(m: dict, k: int, bf16: bool, parts: list[int]) -> tuple[float, list[float]]:
-    """Plain backprop's ops per micro-batch: the whole model (k forward + backward, one optimizer step, the
-    step shared over k), and per stage of ``parts`` (the stage's layers alone: forward and backward from a
+    """Plain backprop's ops per micro-batch: the whole model (k forward + backward, clipping and one optimizer
+    step, shared over k), and per stage of ``parts`` (the stage's layers alone: forward and backward from a
     detached input, and the stage's share of the step)."""
     from petra_ds.diagnostics.host_cost import OpCounter
 
+    whole = count_plain_by_op(m, k, bf16)
     layers, run = plain_model(m, bf16)
-    optimizer = torch_optimizer(layers.parameters())
     stream = data(m)
-
-    def train_batch() -> None:
-        for _ in range(k):
-            x, labels = next(stream)
-            (m["loss"](run(x), labels) / k).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    train_batch()
-    with OpCounter() as whole:
-        train_batch()
     stages = []
     x, labels = next(stream)
     for j in range(len(parts) - 1):
@@ -224,12 +213,36 @@ def count_plain(m: dict, k: int, bf16: bool, parts: list[int]) -> tuple[float, l
         for p in chosen.parameters():
             p.grad = torch.zeros_like(p)
         with OpCounter() as step:
+            torch.nn.utils.clip_grad_norm_(chosen.parameters(), 1.0)
             stage_optimizer.step()
         stage_optimizer.zero_grad(set_to_none=True)
         stages.append(counter.total + step.total / k)
         with torch.no_grad():
             x = run(x, chosen)
-    return whole.total / k, stages
+    return sum(whole.values()), stages
+
+
+def count_plain_by_op(m: dict, k: int, bf16: bool) -> dict[str, float]:
+    """Plain backprop's ops per micro-batch by name: k forward + backward passes, clipping and one optimizer
+    step (shared over the k), at the second call."""
+    from petra_ds.diagnostics.host_cost import OpCounter
+
+    layers, run = plain_model(m, bf16)
+    optimizer = torch_optimizer(layers.parameters())
+    stream = data(m)
+
+    def train_batch() -> None:
+        for _ in range(k):
+            x, labels = next(stream)
+            (m["loss"](run(x), labels) / k).backward()
+        torch.nn.utils.clip_grad_norm_(layers.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    train_batch()
+    with OpCounter() as counter:
+        train_batch()
+    return {op: n / k for op, n in counter.by_name.most_common()}
 
 
 def _tuple(x: Any) -> tuple:
@@ -265,17 +278,18 @@ def time_variants(args: argparse.Namespace) -> dict:
     k = args.k
     builders = {"petra": lambda: _petra_call(m, k), "deepspeed_1f1b_one_stage": lambda: _deepspeed_call(m, k),
                 "torch_1f1b_one_stage": lambda: _torch_call(m, k), "plain": lambda: _plain_call(m, k)}
+    calls = {name: build() for name, build in builders.items()}
+    for call in calls.values():
+        for _ in range(fill_calls(m["J"], k) + 1):
+            call()
     rounds: dict[str, list[float]] = {name: [] for name in builders}
-    for _ in range(args.rounds):
-        for name, build in builders.items():
-            call = build()
-            for _ in range(fill_calls(m["J"], k) + 1):
-                call()
+    for _ in range(args.rounds):  # each round times every variant in turn: a slow spell of the machine hits all
+        for name, call in calls.items():
             seconds = []
             for _ in range(args.calls):
-                start = time.perf_counter()
+                start = time.process_time()
                 call()
-                seconds.append(time.perf_counter() - start)
+                seconds.append(time.process_time() - start)
             rounds[name].append(statistics.median(seconds))
     medians = {name: statistics.median(values) for name, values in rounds.items()}
     J = m["J"]

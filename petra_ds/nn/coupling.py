@@ -33,6 +33,12 @@ def _leaf(t: Tensor) -> Tensor:
     return t.detach().requires_grad_()
 
 
+def _plain(t: Tensor) -> Tensor:
+    """``t`` outside any graph: itself when it is already (a received or reconstructed stream), without the
+    detached view (one more op) that ``detach`` would make."""
+    return t.detach() if t.requires_grad else t
+
+
 def _undo(y: Tensor, residual: Tensor) -> Tensor:
     """``y - residual`` in ``y``'s dtype, outside any graph (no detached views needed)."""
     with torch.no_grad():
@@ -117,7 +123,7 @@ class SwapCoupling(Reversible):
         with torch.enable_grad():
             x2_leaf = _leaf(y1)
             f = self._f(x2_leaf)
-        return (_undo(y2, f), y1.detach()), _SwapTape(x2_leaf, f)
+        return (_undo(y2, f), _plain(y1)), _SwapTape(x2_leaf, f)
 
 
 class _SwapTape(Tape):
@@ -171,7 +177,7 @@ class HalfCoupling(Reversible):
         with torch.enable_grad():
             xb_leaf = _leaf(yb)
             f = self._f(xb_leaf)
-        return self._pair(_undo(ya, f), yb.detach()), _HalfTape(xb_leaf, f, self._pair)
+        return self._pair(_undo(ya, f), _plain(yb)), _HalfTape(xb_leaf, f, self._pair)
 
 
 class _HalfTape(Tape):

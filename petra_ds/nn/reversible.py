@@ -56,7 +56,7 @@ def add_grad(a: Tensor, b: Tensor | None) -> Tensor:
 
 
 def _grad_or_zeros(leaf: Tensor) -> Tensor | None:
-    if not leaf.is_floating_point():
+    if not leaf.requires_grad:  # an integer input, or data kept out of the graph
         return None
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 

@@ -27,14 +27,22 @@ def _splitmix64(x: int) -> int:
 
 def derive_seed(*key: int) -> int:
     """A 63-bit seed that depends on every part of ``key`` and on their order."""
-    h = 0x243F6A8885A308D3
-    for part in key:
+    return _fold(_START, key) & ((1 << 63) - 1)
+
+
+_START = 0x243F6A8885A308D3
+
+
+def _fold(h: int, parts: Sequence[int]) -> int:
+    """The hash of a key continued by ``parts`` (a key's hash is its parts folded in order, from ``_START``)."""
+    for part in parts:
         h = _splitmix64(h ^ (int(part) & _MASK64))
-    return h & ((1 << 63) - 1)
+    return h
 
 
 class _Scope(threading.local):
     key: tuple[int, ...] | None = None
+    folded: int = 0  # the hash of ``key`` (see ``_fold``), so that a layer's seed folds two more parts only
 
 
 _scope = _Scope()
@@ -55,14 +63,25 @@ def _default_devices() -> list[int]:
 @contextmanager
 def keyed_rng(*key: int, devices: Sequence[int] | None = None) -> Iterator[None]:
     """Run the body on generator states seeded from ``key``; the global streams are restored after."""
-    seed = derive_seed(*key)
-    devices = _default_devices() if devices is None else list(devices)
-    with torch.random.fork_rng(devices=devices):
-        torch.random.default_generator.manual_seed(seed)
-        for device in devices:
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(seed)
+    with _seeded(derive_seed(*key), _default_devices() if devices is None else list(devices)):
         yield
+
+
+@contextmanager
+def _seeded(seed: int, devices: Sequence[int]) -> Iterator[None]:
+    """``torch.random.fork_rng(devices)`` then ``torch.manual_seed(seed)`` on those generators, without
+    fork_rng's checks and device lookups: a keyed scope is entered twice per layer and micro-batch."""
+    if devices:
+        torch.cuda.init()  # the generators exist once CUDA is (a no-op then)
+    cuda = [torch.cuda.default_generators[d] for d in devices]
+    saved = [torch.random.default_generator.get_state()] + [g.get_state() for g in cuda]
+    try:
+        for generator in (torch.random.default_generator, *cuda):
+            generator.manual_seed(seed)
+        yield
+    finally:
+        for generator, state in zip((torch.random.default_generator, *cuda), saved):
+            generator.set_state(state)
 
 
 @contextmanager
@@ -74,13 +93,14 @@ def micro_batch_rng(seed: int, micro_batch: int, stage: int, replica: int = 0) -
     per-layer streams from the same key (see :func:`layer_rng`). Data-parallel replicas see different
     data under the same micro-batch index, so ``replica`` gives each its own masks.
     """
-    previous = _scope.key
+    previous = _scope.key, _scope.folded
     _scope.key = (int(seed), int(micro_batch), int(stage), int(replica))
+    _scope.folded = _fold(_START, _scope.key)
     try:
-        with keyed_rng(*_scope.key):
+        with _seeded(_scope.folded & ((1 << 63) - 1), _default_devices()):
             yield
     finally:
-        _scope.key = previous
+        _scope.key, _scope.folded = previous
 
 
 @contextmanager
@@ -90,9 +110,8 @@ def layer_rng(layer: int, branch: int) -> Iterator[None]:
     Outside any :func:`micro_batch_rng` scope the global stream is used, as plain PyTorch would: that
     is the behaviour that makes a reconstruction with dropout inexact.
     """
-    key = _scope.key
-    if key is None:
+    if _scope.key is None:
         yield
         return
-    with keyed_rng(*key, layer, branch):
+    with _seeded(_fold(_scope.folded, (layer, branch)) & ((1 << 63) - 1), _default_devices()):
         yield

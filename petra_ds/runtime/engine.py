@@ -355,6 +355,8 @@ class PetraEngine(PipelineEngine):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.grid.data_parallel_size > 1 or self.ties:  # they rewrite the gradients the backwards reported
+            self.finite.flush_gradients()
         if self.grid.data_parallel_size > 1:
             self.transport.average_over_replicas([p.grad for p in params] + running_stat_tensors(st.norms),
                                                  self.grid.get_data_parallel_group(),
@@ -363,7 +365,6 @@ class PetraEngine(PipelineEngine):
         grads = [p.grad for p in st.stepped]
         norm = None
         if self.gradient_clipping() > 0:  # its total norm is the step's finite check
-            self.finite.flush_gradients()
             norm = torch.nn.utils.clip_grad_norm_(st.stepped, self.gradient_clipping())
         found_inf = self.finite.step(stage, step, st.last_micro_batch, grads, norm)
         on_device = optimizer is not None and skips_on_device(optimizer)

@@ -14,6 +14,7 @@ non-finite first is named, with its stage, micro-batch and clock, at the end of 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -57,13 +58,15 @@ class Sighting:
     clock: int
     #: the stage, on another rank, whose message this value was computed from (None: this rank's own)
     sender: int | None = None
-    #: the optimizer step whose gradients these are (None: a value of one micro-batch)
+    #: the optimizer step these gradients guard (None: no step's)
     step: int | None = None
+    #: which advice of ``_CHECK`` the message gives (None: its kind's)
+    hint: str | None = None
 
     def message(self, value: str) -> str:
         """The error's text for this value holding ``value`` ("NaN" or "Inf")."""
         where = f"stage {self.stage}, micro-batch {self.micro_batch}, clock {self.clock}"
-        hint = _CHECK["step" if self.step is not None else self.kind].format(stage=self.stage)
+        hint = _CHECK[self.hint or self.kind].format(stage=self.stage)
         text = f"non-finite {self.kind} at {where}: {value} in {self.what}. {hint}."
         if self.sender is not None:
             text += (f" What it was computed from came from stage {self.sender}, on another rank: if that rank "
@@ -78,24 +81,28 @@ def float_tensors(values: Any) -> list[Tensor]:
 
 
 def max_abs_each(tensors: Sequence[Tensor]) -> Tensor:
-    """max |x| of each tensor, as one float32 vector on the first non-CPU device among them (else the CPU):
-    NaN where a tensor holds a NaN, else Inf where it holds an Inf. One fused reduction per device, whatever
-    the number of tensors, and no host synchronisation. On CUDA the foreach infinity norm (one pass of
-    multi-tensor kernels); on the CPU, where that norm is a scalar loop 10x slower than a vectorised one,
-    the foreach maximum of the foreach absolute values."""
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
-    target = next((d for d in by_device if d.type != "cpu"), next(iter(by_device), torch.device("cpu")))
-    parts = []
+    """max |x| of each tensor, as one float32 vector on their device: NaN where a tensor holds a NaN, else Inf
+    where it holds an Inf. One fused reduction whatever the number of tensors, and no host synchronisation. On
+    CUDA the foreach infinity norm (one pass of multi-tensor kernels); on the CPU, where that norm is a scalar
+    loop 10x slower than a vectorised one, the foreach maximum of the foreach absolute values. Tensors on
+    several devices (a data dict left on the host) are reduced per device and gathered on a GPU's."""
     with torch.no_grad():
-        for device, group in by_device.items():
-            if device.type == "cpu":
-                maxima = torch.stack(torch._foreach_max(torch._foreach_abs(group))).float()
-            else:
-                maxima = torch.stack(torch._foreach_norm(group, math.inf, dtype=torch.float32))
-            parts.append(maxima.to(target, non_blocking=True))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+        try:
+            return _max_abs_on_one_device(tensors)
+        except RuntimeError:  # several devices
+            by_device: dict[torch.device, list[Tensor]] = {}
+            for t in tensors:
+                by_device.setdefault(t.device, []).append(t)
+            target = next((d for d in by_device if d.type != "cpu"), tensors[0].device)
+            position = {id(t): i for i, t in enumerate(t for group in by_device.values() for t in group)}
+            maxima = torch.cat([_max_abs_on_one_device(g).to(target) for g in by_device.values()])
+            return maxima[torch.tensor([position[id(t)] for t in tensors], device=target)]
+
+
+def _max_abs_on_one_device(tensors: Sequence[Tensor]) -> Tensor:
+    if tensors[0].is_cuda:
+        return torch.stack(torch._foreach_norm(tensors, math.inf, dtype=torch.float32))
+    return torch.stack(torch._foreach_max(torch._foreach_abs(tensors))).float()
 
 
 class FiniteWatch:
@@ -119,8 +126,9 @@ class FiniteWatch:
         self.non_finite = non_finite
         self._seen: list[Sighting] = []  # one per tensor reduced, in the order of _maxima's entries
         self._maxima: list[Tensor] = []  # device vectors, one per flush
-        self._pending: list[tuple[Sighting, Tensor]] = []
-        self._gradients_pending = False  # whether _pending holds gradients that a step will rewrite
+        self._pending: list[list] = []  # [sighting, tensors] in the order reported
+        #: per stage, its report of the gradients accumulated by this clock's backward (also in _pending)
+        self._backward_gradients: dict[int, list] = {}
         #: (stage, step) of the optimizer steps skipped for non-finite gradients, as the reads found them
         self.skipped_steps: list[tuple[int, int]] = []
 
@@ -152,9 +160,13 @@ class FiniteWatch:
     def gradients(self, stage: int, m: int, params: Sequence[Tensor], dx: Any) -> None:
         """After a backward: the parameters' gradients accumulated so far (clean until this micro-batch, or an
         earlier check would have seen them) and the input gradient a stage other than 0 sends upstream."""
-        grads = [p.grad for p in params if p.grad is not None]
-        self._see("gradient", "the gradient of its parameters", stage, m, grads, sender=stage + 1)
-        self._gradients_pending = self._gradients_pending or (self.check_finite and bool(grads))
+        if not self.check_finite:
+            return
+        grads = [g for p in params if (g := p.grad) is not None and g.numel()]  # a parameter's is floating
+        if grads:
+            report = [self._sighting("gradient", "the gradient of its parameters", stage, m, stage + 1), grads]
+            self._pending.append(report)
+            self._backward_gradients[stage] = report
         if stage > 0:
             self._see("gradient", f"the input gradient it sends to stage {stage - 1}", stage, m, dx,
                       sender=stage + 1)
@@ -165,21 +177,29 @@ class FiniteWatch:
         0.0, as a float32 device scalar (torch's ``found_inf``); None without gradients. ``norm``: their total
         norm, already computed (gradient clipping), which is non-finite exactly then (or, in the way
         ``GradScaler`` and DeepSpeed read an overflow, where the squares overflow). Checked whatever
-        ``check_finite`` says: it guards the step."""
+        ``check_finite`` says: it guards the step.
+
+        The same gradients were reported by this clock's backward, unless something rewrote them since (the
+        engine then flushed them): that report, in its place among the clock's, becomes this one, so they are
+        reduced once."""
         grads = float_tensors(grads)
         if not grads:
             return None
-        self.flush_gradients()
-        value = max_abs_each(grads).amax() if norm is None else norm.float()
-        sighting = Sighting("gradient", f"the gradients of its optimizer step {step}", stage, m, self._clock(),
-                            step=step)
-        self._pending.append((sighting, value))
         with torch.no_grad():
-            return torch.nan_to_num(value * 0, nan=1.0)
+            value = max_abs_each(grads).amax() if norm is None else norm.float()
+            found_inf = torch.nan_to_num(value * 0, nan=1.0)
+        report = self._backward_gradients.pop(stage, None)
+        if report is not None:
+            report[:] = [dataclasses.replace(report[0], step=step), [value]]
+        else:
+            self._pending.append([Sighting("gradient", f"the gradients of its optimizer step {step}", stage, m,
+                                           self._clock(), step=step, hint="step"), [value]])
+        return found_inf
 
     def flush_gradients(self) -> None:
-        """Flush before a step rewrites the gradients that backwards reported."""
-        if self._gradients_pending:
+        """Flush before something rewrites the gradients that backwards reported (a data-parallel average, a
+        tied weight's gradient)."""
+        if self._backward_gradients:
             self.flush()
 
     def _see(self, kind: str, what: str, stage: int, m: int, values: Any, sender: int | None = None) -> None:
@@ -191,18 +211,19 @@ class FiniteWatch:
         return Sighting(kind, what, stage, m, self._clock(), sender if remote else None)
 
     def _record(self, sighting: Sighting, values: Any) -> None:
-        for t in float_tensors(values):
-            self._pending.append((sighting, t))
+        tensors = float_tensors(values)
+        if tensors:
+            self._pending.append([sighting, tensors])
 
     def flush(self) -> None:
         """Reduce what was reported since the last flush to one max |x| per tensor, on the device. The values
         must not change before their flush: the engine flushes before a step rewrites the gradients."""
-        self._gradients_pending = False
+        self._backward_gradients.clear()
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        self._maxima.append(max_abs_each([t for _, t in pending]))
-        self._seen.extend(s for s, _ in pending)
+        self._maxima.append(max_abs_each([t for _, tensors in pending for t in tensors]))
+        self._seen.extend(s for s, tensors in pending for _ in tensors)
 
     # --- what the engine reads ---
 

@@ -330,7 +330,8 @@ class Stage:
         they are returned and ``.grad`` is left alone (the gradient-quality probe). Returns
         ``(parameter gradients, input gradient)``."""
         with self.scope(m, update_bn=update_bn), torch.enable_grad():
-            leaf = detach_leaf(x)
+            # stage 0 sends no input gradient: its data stays out of the graph (no detached leaf, no dx computed)
+            leaf = x if self.is_first and into_grad else detach_leaf(x)
             out = self.run(leaf)
             if self.is_last:
                 out = self.loss_fn(out, labels)

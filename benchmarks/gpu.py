@@ -11,10 +11,11 @@ freshly built:
     plain          the same layers, one forward and backward per micro-batch, k micro-batches per step
     petra          PetraEngine with J stages in this process, timed once the pipeline is full
     petra_overlap  the same with "petra": {"reconstruct_overlap": true}
+    petra_unchecked  petra with "petra": {"check_finite": false} (what the NaN / Inf watch costs)
 
 RevNet18 takes the paper's partition (J = 10, one layer per stage: each reconstructing stage holds one
 block, so the overlap has nothing to hide there); RevGPT's J = 4 stages hold 3 blocks each (its middle
-two reconstruct). Both use torch Adam and the same micro-batches. Under bf16 each layer of the plain model runs under
+two reconstruct). All use torch's fused AdamW, gradient clipping at norm 1 and the same micro-batches. Under bf16 each layer of the plain model runs under
 autocast and its output goes back to fp32, as at a PETRA stage boundary (fp32 streams: README,
 "bf16"). Reported per variant: seconds per ``train_batch`` (k micro-batches; the median of the calls
 of a round, then the median over rounds) and ``torch.cuda.max_memory_allocated`` over the timed calls
@@ -42,7 +43,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("revnet18", "revgpt")
 DTYPES = ("fp32", "bf16")
-VARIANTS = ("plain", "petra", "petra_overlap")
+VARIANTS = ("plain", "petra", "petra_overlap", "petra_unchecked")
+#: every variant's optimizer: torch's fused AdamW (no JIT build; skips a non-finite step on the device), and clipping
+OPTIMIZER = {"lr": 1e-4, "weight_decay": 0.01, "fused": True}
+CLIPPING = 1.0
 #: sizes: a real run on a GPU, and the smoke run (--tiny)
 FULL = {"k": 4, "rounds": 3, "calls": 10,
         "revnet_batch": 128, "revnet_width": 64, "image_size": 32, "revnet_stages": 10,
@@ -139,7 +143,7 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
     before = _allocated(device)
     torch.manual_seed(0)
     layers = torch.nn.ModuleList([spec.build() for spec in specs]).to(device)
-    optimizer = torch.optim.Adam(layers.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(layers.parameters(), **OPTIMIZER)
     data = itertools.cycle(micro_batches(name, args, size, device))
     k = args.k
 
@@ -155,6 +159,7 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
         for _ in range(k):
             x, labels = next(data)
             (loss_fn(layer_by_layer(x), labels) / k).backward()
+        torch.nn.utils.clip_grad_norm_(layers.parameters(), CLIPPING)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -163,7 +168,8 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
     return result | {"leftover_bytes": _release(device, before)}
 
 
-def run_petra(name: str, args: argparse.Namespace, bf16: bool, overlap: bool, device: torch.device) -> dict:
+def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.device, overlap: bool = False,
+              check_finite: bool = True) -> dict:
     """PetraEngine, all J stages in this process; timed after ceil(2(J-1)/k) + 1 calls fill the pipeline."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
@@ -175,8 +181,9 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, overlap: bool, de
                                           loss_fn=loss_fn, stages_per_rank=J, partition_method=partition,
                                           base_seed=0)
     config = {"train_micro_batch_size_per_gpu": size, "gradient_accumulation_steps": args.k,
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}, "steps_per_print": 10**9,
-              "petra": {"stages_per_rank": J, "reconstruct_overlap": overlap}}
+              "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}}, "steps_per_print": 10**9,
+              "gradient_clipping": CLIPPING,
+              "petra": {"stages_per_rank": J, "reconstruct_overlap": overlap, "check_finite": check_finite}}
     if bf16:
         config["bf16"] = {"enabled": True}
     engine, *_ = petra_ds.initialize(model=module, config=config)
@@ -220,7 +227,8 @@ def summarize(runs: list[dict]) -> dict:
             row_m[f"{variant}_peak_bytes"] = max(peaks) if peaks else None
             row_s[f"{variant}_seconds_per_call"] = statistics.median(r["median_seconds"] for r in rs)
             row_s[f"{variant}_rounds"] = [r["median_seconds"] for r in rs]
-        for a, b in (("petra", "plain"), ("petra_overlap", "plain"), ("petra_overlap", "petra")):
+        for a, b in (("petra", "plain"), ("petra_overlap", "plain"), ("petra_overlap", "petra"),
+                     ("petra", "petra_unchecked")):
             if row_m.get(f"{a}_peak_bytes") and row_m.get(f"{b}_peak_bytes"):
                 row_m[f"{a}/{b}"] = row_m[f"{a}_peak_bytes"] / row_m[f"{b}_peak_bytes"]
             if f"{a}_seconds_per_call" in row_s and f"{b}_seconds_per_call" in row_s:
@@ -270,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             if variant == "plain":
                 result = run_plain(name, args, bf16, device)
             else:
-                result = run_petra(name, args, bf16, variant == "petra_overlap", device)
+                result = run_petra(name, args, bf16, device, overlap=variant == "petra_overlap",
+                                   check_finite=variant != "petra_unchecked")
             runs.append({"model": name, "dtype": dtype, "variant": variant, "round": round_, **result})
             peak = result["peak_bytes"]
             print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:13s} "

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from typing import Any
 
 import deepspeed
+import torch
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
@@ -24,8 +26,8 @@ from .diagnostics.gradient_quality import GradientQuality
 from .diagnostics.settings import format_settings, run_settings
 from .nn.check import NonFiniteError
 from .pipeline.module import PetraPipelineModule, stages_per_rank_of, tag_muon_parameters
-from .runtime.config import (PetraConfig, PetraConfigError, check_section_names, check_stages_per_rank, split_config,
-                             uses_muon)
+from .runtime.config import (PetraConfig, PetraConfigError, check_section_names, check_stages_per_rank, jit_build_notice,
+                             split_config, uses_muon)
 from .runtime.distributed import apply_group_timeout_to, ensure_single_process_env, init_distributed, is_rank0
 from .runtime.engine import PetraEngine
 from .schedule import first_stage_lateness
@@ -73,6 +75,10 @@ def initialize(
     ``deepspeed.initialize``. With a ``"petra"`` section the engine is a :class:`PetraEngine`."""
     raw = _load(config, args)
     check_section_names(raw)
+    if optimizer is None and is_rank0():
+        notice = jit_build_notice(raw, os.environ, torch.cuda.is_available())
+        if notice:
+            logger.warning(notice)
     apply_group_timeout_to(model)
     if getattr(args, "deepspeed_config", None):
         args = copy.copy(args)  # the config now travels as a dict; DeepSpeed refuses both

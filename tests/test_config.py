@@ -52,3 +52,31 @@ def test_a_section_named_almost_petra_is_refused_instead_of_training_1f1b(name, 
 
     with pytest.raises(PetraConfigError, match=f'has a "{name}" section, which is not "petra"'):
         petra_ds.initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1, name: {}})
+
+
+@pytest.mark.parametrize("optimizer, builds", [
+    ({"type": "AdamW", "params": {"lr": 1e-3}}, "FusedAdam"),
+    ({"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}, None),
+    ({"type": "muon", "params": {"momentum": 0.95}}, "FusedAdam"),
+    ({"type": "muon", "params": {"torch_adam": True}}, None),
+    ({"type": "Lamb", "params": {"lr": 1e-3}}, "FusedLamb"),
+    ({"type": "SGD", "params": {"lr": 1e-3}}, None),
+])
+def test_a_jit_build_on_a_gpu_is_announced_with_what_avoids_it(optimizer, builds):
+    from petra_ds.runtime.config import jit_build_notice
+
+    notice = jit_build_notice({"optimizer": optimizer}, {}, cuda=True)
+    assert (notice is None) == (builds is None)
+    if builds:
+        assert builds in notice and "nvcc" in notice
+        assert ('"torch_adam": true' in notice) == (optimizer["type"] != "Lamb")
+    assert jit_build_notice({"optimizer": optimizer}, {}, cuda=False) is None
+
+
+def test_the_jit_notice_names_the_arch_list_suffix_deepspeed_cannot_parse():
+    from petra_ds.runtime.config import jit_build_notice
+
+    notice = jit_build_notice({"optimizer": {"type": "AdamW"}}, {"TORCH_CUDA_ARCH_LIST": "9.0a"}, cuda=True)
+    assert "TORCH_CUDA_ARCH_LIST='9.0a'" in notice and "9.0a -> 9.0" in notice
+    assert "TORCH_CUDA_ARCH_LIST" not in jit_build_notice({"optimizer": {"type": "AdamW"}},
+                                                          {"TORCH_CUDA_ARCH_LIST": "8.0;9.0"}, cuda=True)

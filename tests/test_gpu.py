@@ -206,3 +206,43 @@ def test_benchmark_script_runs_on_the_gpu(tmp_path):
     for row in report["memory"]:
         assert row["petra_peak_bytes"] > 0 and row["plain_peak_bytes"] > 0, row
     assert {row["model"] for row in report["memory"]} == {"revnet18", "revgpt"}
+
+
+def _steady_state_syncs(_spec: dict) -> dict:
+    """Per model of ``benchmarks/host_overhead.py`` (CI sizes, fused AdamW, clipping): the synchronising CUDA
+    calls ``torch.cuda.set_sync_debug_mode("warn")`` reports during one steady-state ``train_batch``."""
+    import warnings
+
+    import petra_ds
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import host_overhead
+
+    torch.cuda.set_device(0)
+    petra_ds.init_distributed(dist_backend="nccl")
+    args = host_overhead.parse_args(["--tiny"])
+    found = {}
+    for name in host_overhead.MODELS:
+        m = host_overhead.model(name, args)
+        engine = host_overhead.petra_engine(m, args.k)
+        stream = host_overhead.data(m)
+        for _ in range(host_overhead.fill_calls(m["J"], args.k)):
+            engine.train_batch(stream)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.train_batch(stream)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        found[name] = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    return found
+
+
+def test_a_steady_state_train_batch_synchronises_once():
+    """What ``HostSyncs`` counts on CPU (tests/test_host_overhead.py), seen by CUDA itself: the window's one read
+    of its loss and NaN / Inf checks, nothing per clock, micro-batch or step."""
+    (found,) = launch({}, world_size=1, target=_steady_state_syncs, timeout=600, fresh=True)
+    for name, syncs in found.items():
+        assert len(syncs) <= 1, (name, syncs)

@@ -15,7 +15,8 @@ The layout fits the processes launched (petra_ds.tools.runs.choose_layout; rank 
 and --data-parallel, the fewest data-parallel replicas that leave at most one pipeline rank per layer and
 as many PETRA stages per rank as the layers allow (the default RevGPT's 11 layers on 4 processes: J = 8,
 three stages of two layers; on one process: J = 11).
-Without an "optimizer" section AdamW (betas 0.9 / 0.95, weight decay 0.01) is used; --lr fills the
+Without an "optimizer" section torch's fused AdamW (betas 0.9 / 0.95, weight decay 0.01: nothing to compile on a
+GPU) is used; --lr fills the
 optimizer's lr unless the config sets one (with DeepSpeed's "muon", the hidden matrices get 10x it unless
 the config sets "muon_lr"), and without a "scheduler" section the lr warms up over --warmup-steps and then
 decays to 0 on a cosine. Text comes through
@@ -321,15 +322,16 @@ def main() -> None:
     model = build_model(args, config, layers, layout, cut, costs)
     partition = agreed_partition(model, cut, costs_file)
     if "optimizer" not in config:
-        # on CPU, torch's AdamW: DeepSpeed's FusedAdam would first be JIT-compiled (about a minute)
+        # torch's fused AdamW, on a GPU and on CPU: no JIT build (DeepSpeed's FusedAdam needs nvcc and a minute),
+        # and a step that skips a non-finite gradient on the device, without a host read
         config["optimizer"] = {"type": "AdamW", "params": {"betas": [0.9, 0.95], "weight_decay": 0.01,
-                                                           "torch_adam": not torch.cuda.is_available()}}
+                                                           "torch_adam": True, "fused": True}}
     params = config["optimizer"].setdefault("params", {})
     params.setdefault("lr", args.lr)  # a config's own lr wins over --lr
     if uses_muon(config):
         params.setdefault("muon_lr", MUON_LR_RATIO * params["lr"])
+        params.setdefault("torch_adam", True)  # the other parameters' AdamW: DeepSpeed's FusedAdam is a JIT build
         if not torch.cuda.is_available():
-            params.setdefault("torch_adam", True)  # the other parameters' AdamW: DeepSpeed's FusedAdam is a JIT build
             torch._dynamo.config.disable = True
             if dist.get_rank() == 0:
                 print("Muon's orthogonalization runs eagerly on CPU (DeepSpeed would torch.compile it: about 40 s "

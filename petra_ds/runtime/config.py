@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -112,6 +113,34 @@ MUON_LR_RATIO = 10
 def uses_muon(config: Mapping[str, Any]) -> bool:
     """Whether the config trains with DeepSpeed's Muon (hidden matrices) and AdamW for the other parameters."""
     return str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
+
+
+#: DeepSpeed optimizer types (lower case) that it builds from its own CUDA sources unless "torch_adam" is set
+_JIT_BUILT = {"adam": "FusedAdam", "adamw": "FusedAdam", "muon": "FusedAdam (for the AdamW of the non-matrix "
+              "parameters)", "lamb": "FusedLamb", "onebitadam": "FusedAdam", "zerooneadam": "FusedAdam",
+              "onebitlamb": "FusedLamb", "lion": "FusedLion"}
+
+
+def jit_build_notice(config: Mapping[str, Any], environ: Mapping[str, str], cuda: bool) -> str | None:
+    """What DeepSpeed would compile before training on a GPU for this config's optimizer, and what to do about
+    it; None when nothing is compiled (CPU, ``"torch_adam": true``, an optimizer passed in code)."""
+    optimizer = config.get("optimizer") or {}
+    kind = str(optimizer.get("type", "")).lower()
+    params = optimizer.get("params") or {}
+    if not cuda or kind not in _JIT_BUILT or (kind in ("adam", "adamw", "muon") and params.get("torch_adam")):
+        return None
+    text = (f'DeepSpeed will JIT-compile its {_JIT_BUILT[kind]} for "optimizer": {{"type": "{optimizer["type"]}"}} '
+            "before the first step: it needs nvcc (a pip-installed torch brings none) and takes about a minute the "
+            "first time.")
+    if kind in ("adam", "adamw", "muon"):
+        text += (' Add "torch_adam": true (and "fused": true for torch\'s fused kernel) to its "params" to use '
+                 "torch's AdamW instead: no build.")
+    arch = environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if re.search(r"\d\.\d+[a-zA-Z]", arch):
+        text += (f" TORCH_CUDA_ARCH_LIST={arch!r} has an architecture with a suffix, which DeepSpeed's op builder "
+                 "cannot parse (ValueError: invalid literal for int()): drop the suffix (e.g. 9.0a -> 9.0) for the "
+                 "build.")
+    return text
 
 
 def check_section_names(config: Mapping[str, Any]) -> None:

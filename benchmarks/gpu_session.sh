@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Every check this project runs on one GPU, in one go: the GPU tests, benchmarks/gpu.py at its default sizes and
+# the LM example's tokens/s, PETRA against backprop with the same optimizer. Each step has its own time limit,
+# writes its log and JSON under $OUT (default runs/gpu) and one line to $OUT/steps.txt; a table comes last.
+#
+#     bash benchmarks/gpu_session.sh                 # about 8 minutes on an H100
+#     STEPS="tests bench" bash benchmarks/gpu_session.sh
+#
+# What it should show (the targets of the host-light clock; BENCHMARKS.md has the measured numbers):
+#   tests  pytest -m gpu: every test passes, test_a_steady_state_train_batch_synchronises_once included
+#   bench  petra/plain seconds per train_batch: RevGPT bf16 <= 1.5x, RevNet18 bf16 <= 1.7x, RevGPT fp32 <= 1.36x;
+#          petra/petra_unchecked (what check_finite costs) <= 1.03x
+#   lm     tokens/s PETRA / backprop: >= 0.65x at micro-batch 4 x k = 4, >= 0.5x at 1 x k = 16
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu}
+STEPS=${STEPS:-"tests bench lm"}
+mkdir -p "$OUT"
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$OUT/steps.txt"
+  tail -n 4 "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/device.txt" 2>&1
+case " $STEPS " in *" tests "*)
+  step tests 300 python -m pytest -m gpu tests/test_gpu.py -ra -q ;;
+esac
+case " $STEPS " in *" bench "*)
+  step bench 360 python benchmarks/gpu.py --rounds 2 --calls 8 --output "$OUT/gpu.json" ;;
+esac
+case " $STEPS " in *" lm "*)
+  # text no setting was tuned on: this machine's Python standard-library sources, [a-h]*.py / [t-z]*.py
+  python - "$OUT" <<'PY'
+import glob, os, sys, sysconfig
+lib = sysconfig.get_paths()["stdlib"]
+for name, pattern in (("train.txt", "[a-h]*.py"), ("valid.txt", "[t-z]*.py")):
+    with open(os.path.join(sys.argv[1], name), "w") as out:
+        for path in sorted(glob.glob(os.path.join(lib, pattern))):
+            out.write(open(path, errors="replace").read())
+PY
+  for shape in "4 4" "1 16"; do
+    set -- $shape
+    for method in petra backprop; do
+      step "lm_${method}_mb$1_k$2" 150 python examples/reformer/train.py --deepspeed_config "ds_configs/${method}_lm.json" \
+        --model decoder --stages 4 --max-steps "${LM_STEPS:-200}" --global-batch $(($1 * $2)) --micro-batches "$2" \
+        --data-files "$OUT/train.txt" "$OUT/valid.txt" ${LM_ARGS:-} \
+        --eval-every 1000 --sample-tokens 0 --output-dir "$OUT/lm_${method}_mb$1_k$2"
+    done
+  done ;;
+esac
+
+python - "$OUT" <<'PY'
+import json, os, sys
+
+out = sys.argv[1]
+path = os.path.join(out, "gpu.json")
+if os.path.exists(path):
+    report = json.load(open(path))
+    print(report["device"])
+    for row in report["time"]:
+        ratios = ", ".join(f"{k} {v:.3f}x" for k, v in row.items() if "/" in k)
+        print(f"  {row['model']:9s} {row['dtype']}: {ratios}")
+for shape in ("mb4_k4", "mb1_k16"):
+    rates = {}
+    for method in ("petra", "backprop"):
+        summary = os.path.join(out, f"lm_{method}_{shape}", "summary.json")
+        if os.path.exists(summary):
+            rates[method] = json.load(open(summary)).get("tokens_per_s")
+    if len(rates) == 2 and all(rates.values()):
+        print(f"  LM {shape}: PETRA {rates['petra']:.0f} tokens/s, backprop {rates['backprop']:.0f}: "
+              f"{rates['petra'] / rates['backprop']:.2f}x")
+PY

@@ -47,8 +47,8 @@ PY
   for shape in "4 4" "1 16"; do
     set -- $shape
     for method in petra backprop; do
-      step "lm_${method}_mb$1_k$2" 150 python examples/reformer/train.py --deepspeed_config "ds_configs/${method}_lm.json" \
-        --model decoder --stages 4 --max-steps "${LM_STEPS:-200}" --global-batch $(($1 * $2)) --micro-batches "$2" \
+      step "lm_${method}_mb$1_k$2" 150 python examples/reformer/train.py \
+        --deepspeed_config "ds_configs/${method}_lm.json" --model decoder --stages 4 --max-steps "${LM_STEPS:-200}" --global-batch $(($1 * $2)) --micro-batches "$2" \
         --data-files "$OUT/train.txt" "$OUT/valid.txt" ${LM_ARGS:-} \
         --eval-every 1000 --sample-tokens 0 --output-dir "$OUT/lm_${method}_mb$1_k$2"
     done

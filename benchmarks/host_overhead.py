@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import platform
@@ -40,7 +39,10 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from example_runs import save_report  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
 PARTS = ("ops", "syncs", "time")
 MODELS = ("revgpt", "revnet18")
 #: what changes an op count is kept from benchmarks/gpu.py (blocks, stages, heads, k); the rest is narrowed
@@ -227,18 +229,7 @@ def count_plain_by_op(m: dict, k: int, bf16: bool) -> dict[str, float]:
     step (shared over the k), at the second call."""
     from petra_ds.diagnostics.host_cost import OpCounter
 
-    layers, run = plain_model(m, bf16)
-    optimizer = torch_optimizer(layers.parameters())
-    stream = data(m)
-
-    def train_batch() -> None:
-        for _ in range(k):
-            x, labels = next(stream)
-            (m["loss"](run(x), labels) / k).backward()
-        torch.nn.utils.clip_grad_norm_(layers.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    train_batch = _plain_call(m, k, bf16)
     train_batch()
     with OpCounter() as counter:
         train_batch()
@@ -339,8 +330,9 @@ def _torch_call(m: dict, k: int) -> Callable[[], Any]:
     return call
 
 
-def _plain_call(m: dict, k: int) -> Callable[[], Any]:
-    layers, run = plain_model(m, False)
+def _plain_call(m: dict, k: int, bf16: bool = False) -> Callable[[], Any]:
+    """A plain backprop ``train_batch``: k forward + backward passes, clipping, one optimizer step."""
+    layers, run = plain_model(m, bf16)
     optimizer, stream = torch_optimizer(layers.parameters()), data(m)
 
     def call() -> None:
@@ -403,12 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         petra_ds.init_distributed(dist_backend="gloo")
     report = run(args)
     print_report(report)
-    output = args.output or os.path.join(ROOT, "benchmarks", "results",
-                                         f"host_overhead_cpu{'_tiny' if args.tiny else ''}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    with open(output, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"saved {output}")
+    name = f"host_overhead_cpu{'_tiny' if args.tiny else ''}.json"
+    output = args.output or os.path.join("benchmarks", "results", name)
+    print(f"saved {save_report(output, report)}")
     return 0
 
 

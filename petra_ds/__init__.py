@@ -26,8 +26,8 @@ from .diagnostics.gradient_quality import GradientQuality
 from .diagnostics.settings import format_settings, run_settings
 from .nn.check import NonFiniteError
 from .pipeline.module import PetraPipelineModule, stages_per_rank_of, tag_muon_parameters
-from .runtime.config import (PetraConfig, PetraConfigError, check_section_names, check_stages_per_rank, jit_build_notice,
-                             split_config, uses_muon)
+from .runtime.config import (PetraConfig, PetraConfigError, check_section_names, check_stages_per_rank,
+                             jit_build_notice, split_config, uses_muon)
 from .runtime.distributed import apply_group_timeout_to, ensure_single_process_env, init_distributed, is_rank0
 from .runtime.engine import PetraEngine
 from .schedule import first_stage_lateness

@@ -26,7 +26,11 @@ THIRD_PARTY = {
     "_foreach_abs": "torch's multi-tensor ops (what torch's own optimizers and clip_grad_norm_ use): one fused op "
                     "per list of tensors instead of one per tensor",
     "_foreach_max": "torch's multi-tensor maximum, see _foreach_abs",
+    "_foreach_add_": "torch's multi-tensor add, see _foreach_abs (the op counter's test counts one)",
+    "_foreach_mul_": "torch's multi-tensor multiply, see _foreach_abs (the host-sync counter's test)",
     "_foreach_norm": "torch's multi-tensor norm, see _foreach_abs",
+    "_inductor": "torch._inductor.config.fallback_random: compiled random ops draw as eager ones do, so keyed "
+                 "RNG scopes give a compiled forward and reconstruction the same masks (no public switch)",
     "_profiler_enabled": "torch.autograd._profiler_enabled(): whether a torch.profiler is recording, so that the "
                          "engine labels each instruction only then (torch has no public query)",
     "_attn_implementation": "Hugging Face's config field naming the attention kernel: from_pretrained sets it on a "

@@ -68,6 +68,11 @@ RUNS = {
     "bf16_dropout": {"optimizer": FROZEN, "dropout": 0.1, "bf16": True, "track_reconstruction": True},
     "bf16_dropout_overlap": {"optimizer": FROZEN, "dropout": 0.1, "bf16": True, "track_reconstruction": True,
                              "petra": {"reconstruct_overlap": True}},
+    # "petra": {"compile": ...}: inductor, and inductor replaying CUDA graphs, with keyed dropout
+    "dropout_compiled": {"optimizer": FROZEN, "dropout": 0.1, "track_reconstruction": True,
+                         "petra": {"compile": True}},
+    "dropout_cuda_graphs": {"optimizer": FROZEN, "dropout": 0.1, "track_reconstruction": True,
+                            "petra": {"compile": "reduce-overhead"}},
 }
 
 
@@ -194,6 +199,17 @@ def test_reconstruction_with_dropout_on_cuda_is_exact_to_fp32_rounding(name):
     errors = runs()[name]["reconstruction_errors"][1]
     assert len(errors) == K * BATCHES
     assert max(errors) < RECONSTRUCTION_TOL, errors
+
+
+@pytest.mark.parametrize("name", ["dropout_compiled", "dropout_cuda_graphs"])
+def test_compiled_stages_on_cuda_train_as_eager_ones_do(name):
+    """Compiled F, G and layers (inductor; its CUDA graphs with "reduce-overhead") against eager on the same
+    frozen run: the same gradients to fp32 rounding, and the reconstruction with keyed dropout still exact."""
+    eager, compiled = runs()["dropout"], runs()[name]
+    for j, steps in eager["grads"].items():
+        for a, b in zip(steps, compiled["grads"][j]):
+            assert rel(b, a) < FP32_TOL, (name, j)
+    assert max(compiled["reconstruction_errors"][1]) < RECONSTRUCTION_TOL
 
 
 def test_benchmark_script_runs_on_the_gpu(tmp_path):

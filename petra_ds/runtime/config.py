@@ -48,6 +48,12 @@ class PetraConfig:
     #: graphs are alive at once instead of the whole stage's. A speed / memory setting: it does not change
     #: training
     reconstruct_overlap: bool = False
+    #: run every stage's forward, reconstruction and VJP through ``torch.compile`` (``runtime/compiled.py``; true:
+    #: torch's default backend, inductor, or a backend's name such as "aot_eager"): each
+    #: coupling's F and G, and each layer that is not reversible, compiled in place (names and checkpoints
+    #: unchanged). The same arithmetic up to the compiler's rounding (float64 on CPU: tested). Off by default: it
+    #: costs compile time at the first clocks, and no GPU run has yet shown what it saves
+    compile: bool | str = False
     #: what each stage does about its delay tau_j (``petra_ds.runtime.compensation``): "none" (the paper's PETRA),
     #: "weight_prediction", "lr_rescale" or "adaptive_momentum", an object {"method": ..., its parameters},
     #: or a list of them applied together
@@ -91,6 +97,9 @@ class PetraConfig:
             raise PetraConfigError(f'"petra.check_finite" must be true or false, got {self.check_finite!r}')
         if not isinstance(self.check_reversible, bool):
             raise PetraConfigError(f'"petra.check_reversible" must be true or false, got {self.check_reversible!r}')
+        if not isinstance(self.compile, (bool, str)) or self.compile == "":
+            raise PetraConfigError(f'"petra.compile" must be true, false or a torch.compile backend\'s name (e.g. '
+                                   f'"inductor", "aot_eager"), got {self.compile!r}')
         if not isinstance(self.reconstruct_overlap, bool):
             raise PetraConfigError(
                 f'"petra.reconstruct_overlap" must be true or false, got {self.reconstruct_overlap!r}')

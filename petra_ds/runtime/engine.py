@@ -55,7 +55,8 @@ class PetraEngine(PipelineEngine):
             replica=self.grid.data_parallel_id, input_buffer=petra_config.input_buffer,
             param_buffer=petra_config.param_buffer, bn_policy=BatchNormPolicy(petra_config.bn_running_stats),
             autocast_dtype=torch.bfloat16 if bf16 else None, device_type=self.device.type,
-            check_reversible=petra_config.check_reversible, reconstruct_overlap=petra_config.reconstruct_overlap)
+            check_reversible=petra_config.check_reversible, reconstruct_overlap=petra_config.reconstruct_overlap,
+            compile=petra_config.compile)
         self.stages: dict[int, Stage] = {}
         #: what the stages read and make, checked for NaN / Inf on the device, read once per window
         self.finite = FiniteWatch(lambda: self.clock_now, self.local_stage_ids, self.num_petra_stages,

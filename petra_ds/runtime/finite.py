@@ -114,8 +114,9 @@ class FiniteWatch:
     ``local_stages`` are this rank's stages.
 
     What the stages report waits, by reference, until :meth:`flush` reduces all of it in one fused reduction
-    (the engine flushes before each step and at the end of each clock): a handful of kernels per clock
-    instead of a few per value and tensor."""
+    (the engine flushes at the end of each clock, and before a data-parallel average or a tied weight's
+    gradient rewrites gradients a backward reported): a handful of kernels per clock instead of a few per
+    value and tensor."""
 
     def __init__(self, clock: Callable[[], int], local_stages: Iterable[int], num_stages: int, *,
                  check_finite: bool = True, non_finite: str = "raise") -> None:
@@ -171,7 +172,8 @@ class FiniteWatch:
             self._see("gradient", f"the input gradient it sends to stage {stage - 1}", stage, m, dx,
                       sender=stage + 1)
 
-    def step(self, stage: int, step: int, m: int, grads: Sequence[Tensor], norm: Tensor | None = None) -> Tensor | None:
+    def step(self, stage: int, step: int, m: int, grads: Sequence[Tensor],
+             norm: Tensor | None = None) -> Tensor | None:
         """Before optimizer step ``step`` of ``stage`` (``m``: its last micro-batch): 1.0 where a gradient it is
         about to apply (data-parallel average and tied weights' gradients included) holds a NaN or Inf, else
         0.0, as a float32 device scalar (torch's ``found_inf``); None without gradients. ``norm``: their total

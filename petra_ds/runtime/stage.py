@@ -31,6 +31,7 @@ from ..nn.rng import micro_batch_rng
 from ..pipeline.module import layer_module
 from ..schedule import reconstructs
 from .compensation import NoCompensation
+from .compiled import compile_layers
 from .finite import FiniteWatch
 from .memory import tensor_bytes
 
@@ -59,6 +60,9 @@ class StageOptions:
     #: stream while block i's gradients are computed (PaReprop). Same bits; at most two blocks' graphs
     #: alive instead of the stage's
     reconstruct_overlap: bool = False
+    #: the stage's layers run through ``torch.compile`` (``petra_ds.runtime.compiled``): False, True (inductor) or
+    #: a backend's name
+    compile: bool | str = False
 
 
 @dataclass
@@ -91,6 +95,8 @@ class Stage:
         self.num_stages = num_stages
         self.layers = list(layers)
         self.options = options
+        if options.compile:
+            compile_layers(self.layers, "inductor" if options.compile is True else options.compile)
         self.loss_fn = loss_fn
         self.is_first = index == 0
         self.is_last = index == num_stages - 1

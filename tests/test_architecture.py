@@ -27,7 +27,10 @@ THIRD_PARTY = {
                     "per list of tensors instead of one per tensor",
     "_foreach_max": "torch's multi-tensor maximum, see _foreach_abs",
     "_foreach_add_": "torch's multi-tensor add, see _foreach_abs (the op counter's test counts one)",
-    "_foreach_mul_": "torch's multi-tensor multiply, see _foreach_abs (the host-sync counter's test)",
+    "_foreach_mul_": "torch's multi-tensor multiply in place, see _foreach_abs (weight prediction, a test)",
+    "_foreach_mul": "torch's multi-tensor multiply into new tensors, see _foreach_abs (weight prediction)",
+    "_foreach_add": "torch's multi-tensor add into new tensors, see _foreach_abs (weight prediction)",
+    "_foreach_sub": "torch's multi-tensor subtraction into new tensors, see _foreach_abs (weight prediction)",
     "_foreach_norm": "torch's multi-tensor norm, see _foreach_abs",
     "_inductor": "torch._inductor.config.fallback_random: compiled random ops draw as eager ones do, so keyed "
                  "RNG scopes give a compiled forward and reconstruction the same masks (no public switch)",

@@ -170,7 +170,8 @@ class NoCompensation(StageCompensation):
 
 
 class WeightPrediction(StageCompensation):
-    """Forward with ``w_hat = w + ahead * d``; ``d`` is the stage's (averaged) last update."""
+    """Forward with ``w_hat = w + ahead * d``; ``d`` is the stage's (averaged) last update (a step a fused
+    optimizer skipped on the device for a non-finite gradient is an update of zero)."""
 
     def __init__(self, params: Sequence[Tensor], ahead: float, beta: float) -> None:
         self.params = list(params)
@@ -184,8 +185,8 @@ class WeightPrediction(StageCompensation):
             yield
             return
         current = [p.data for p in self.params]
-        with torch.no_grad():
-            predicted = [w + self.ahead * d for w, d in zip(current, self.d)]
+        with torch.no_grad():  # one multi-tensor op for the stage
+            predicted = torch._foreach_add(current, torch._foreach_mul(self.d, self.ahead))
         try:
             for p, w_hat in zip(self.params, predicted):
                 p.data = w_hat
@@ -195,17 +196,16 @@ class WeightPrediction(StageCompensation):
                 p.data = w
 
     def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
-        with torch.no_grad():
-            before = [p.detach().clone() for p in self.params]
-        optimizer_step()
-        with torch.no_grad():
-            for w, p in zip(before, self.params):  # in place: the update is w_after - w_before
-                w.sub_(p.detach()).neg_()
+        with torch.no_grad():  # multi-tensor ops: a few ops per step for the stage, not a few per tensor
+            weights = [p.detach() for p in self.params]
+            before = torch._foreach_mul(weights, 1.0)
+            optimizer_step()
+            update = torch._foreach_sub(weights, before)
             if self.d is None or self.beta == 0:
-                self.d = before
+                self.d = update
             else:
-                for d, u in zip(self.d, before):
-                    d.mul_(self.beta).add_(u, alpha=1 - self.beta)
+                torch._foreach_mul_(self.d, self.beta)
+                torch._foreach_add_(self.d, update, alpha=1 - self.beta)
 
     def state_dict(self) -> dict:
         """The averaged update itself, not a copy: a checkpoint writes it at once, and the memory report

@@ -112,18 +112,19 @@ def torch_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, **options)
 
 
-def petra_engine(m: dict, k: int, bf16: bool = False, petra: dict | None = None):
+def petra_engine(m: dict, k: int, bf16: bool = False, petra: dict | None = None, pipe: int = 1):
+    """PETRA on ``m``'s J stages over ``pipe`` pipeline ranks (1: all of them in this process)."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     import petra_ds
 
-    J = m["J"]
-    module = petra_ds.PetraPipelineModule(m["specs"], topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
-                                          loss_fn=m["loss"], stages_per_rank=J, partition_method=m["partition"],
-                                          base_seed=0)
+    per_rank = m["J"] // pipe
+    module = petra_ds.PetraPipelineModule(m["specs"], topology=PipeDataParallelTopology(num_pp=pipe, num_dp=1),
+                                          loss_fn=m["loss"], stages_per_rank=per_rank,
+                                          partition_method=m["partition"], base_seed=0)
     config = {"train_micro_batch_size_per_gpu": m["size"], "gradient_accumulation_steps": k,
               "optimizer": OPTIMIZER, "steps_per_print": 10**9, "gradient_clipping": 1.0,
-              "petra": {"stages_per_rank": J, **(petra or {})}}
+              "petra": {"stages_per_rank": per_rank, **(petra or {})}}
     if bf16:
         config["bf16"] = {"enabled": True}
     engine, *_ = petra_ds.initialize(model=module, config=config)

@@ -132,3 +132,27 @@ def test_an_optimizer_that_cannot_skip_on_the_device_costs_one_sync_per_step(wor
         engine.train_batch(stream)
     steps = m["J"]  # every stage steps once per train_batch of k micro-batches
     assert syncs.count == 1 + steps, syncs.where
+
+
+def _syncs_of_a_pipeline_rank(spec: dict) -> dict:
+    """One rank of a two-rank pipeline (J = 4, two stages each): its host reads in a steady-state train_batch."""
+    import petra_ds
+
+    petra_ds.init_distributed(dist_backend="gloo")
+    m, k = host_overhead.model("revgpt", TINY, stages=4), TINY.k
+    engine = host_overhead.petra_engine(m, k, pipe=2)
+    stream = host_overhead.data(m)
+    for _ in range(host_overhead.fill_calls(m["J"], k) + 1):  # every channel's layout exchanged, then steady
+        engine.train_batch(stream)
+    with HostSyncs() as syncs:
+        engine.train_batch(stream)
+    return dict(syncs.where)
+
+
+def test_messages_between_ranks_cost_no_host_read_after_their_first_clock():
+    """Each channel's layout header is read once, at its first message; a steady-state window of a two-rank
+    pipeline reads only its loss and checks (the loss broadcast and the messages are collectives, not reads)."""
+    from harness import launch
+
+    for where in launch({}, world_size=2, target=_syncs_of_a_pipeline_rank, timeout=180):
+        assert sum(where.values()) == 1 and all("runtime/engine.py" in w for w in where), where

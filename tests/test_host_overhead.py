@@ -45,7 +45,7 @@ def counts(world_of_one):
 
 #: the bound on PETRA's ops per micro-batch over plain's, all J stages in one process. RevNet18 at J = 10, k = 4
 #: takes 2.5 optimizer steps per micro-batch (each stage steps its own optimizer every k), about 15 ops each with
-#: clipping, against plain's one step per k: 1.52-1.54x measured, over the issue's 1.5x; per stage it is within.
+#: clipping, against plain's one step per k: 1.52-1.54x measured, over the 1.5x aimed at; per stage it is within.
 WHOLE = {"revgpt": 1.5, "revnet18": 1.55}
 
 

@@ -27,18 +27,15 @@ from ..nn.reversible import Reversible, ReversibleSequential
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def compile_layers(layers: Iterable[object], how: str = "inductor") -> int:
+def compile_layers(layers: Iterable[object], how: bool | str = True) -> None:
     """Compile, in place, the branches of every coupling among ``layers`` and every module that is not
-    reversible; parameter-free reversible layers (splits, merges) stay eager. ``how``: a backend's name, or one
-    of inductor's :data:`MODES`. Returns how many modules were compiled."""
+    reversible; parameter-free reversible layers (splits, merges) stay eager. ``how``: the ``"petra"`` key's
+    value, true (inductor), a backend's name, or one of inductor's :data:`MODES`."""
     torch._inductor.config.fallback_random = True
-    options = {"mode": how} if how in MODES else {"backend": how}
-    compiled = 0
+    options = {"mode": how} if how in MODES else {"backend": "inductor" if how is True else how}
     for layer in layers:
         for module in _compiled_parts(layer):
             module.compile(**options)
-            compiled += 1
-    return compiled
 
 
 def _compiled_parts(layer: object) -> list[nn.Module]:

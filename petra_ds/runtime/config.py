@@ -124,10 +124,13 @@ def uses_muon(config: Mapping[str, Any]) -> bool:
     return str(config.get("optimizer", {}).get("type", "")).lower() == "muon"
 
 
-#: DeepSpeed optimizer types (lower case) that it builds from its own CUDA sources unless "torch_adam" is set
+#: DeepSpeed optimizer types (lower case) that it builds from its own CUDA sources (those of ``_TORCH_ADAM`` unless
+#: "torch_adam" is set)
 _JIT_BUILT = {"adam": "FusedAdam", "adamw": "FusedAdam", "muon": "FusedAdam (for the AdamW of the non-matrix "
               "parameters)", "lamb": "FusedLamb", "onebitadam": "FusedAdam", "zerooneadam": "FusedAdam",
               "onebitlamb": "FusedLamb", "lion": "FusedLion"}
+#: the types whose "torch_adam": true makes DeepSpeed use torch's AdamW instead
+_TORCH_ADAM = ("adam", "adamw", "muon")
 
 
 def jit_build_notice(config: Mapping[str, Any], environ: Mapping[str, str], cuda: bool) -> str | None:
@@ -136,12 +139,12 @@ def jit_build_notice(config: Mapping[str, Any], environ: Mapping[str, str], cuda
     optimizer = config.get("optimizer") or {}
     kind = str(optimizer.get("type", "")).lower()
     params = optimizer.get("params") or {}
-    if not cuda or kind not in _JIT_BUILT or (kind in ("adam", "adamw", "muon") and params.get("torch_adam")):
+    if not cuda or kind not in _JIT_BUILT or (kind in _TORCH_ADAM and params.get("torch_adam")):
         return None
     text = (f'DeepSpeed will JIT-compile its {_JIT_BUILT[kind]} for "optimizer": {{"type": "{optimizer["type"]}"}} '
             "before the first step: it needs nvcc (a pip-installed torch brings none) and takes about a minute the "
             "first time.")
-    if kind in ("adam", "adamw", "muon"):
+    if kind in _TORCH_ADAM:
         text += (' Add "torch_adam": true (and "fused": true for torch\'s fused kernel) to its "params" to use '
                  "torch's AdamW instead: no build.")
     arch = environ.get("TORCH_CUDA_ARCH_LIST", "")

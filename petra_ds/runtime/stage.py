@@ -96,7 +96,7 @@ class Stage:
         self.layers = list(layers)
         self.options = options
         if options.compile:
-            compile_layers(self.layers, "inductor" if options.compile is True else options.compile)
+            compile_layers(self.layers, options.compile)
         self.loss_fn = loss_fn
         self.is_first = index == 0
         self.is_last = index == num_stages - 1

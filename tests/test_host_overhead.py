@@ -43,23 +43,18 @@ def counts(world_of_one):
             for name in host_overhead.MODELS for bf16 in (False, True) for finite in (True, False)}
 
 
-#: the bound on PETRA's ops per micro-batch over plain's, all J stages in one process. RevNet18 at J = 10, k = 4
-#: takes 2.5 optimizer steps per micro-batch (each stage steps its own optimizer every k), about 15 ops each with
-#: clipping, against plain's one step per k: 1.52-1.54x measured, over the 1.5x aimed at; per stage it is within.
-WHOLE = {"revgpt": 1.5, "revnet18": 1.55}
-
-
 @pytest.mark.parametrize("name", host_overhead.MODELS)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_petra_dispatches_at_most_1_5x_the_ops_of_plain_backprop_per_stage(counts, name, bf16):
     """Per micro-batch at steady state, the same optimizer (fused AdamW) and clipping; the arithmetic alone is
     about 4/3 (a second evaluation of every layer). Per stage, first / FIFO / reconstructing / last, against
-    that stage's layers alone (what one rank of a J-rank pipeline runs); the whole model against ``WHOLE``."""
+    that stage's layers alone (what one rank of a J-rank pipeline runs), and the whole model in one process (RevNet18
+    at J = 10 takes 10 optimizer steps per k micro-batches against plain's one)."""
     row = counts[(name, bf16, True)]
     for stage in row["stages"]:
         assert stage["ratio"] <= 1.5, stage
     assert {"first", "last", "reconstructing"} <= {s["kind"] for s in row["stages"]}
-    assert row["ratio"] <= WHOLE[name], row["ratio"]
+    assert row["ratio"] <= 1.5, row["ratio"]
 
 
 @pytest.mark.parametrize("name", host_overhead.MODELS)

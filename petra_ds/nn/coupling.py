@@ -82,20 +82,20 @@ class AdditiveCoupling(Reversible):
         x2_leaf = _undo(y2, g).requires_grad_()
         with torch.enable_grad():
             f = self._f(x2_leaf)
-        return (_undo(y1, f), x2_leaf.detach()), _AdditiveTape(y1_leaf, g, x2_leaf, f)
+        return (_undo(y1, f), x2_leaf.detach()), _AdditiveTape(y1_leaf, g, x2_leaf, f, self.F, self.G)
 
 
 class _AdditiveTape(Tape):
     """dy1_total = dy1 + G'(y1)^T dy2;  dx1 = dy1_total;  dx2 = dy2 + F'(x2)^T dy1_total."""
 
-    def __init__(self, y1: Tensor, g: Tensor, x2: Tensor, f: Tensor) -> None:
-        self.y1, self.g, self.x2, self.f = y1, g, x2, f
+    def __init__(self, y1: Tensor, g: Tensor, x2: Tensor, f: Tensor, F: nn.Module, G: nn.Module) -> None:
+        self.y1, self.g, self.x2, self.f, self.F, self.G = y1, g, x2, f, F, G
 
     def backward(self, dy: Activation) -> tuple[Tensor, Tensor]:
         dy1, dy2 = dy
-        dy1_total = add_grad(dy1, vjp_into(self.g, dy2, self.y1))
-        dx2 = add_grad(dy2, vjp_into(self.f, dy1_total, self.x2))
-        self.y1 = self.g = self.x2 = self.f = None
+        dy1_total = add_grad(dy1, vjp_into(self.g, dy2, self.y1, self.G))
+        dx2 = add_grad(dy2, vjp_into(self.f, dy1_total, self.x2, self.F))
+        self.y1 = self.g = self.x2 = self.f = self.F = self.G = None
         return dy1_total, dx2
 
 
@@ -123,19 +123,19 @@ class SwapCoupling(Reversible):
         with torch.enable_grad():
             x2_leaf = _leaf(y1)
             f = self._f(x2_leaf)
-        return (_undo(y2, f), _plain(y1)), _SwapTape(x2_leaf, f)
+        return (_undo(y2, f), _plain(y1)), _SwapTape(x2_leaf, f, self.F)
 
 
 class _SwapTape(Tape):
     """dx1 = dy2;  dx2 = dy1 + F'(x2)^T dy2."""
 
-    def __init__(self, x2: Tensor, f: Tensor) -> None:
-        self.x2, self.f = x2, f
+    def __init__(self, x2: Tensor, f: Tensor, F: nn.Module) -> None:
+        self.x2, self.f, self.F = x2, f, F
 
     def backward(self, dy: Activation) -> tuple[Tensor, Tensor]:
         dy1, dy2 = dy
-        dx2 = add_grad(dy1, vjp_into(self.f, dy2, self.x2))
-        self.x2 = self.f = None
+        dx2 = add_grad(dy1, vjp_into(self.f, dy2, self.x2, self.F))
+        self.x2 = self.f = self.F = None
         return dy2, dx2
 
 
@@ -177,17 +177,18 @@ class HalfCoupling(Reversible):
         with torch.enable_grad():
             xb_leaf = _leaf(yb)
             f = self._f(xb_leaf)
-        return self._pair(_undo(ya, f), _plain(yb)), _HalfTape(xb_leaf, f, self._pair)
+        return self._pair(_undo(ya, f), _plain(yb)), _HalfTape(xb_leaf, f, self.F, self._pair)
 
 
 class _HalfTape(Tape):
     """dxa = dya;  dxb = dyb + F'(xb)^T dya  (a: the stream updated, b: the stream read)."""
 
-    def __init__(self, xb: Tensor, f: Tensor, pair: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]) -> None:
-        self.xb, self.f, self.pair = xb, f, pair
+    def __init__(self, xb: Tensor, f: Tensor, F: nn.Module,
+                 pair: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]) -> None:
+        self.xb, self.f, self.F, self.pair = xb, f, F, pair
 
     def backward(self, dy: Activation) -> tuple[Tensor, Tensor]:
         dya, dyb = self.pair(*dy)
-        dxb = add_grad(dyb, vjp_into(self.f, dya, self.xb))
-        self.xb = self.f = None
+        dxb = add_grad(dyb, vjp_into(self.f, dya, self.xb, self.F))
+        self.xb = self.f = self.F = None
         return self.pair(dya, dxb)

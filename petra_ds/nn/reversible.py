@@ -16,10 +16,12 @@ block i's reconstructed input, not its gradients, so on CUDA the two run on two 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, ContextManager, Sequence, Union
+from typing import Any, Callable, ContextManager, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+
+from .accumulate import backprop
 
 Activation = Union[Tensor, tuple[Tensor, ...]]
 
@@ -38,27 +40,25 @@ def detach_leaf(x: Activation) -> Activation:
     return shaped_like(x, [t.detach().requires_grad_(t.is_floating_point()) for t in as_tuple(x)])
 
 
-def vjp_into(output: Tensor, grad_output: Tensor | None, leaf: Tensor | None = None) -> Tensor | None:
+def vjp_into(output: Tensor, grad_output: Tensor | None, leaf: Tensor, owner: Any) -> Tensor | None:
     """Backpropagate ``grad_output`` through ``output``'s graph; return ``leaf``'s gradient.
 
-    Parameter gradients accumulate into ``.grad`` as with ``loss.backward()``. The leaf gradient is
-    ``None`` when nothing flows to it.
+    Parameter gradients (``owner``'s, see :func:`~petra_ds.nn.accumulate.backprop`) accumulate into
+    ``.grad`` as with ``loss.backward()``. The leaf gradient is ``None`` when nothing flows to it.
     """
-    if grad_output is not None and output.requires_grad:
-        torch.autograd.backward(output, grad_output.to(output.dtype))
-    if leaf is None or leaf.grad is None:
+    if grad_output is None or not output.requires_grad:
         return None
-    return leaf.grad
+    return backprop([output], [grad_output.to(output.dtype)], [leaf], owner)[0]
 
 
 def add_grad(a: Tensor, b: Tensor | None) -> Tensor:
     return a if b is None else a + b.to(a.dtype)
 
 
-def _grad_or_zeros(leaf: Tensor) -> Tensor | None:
+def _grad_or_zeros(leaf: Tensor, grad: Tensor | None) -> Tensor | None:
     if not leaf.requires_grad:  # an integer input, or data kept out of the graph
         return None
-    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+    return grad if grad is not None else torch.zeros_like(leaf)
 
 
 class Tape:
@@ -70,11 +70,13 @@ class Tape:
 
 
 class GraphTape(Tape):
-    """A recomputed graph from leaves ``inputs`` to ``outputs`` (the generic path)."""
+    """A recomputed graph from leaves ``inputs`` to ``outputs`` (the generic path). ``owner`` (a module, or
+    anything with ``parameters()``) holds the parameters it uses; without one, autograd accumulates them."""
 
-    def __init__(self, inputs: Activation, outputs: Activation) -> None:
+    def __init__(self, inputs: Activation, outputs: Activation, owner: Any = None) -> None:
         self.inputs = inputs
         self.outputs = outputs
+        self.owner = owner
 
     def backward(self, dy: Activation) -> Activation:
         outs, grads = [], []
@@ -82,12 +84,18 @@ class GraphTape(Tape):
             if grad is not None and out.requires_grad:
                 outs.append(out)
                 grads.append(grad.to(out.dtype))
-        if outs:
+        inputs = as_tuple(self.inputs)
+        if not outs:
+            found: list[Tensor | None] = [None] * len(inputs)
+        elif self.owner is None:
             torch.autograd.backward(outs, grads)
-        inputs = self.inputs
-        dx = [_grad_or_zeros(leaf) for leaf in as_tuple(inputs)]
-        self.inputs = self.outputs = None
-        return shaped_like(inputs, dx)
+            found = [leaf.grad for leaf in inputs]
+        else:
+            found = backprop(outs, grads, inputs, self.owner)
+        dx = [_grad_or_zeros(leaf, g) for leaf, g in zip(inputs, found)]
+        shape = self.inputs
+        self.inputs = self.outputs = self.owner = None
+        return shaped_like(shape, dx)
 
 
 class SequentialTape(Tape):
@@ -203,7 +211,8 @@ class Reversible(nn.Module):
         x_leaf = detach_leaf(x)
         with torch.enable_grad():
             y_again = self.forward(x_leaf)
-        return shaped_like(x, [t.detach() for t in as_tuple(x)]), GraphTape(x_leaf, y_again)
+        owner = self if isinstance(self, nn.Module) else None
+        return shaped_like(x, [t.detach() for t in as_tuple(x)]), GraphTape(x_leaf, y_again, owner)
 
 
 def is_reversible(module: nn.Module) -> bool:

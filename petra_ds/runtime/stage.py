@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..nn.accumulate import backprop
 from ..nn.batchnorm import BatchNormPolicy, batch_norms, norms_running_stats
 from ..nn.check import check_reversible
 from ..nn.reversible import (Activation, GraphTape, SequentialTape, as_tuple, assign_rng_keys, detach_leaf,
@@ -154,6 +155,10 @@ class Stage:
                     check_reversible(layer, x, name=f"stage {self.index}, its layer {i} ({type(layer).__name__})",
                                      seed=self.options.seed)
                 x = layer(x)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The stage's parameters, each once (what its graphs accumulate into)."""
+        return iter(self.params)
 
     def _unique_params(self) -> list[nn.Parameter]:
         seen, out = set(), []
@@ -304,8 +309,7 @@ class Stage:
             _, x_tilde, leaf, loss = self.live
             self.live = None
             self._use_forward_params(m)
-            (loss / k).backward()
-            dx = shaped_like(leaf, [t.grad if t.is_floating_point() else None for t in as_tuple(leaf)])
+            dx = shaped_like(leaf, backprop([loss / k], [None], as_tuple(leaf), self))
         elif self.reconstructs:
             rebuilt = self.reconstruction
             if rebuilt is None or rebuilt.micro_batch != m:
@@ -342,7 +346,7 @@ class Stage:
             if self.is_last:
                 out = self.loss_fn(out, labels)
         if into_grad:
-            return None, GraphTape(leaf, out).backward(delta)
+            return None, GraphTape(leaf, out, self).backward(delta)
         params = [p for p in self.params if p.requires_grad]
         if self.is_last:
             outs, grad_outs = [out], [None]

@@ -1,0 +1,66 @@
+"""Parameter gradients added into ``.grad`` by one multi-tensor op per graph, not one op per parameter.
+
+``Tensor.backward`` adds each parameter's gradient into its ``.grad`` by that parameter's own ``add_``
+(autograd's AccumulateGrad): a kernel per parameter, per graph, per micro-batch on a GPU. A PETRA stage
+differentiates every block on its own graph k times per step, so those adds were a tenth of its kernels.
+:func:`backprop` takes the gradients with ``torch.autograd.grad`` instead and adds them with one
+``torch._foreach_add_``: the same additions of the same values, so the same bits. The step's first
+micro-batch, where a ``.grad`` is still None, goes through autograd's own accumulation, which adopts the
+fresh gradients without a copy and knows when one is shared and must be copied.
+
+Which parameters a graph accumulates into is its owner's (a coupling's F, a stage): checked once against
+the first graph. An owner whose graph reaches a parameter it does not hold (a closure over another
+module's weight) keeps autograd's accumulation, which finds every parameter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+#: owner -> its parameters, or None where its graph reaches others (checked at the owner's first graph)
+_OWN: "weakref.WeakKeyDictionary[Any, tuple[Tensor, ...] | None]" = weakref.WeakKeyDictionary()
+
+
+def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: Sequence[Tensor],
+             owner: Any) -> list[Tensor | None]:
+    """Pull ``grads`` back through the graph of ``outputs`` (None for a scalar output means 1); return the
+    gradient of each of ``leaves`` (None where it needs none or nothing flows to it) and add the parameter
+    gradients into ``.grad`` as ``torch.autograd.backward`` does. ``owner`` has ``parameters()``: those the
+    graph uses."""
+    if owner not in _OWN:
+        _OWN[owner] = _own_parameters(outputs, leaves, tuple(owner.parameters()))
+    own = _OWN[owner]
+    trainable = None if own is None else [p for p in own if p.requires_grad]
+    if trainable is None or any(p.grad is None for p in trainable):
+        torch.autograd.backward(outputs, grads)
+        return [t.grad if t.requires_grad else None for t in leaves]
+    wanted = [t for t in leaves if t.requires_grad]
+    found = torch.autograd.grad(outputs, wanted + trainable, grads, allow_unused=True)
+    pairs = [(p.grad, g) for p, g in zip(trainable, found[len(wanted):]) if g is not None]
+    if pairs:
+        with torch.no_grad():
+            torch._foreach_add_([a for a, _ in pairs], [b for _, b in pairs])
+    leaf_grads = iter(found[:len(wanted)])
+    return [next(leaf_grads) if t.requires_grad else None for t in leaves]
+
+
+def _own_parameters(outputs: Sequence[Tensor], leaves: Sequence[Tensor],
+                    params: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
+    """``params``, or None when the graph of ``outputs`` accumulates into a tensor that is neither one of
+    them nor one of ``leaves``."""
+    known = {id(t) for t in (*params, *leaves)}
+    seen, pending = set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the tensor it adds into
+        if variable is not None and id(variable) not in known:
+            return None
+        pending.extend(n for n, _ in node.next_functions if n is not None)
+    return params

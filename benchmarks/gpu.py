@@ -129,12 +129,33 @@ def timed(train_batch: Callable[[], Any], warmup: int, calls: int, device: torch
         _sync(device)
         seconds.append(time.perf_counter() - start)
     result = {"seconds_per_call": seconds, "median_seconds": statistics.median(seconds)}
+    result.update(profiled(train_batch, device))
     if device.type == "cuda":
         result["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
         result["allocated_after_bytes"] = torch.cuda.memory_allocated(device) - before
     else:
         result["peak_bytes"] = result["allocated_after_bytes"] = None
     return result
+
+
+def profiled(train_batch: Callable[[], Any], device: torch.device) -> dict:
+    """One more call under ``torch.profiler``: the device's kernel seconds, and the host's seconds less those it
+    spent waiting for the device (synchronisations, and copies to the host, which wait for the stream): what the
+    host needs to issue a call (``benchmarks/predict_gpus.py`` reads both; profiling slows the host somewhat)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities) as trace:
+        start = time.perf_counter()
+        train_batch()
+        _sync(device)
+        wall = time.perf_counter() - start
+    events = trace.key_averages()
+    waited = sum(e.self_cpu_time_total for e in events if "Synchronize" in e.key or e.key.startswith("cudaMemcpy"))
+    kernels = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    return {"host_seconds": wall - waited / 1e6, "device_seconds": kernels / 1e6}
 
 
 def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.device) -> dict:
@@ -227,6 +248,8 @@ def summarize(runs: list[dict]) -> dict:
             row_m[f"{variant}_peak_bytes"] = max(peaks) if peaks else None
             row_s[f"{variant}_seconds_per_call"] = statistics.median(r["median_seconds"] for r in rs)
             row_s[f"{variant}_rounds"] = [r["median_seconds"] for r in rs]
+            for part in ("host", "device"):  # profiled: see profiled()
+                row_s[f"{variant}_{part}_seconds_per_call"] = statistics.median(r[f"{part}_seconds"] for r in rs)
         for a, b in (("petra", "plain"), ("petra_overlap", "plain"), ("petra_overlap", "petra"),
                      ("petra", "petra_unchecked")):
             if row_m.get(f"{a}_peak_bytes") and row_m.get(f"{b}_peak_bytes"):

@@ -48,7 +48,7 @@ MODELS = ("revgpt", "revnet18")
 #: what changes an op count is kept from benchmarks/gpu.py (blocks, stages, heads, k); the rest is narrowed
 FULL = {"k": 4, "revgpt_blocks": 12, "revgpt_heads": 12, "revgpt_d": 96, "revgpt_seq": 16, "revgpt_batch": 2,
         "revgpt_stages": 4, "revnet_width": 8, "revnet_image": 8, "revnet_batch": 2, "revnet_stages": 10,
-        "time_blocks": 8, "time_stages": 4, "rounds": 9, "calls": 10}
+        "time_blocks": 8, "time_stages": 4, "rounds": 30, "calls": 3}
 TINY = {"k": 4, "revgpt_blocks": 4, "revgpt_heads": 2, "revgpt_d": 16, "revgpt_seq": 8, "revgpt_batch": 2,
         "revgpt_stages": 3, "revnet_width": 4, "revnet_image": 8, "revnet_batch": 2, "revnet_stages": 10,
         "time_blocks": 4, "time_stages": 2, "rounds": 2, "calls": 4}
@@ -176,7 +176,8 @@ def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: boo
     plain_total, plain_stages = count_plain(m, k, bf16, parts)
     return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
             "petra_ops": counter.total / k, "plain_ops": plain_total, "ratio": counter.total / k / plain_total,
-            "engine_ops": counter.scope_totals().get(None, 0) / k,
+            "engine_ops": counter.scope_totals().get(None, 0) / k, "parts": parts,
+            "layers": [getattr(spec, "typename", type(spec)).__name__ for spec in m["specs"]],
             "stages": [{"stage": j, "kind": kinds[j], "petra_ops": per_stage[j], "plain_ops": plain_stages[j],
                         "ratio": per_stage[j] / plain_stages[j]} for j in range(m["J"])],
             "petra_by_op": {op: n / k for op, n in counter.by_name.most_common()}}
@@ -275,12 +276,13 @@ def time_variants(args: argparse.Namespace) -> dict:
         for _ in range(fill_calls(m["J"], k) + 1):
             call()
     rounds: dict[str, list[float]] = {name: [] for name in builders}
-    for _ in range(args.rounds):  # each round times every variant in turn: a slow spell of the machine hits all
-        for name, call in calls.items():
-            seconds = []
+    names = list(calls)
+    for r in range(args.rounds):  # a round times every variant in turn, a few calls each, starting each round
+        for name in names[r % len(names):] + names[:r % len(names)]:  # at the next variant: a slow spell of
+            seconds = []                                                # the machine hits them all alike
             for _ in range(args.calls):
                 start = time.process_time()
-                call()
+                calls[name]()
                 seconds.append(time.process_time() - start)
             rounds[name].append(statistics.median(seconds))
     medians = {name: statistics.median(values) for name, values in rounds.items()}

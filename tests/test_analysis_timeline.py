@@ -11,6 +11,8 @@ from torch import nn
 
 from petra_ds.perf.timeline import (Costs, StageCosts, main, measure_stage_costs, plot_gantt, predict, revnet_costs,
                                     seconds_per_micro_batch, simulate_schedule, validate)
+from petra_ds.perf.predict import predict_host_bound
+from petra_ds.perf.programs import micro_batch_seconds
 from petra_ds.schedule import PetraSchedule, Timeline, delay
 
 F, FG, B = 1.0, 1.3, 2.1  # forward, forward with graph, backward (arbitrary units)
@@ -52,6 +54,35 @@ def test_uniform_closed_forms(J, k):
     assert p["naive_mp_ckpt"] == pytest.approx(J * (FG + FG + B))
     assert p["single"] == pytest.approx(J * (FG + B))
     assert p["single"] / p["petra"] == pytest.approx(J * (FG + B) / (F + FG + B))
+
+
+@pytest.mark.parametrize("J,k", [(4, 4), (10, 4), (8, 14)])
+def test_a_host_bound_rank_runs_at_the_hosts_pace(J, k):
+    """Uniform stages, no messages: a host that needs H per stage and micro-batch (PETRA: per stage-clock) sets
+    the pace where H exceeds the device's unit, which is then H in the closed forms above; below it, nothing
+    changes."""
+    costs = Costs.uniform(J, F, FG, B)
+    assert predict_host_bound(costs, k, {"petra": 0.0, "1f1b": 0.0, "torch_dualpipev": 0.0}) == pytest.approx(
+        predict(costs, k, ["petra", "1f1b", "torch_dualpipev"]))
+    H = 3 * (F + FG + B)
+    bound = predict_host_bound(costs, k, {"petra": H, "1f1b": H, "1f1b_ckpt": H})
+    assert bound["petra"] == pytest.approx(H)
+    assert bound["1f1b"] * k == pytest.approx((k + J - 1) * H)
+    assert bound["1f1b_ckpt"] * k == pytest.approx((k + J - 1) * H)
+    slow_device = Costs.uniform(J, 10 * F, 10 * FG, 10 * B)
+    assert predict_host_bound(slow_device, k, {"petra": H})["petra"] == pytest.approx(10 * (F + FG + B))
+
+
+def test_a_host_bound_unit_is_spread_over_its_primitives_in_proportion():
+    costs = Costs((StageCosts(F, FG, B, step=0.5, backward_split=2 * B), StageCosts(F, FG, B)))
+    H = 2 * (F + FG + B)
+    bound = costs.host_bound(H, lambda c, last: micro_batch_seconds("petra", c, last))
+    first, last = bound.stages
+    assert (first.forward, first.forward_grad, first.backward, first.backward_split, first.step) == pytest.approx(
+        (2 * F, 2 * FG, 2 * B, 4 * B, 0.5))
+    assert last.forward_grad + last.backward == pytest.approx(H)  # the last stage's clock has no forward
+    with pytest.raises(ValueError, match="1f1b_rev"):
+        micro_batch_seconds("1f1b_rev", costs.stages[0], False)
 
 
 def test_petra_speedup_over_pipelines_grows_towards_its_limit():

@@ -3,8 +3,8 @@ built from. One record shared by the measurement, the simulator's programs and t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["Costs", "StageCosts"]
 
@@ -52,6 +52,22 @@ class Costs:
         benchmark ran. The first stage keeps the input's costs, the last the loss's."""
         M = self.num_stages
         return Costs(tuple(self.stages[j * M // num_stages] for j in range(num_stages)), self.message_s)
+
+    def host_bound(self, host_s: float | Sequence[float], unit_s: Callable[[StageCosts, bool], float]) -> "Costs":
+        """The costs of ranks whose host needs ``host_s`` (one value, or one per stage) to issue one unit of a
+        stage's work (``unit_s(stage, is_last)`` device seconds: what a schedule runs per stage and
+        micro-batch) while the device runs it asynchronously: the unit then lasts max(device, host), the host's
+        seconds spread over the unit's primitives in proportion to the device's. The step keeps its own cost."""
+        last = self.num_stages - 1
+        hosts = [float(host_s)] * self.num_stages if isinstance(host_s, (int, float)) else list(host_s)
+        if len(hosts) != self.num_stages:
+            raise ValueError(f"host seconds for {len(hosts)} stages, costs for {self.num_stages}")
+        stages = []
+        for j, s in enumerate(self.stages):
+            f = max(1.0, hosts[j] / unit_s(s, j == last))
+            stages.append(replace(s, forward=f * s.forward, forward_grad=f * s.forward_grad, backward=f * s.backward,
+                                  backward_split=None if s.backward_split is None else f * s.backward_split))
+        return Costs(tuple(stages), self.message_s)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Costs":

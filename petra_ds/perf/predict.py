@@ -8,10 +8,10 @@ from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 from .costs import Costs
-from .programs import simulate_schedule
+from .programs import micro_batch_seconds, simulate_schedule
 from .torch_programs import TORCH_VARIANTS, UnsupportedMicroBatches
 
-__all__ = ["VARIANTS", "predict", "report_costs", "seconds_per_micro_batch", "validate"]
+__all__ = ["VARIANTS", "predict", "predict_host_bound", "report_costs", "seconds_per_micro_batch", "validate"]
 
 #: what the simulator predicts; ``single`` is one process running every stage
 VARIANTS = ("single", "naive_mp", "naive_mp_ckpt", "naive_mp_rev", "gpipe", "gpipe_ckpt", "1f1b", "1f1b_ckpt",
@@ -51,6 +51,22 @@ def predict(costs: Costs, micro_batches: int, variants: Sequence[str] = VARIANTS
     for v in variants:
         try:
             out[v] = seconds_per_micro_batch(v, costs, micro_batches, reversible=reversible)
+        except UnsupportedMicroBatches:
+            continue
+    return out
+
+
+def predict_host_bound(costs: Costs, micro_batches: int, host_s: Mapping[str, float | Sequence[float]], *,
+                       reversible: Sequence[bool] | None = None) -> dict[str, float]:
+    """Seconds per micro-batch of each variant of ``host_s`` on J ranks whose host needs ``host_s[variant]``
+    (one value, or one per stage) per stage and micro-batch (PETRA: per stage-clock) to issue what the device
+    runs asynchronously, with no host synchronisation inside a ``train_batch`` (:meth:`Costs.host_bound`); 0
+    gives the device-only pace. Torch's schedules that refuse k on J ranks are left out."""
+    out = {}
+    for v, host in host_s.items():
+        bound = costs.host_bound(host, lambda c, last, v=v: micro_batch_seconds(v, c, last))
+        try:
+            out[v] = seconds_per_micro_batch(v, bound, micro_batches, reversible=reversible)
         except UnsupportedMicroBatches:
             continue
     return out

@@ -56,11 +56,23 @@ from deepspeed.runtime.pipe import schedule as ds
 from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, ForwardPass, LoadMicroBatch, PostP2P,
                         ReverseReconstruct, Timeline, channels, reconstructs)
 from ..verify.replay import streams_for
-from .costs import Costs
+from .costs import Costs, StageCosts
 from .simulator import Compute, Endpoint, Mark, Op, Post, Simulation, Wait, simulate
 from .torch_programs import SCHEDULES, TORCH_VARIANTS, torch_programs
 
-__all__ = ["GPipeSchedule", "simulate_schedule"]
+__all__ = ["GPipeSchedule", "micro_batch_seconds", "simulate_schedule"]
+
+
+def micro_batch_seconds(schedule: str, c: StageCosts, last: bool) -> float:
+    """Device seconds of one stage's work per micro-batch under ``schedule`` (the table above, summed): a
+    PETRA stage-clock (forward, reconstruction or recomputation, backward), a pipeline's forward and backward
+    (with the recomputation of ``*_ckpt``). The unit :meth:`Costs.host_bound` spreads a host's time over."""
+    if schedule == "petra":
+        return c.forward_grad + c.backward if last else c.forward + c.forward_grad + c.backward
+    if schedule.endswith("_rev") or schedule in ("single", "naive_mp"):
+        raise ValueError(f"no per-micro-batch unit for {schedule!r}: its stages' work depends on more than the costs")
+    recompute = c.forward_grad if schedule.endswith("_ckpt") else 0.0
+    return c.forward_grad + recompute + c.backward
 
 
 class GPipeSchedule(ds.PipeSchedule):

@@ -1,0 +1,197 @@
+"""RevNet18 on 10 GPUs and RevGPT on 8, one stage per GPU: PETRA, DeepSpeed's 1F1B and torch's DualPipeV,
+predicted by the timeline model (``petra_ds.perf``) from what one GPU measured and what the host costs.
+
+    python benchmarks/predict_gpus.py          # from the first H100 run (benchmarks/results/gpu_h100_first_run_inputs.json)
+    python benchmarks/predict_gpus.py --inputs benchmarks/results/gpu_<device>.json   # from a run of benchmarks/gpu.py
+
+Where each input comes from (the JSON repeats it per model):
+
+- **device seconds per stage** (measured, then assumed): plain backprop's device time per micro-batch on the
+  one GPU, cut into stages. RevNet18 by the per-stage shape the timeline measured on CPU
+  (``benchmarks/results/timeline_revnet.json``), RevGPT by blocks (the LM head counted by its FLOPs against a
+  block's: 0.8 of one at d 768, sequence 512, vocabulary 8192), forward : forward with graph : backward = 1 : 1 : 2.
+  Assumed: the CPU's shape holds on a GPU.
+- **host seconds per stage and micro-batch** (measured, then assumed): the host seconds one GPU's run spent per
+  op dispatched, times the ops each stage dispatches per micro-batch (counted on CPU at the model's depth,
+  heads, stages and k: ``benchmarks/host_overhead.py``; counts do not depend on width, sequence or batch).
+  DeepSpeed's and torch's engines add their own host work on top of plain backprop's ops: the ratio of their
+  host time to plain's on negligible layers (``host_overhead.py``'s time part). Assumed: each op costs the
+  host the same on any rank, and a schedule with no host synchronisation inside a ``train_batch`` runs each
+  stage's micro-batch in max(device, host).
+- **messages** (assumed): the stage-boundary activation at 100 GB/s between neighbouring GPUs.
+
+Writes ``benchmarks/results/predict_gpus_<inputs>.json`` and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import host_overhead  # noqa: E402
+from example_runs import save_report  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+TARGETS = {"revnet18": 10, "revgpt": 8}
+VARIANTS = ("petra", "1f1b", "torch_dualpipev")
+#: host engine factor over plain backprop's ops, by variant: which of host_overhead's time variants measures it
+ENGINES = {"petra": None, "1f1b": "deepspeed_1f1b_one_stage", "torch_dualpipev": "torch_1f1b_one_stage"}
+LINK_BYTES_PER_S = 100e9
+#: the paper's Tab. 5: RevNet18 on 10 GPUs, ms per micro-batch of 256
+PAPER_REVNET18_MS_PER_256 = 53.4
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--inputs", default=os.path.join(RESULTS, "gpu_h100_first_run_inputs.json"))
+    parser.add_argument("--host-overhead", default=os.path.join(RESULTS, "host_overhead_cpu.json"),
+                        help="host_overhead.py's report: the engines' host factors")
+    parser.add_argument("--output", default=None)
+    return parser.parse_args(argv)
+
+
+def measured(row: dict, k: int) -> dict[str, Any]:
+    """Plain backprop's device seconds and PETRA's host seconds per micro-batch on the one GPU, and how known."""
+    if "petra_profiled_host_seconds_per_call" in row:
+        return {"plain_device_s": 0.75 * row["petra_kernel_seconds_per_call"] / k,
+                "petra_host_s": row["petra_profiled_host_seconds_per_call"] / k,
+                "how": "PETRA's kernel time x 3/4 (assumed: PETRA's arithmetic is 4/3 plain's) as plain's device "
+                       "time; the profiler's host time as PETRA's (pessimistic: profiling slows the host)"}
+    if row.get("plain_device_seconds_per_call") and "petra_host_seconds_per_call" in row:  # CUDA kernels seen
+        return {"plain_device_s": row["plain_device_seconds_per_call"] / k,
+                "petra_host_s": row["petra_host_seconds_per_call"] / k,
+                "how": "profiled kernel and host times of this run"}
+    petra = row["petra_seconds_per_call"]
+    plain = row.get("plain_seconds_per_call", petra / row.get("petra/plain", 1.0))
+    return {"plain_device_s": plain / k, "petra_host_s": petra / k,
+            "how": "plain's time per call as its device time (assumed: plain is device-bound) and PETRA's as its "
+                   "host time (assumed: host-bound, an upper bound otherwise)"}
+
+
+def ops_per_stage(name: str, J: int, bf16: bool) -> dict[str, Any]:
+    """PETRA's and plain's ops per micro-batch per stage at J stages (this commit's code), counted on CPU."""
+    args = host_overhead.parse_args([])
+    row = host_overhead.count_ops(name, args, bf16, stages=J)
+    return {"petra": [s["petra_ops"] for s in row["stages"]], "plain": [s["plain_ops"] for s in row["stages"]],
+            "petra_total": row["petra_ops"], "parts": row["parts"], "layers": row["layers"]}
+
+
+def device_costs(name: str, plain_device_s: float, ops: dict, J: int, sizes: dict):
+    """Per-stage device costs summing to plain's device seconds per micro-batch (see the docstring)."""
+    from petra_ds.perf.costs import Costs, StageCosts
+
+    if name == "revnet18":
+        with open(os.path.join(RESULTS, "timeline_revnet.json")) as f:
+            shape = Costs.from_dict(json.load(f)["models"]["revnet18"]["costs"])
+        if shape.num_stages != J:
+            raise ValueError(f"the RevNet18 shape has {shape.num_stages} stages, not {J}")
+        scale = plain_device_s / sum(s.forward_grad + s.backward for s in shape.stages)
+        stages = [StageCosts(scale * s.forward, scale * s.forward_grad, scale * s.backward) for s in shape.stages]
+        message = sizes["revnet_batch"] * sizes["revnet_width"] * sizes["image_size"] ** 2 * 4
+    else:
+        parts, layers = ops["parts"], ops["layers"]
+        blocks = [sum(t == "RevGPTBlock" for t in layers[a:b]) for a, b in zip(parts, parts[1:])]
+        d, seq = sizes["d_model"], sizes["seq_len"]
+        blocks[-1] += 2 * d * sizes["vocab_size"] / (24 * d * d + 4 * seq * d)  # the LM head, in blocks' FLOPs
+        per_block = plain_device_s / sum(blocks)
+        stages = [StageCosts(n * per_block / 3, n * per_block / 3, 2 * n * per_block / 3) for n in blocks]
+        message = sizes["revgpt_batch"] * sizes["seq_len"] * sizes["d_model"] * 2 * 4  # two fp32 streams
+    return Costs(tuple(stages), message / LINK_BYTES_PER_S)
+
+
+def predict_model(name: str, row: dict, sizes: dict, factors: dict, before_total: float | None) -> dict:
+    from petra_ds.perf.predict import predict_host_bound
+
+    J, bf16 = TARGETS[name], row["dtype"] == "bf16"
+    got = measured(row, sizes["k"])
+    prefix = "revnet" if name == "revnet18" else "revgpt"
+    now = ops_per_stage(name, sizes[f"{prefix}_stages"], bf16)["petra_total"]  # this commit's ops at the run's J
+    ran_total = now if before_total is None else before_total  # the ops of the code that ran
+    per_op = got["petra_host_s"] / ran_total
+    ops = ops_per_stage(name, J, bf16)
+    costs = device_costs(name, got["plain_device_s"], ops, J, sizes)
+    shrink = ran_total / now  # the run's ops per micro-batch over this commit's (assumed: the same per stage)
+
+    def hosts(petra_scale: float) -> dict[str, list[float]]:
+        out = {"petra": [petra_scale * per_op * n for n in ops["petra"]]}
+        for v in VARIANTS[1:]:
+            out[v] = [factors[v] * per_op * n for n in ops["plain"]]
+        return out
+
+    scenarios = {"device_only": {v: 0.0 for v in VARIANTS}, "host_as_run": hosts(shrink)}
+    if before_total is not None:
+        scenarios["host_after_change"] = hosts(1.0)
+    ks = sorted({sizes["k"], 2 * J})
+    table = {s: {str(k): {v: 1e3 * t for v, t in predict_host_bound(costs, k, host).items()} for k in ks}
+             for s, host in scenarios.items()}
+    return {"model": name, "stages": J, "micro_batch": sizes[f"{prefix}_batch"], "dtype": row["dtype"], "inputs": got,
+            "host_seconds_per_op": per_op, "petra_ops_per_micro_batch_at_run": ran_total,
+            "ops_per_stage": {"petra": ops["petra"], "plain": ops["plain"]}, "engine_host_factors": factors,
+            "costs": costs.to_dict(), "ms_per_micro_batch": table,
+            "host_ms_per_stage": {s: {v: [1e3 * h for h in hs] for v, hs in host.items()}
+                                  for s, host in scenarios.items() if s != "device_only"}}
+
+
+def print_model(result: dict) -> None:
+    name = result["model"]
+    print(f"\n{name}: J = {result['stages']} GPUs, micro-batch {result['micro_batch']}, {result['dtype']}; "
+          f"host {1e6 * result['host_seconds_per_op']:.1f} us per op ({result['inputs']['how']})")
+    for scenario, by_k in result["ms_per_micro_batch"].items():
+        for k, row in by_k.items():
+            cells = ", ".join(f"{v} {t:.2f} ms" for v, t in row.items())
+            peers = [t for v, t in row.items() if v != "petra"]
+            speed = f"; PETRA {min(peers) / row['petra']:.2f}x the fastest peer" if peers else ""
+            print(f"  {scenario:18s} k={k:>3s}: {cells}{speed}")
+    if name == "revnet18":
+        ms = result["ms_per_micro_batch"]
+        per_256 = {s: by_k[min(by_k, key=int)]["petra"] * 256 / result["micro_batch"] for s, by_k in ms.items()}
+        print("  PETRA ms per 256 samples: " + ", ".join(f"{s} {t:.1f}" for s, t in per_256.items())
+              + f" (the paper's Tab. 5: {PAPER_REVNET18_MS_PER_256})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    torch.set_num_threads(1)
+    import petra_ds
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        petra_ds.init_distributed(dist_backend="gloo")
+    with open(args.inputs) as f:
+        inputs = json.load(f)
+    if inputs.get("tiny"):
+        raise SystemExit(f"{args.inputs} is a --tiny run of benchmarks/gpu.py: predict from a run at its default "
+                         "sizes (the op counts here are those of its 12-block RevGPT and RevNet18)")
+    with open(args.host_overhead) as f:
+        seconds = json.load(f)["time"]["seconds_per_call"]
+    factors = {v: seconds[t] / seconds["plain"] for v, t in ENGINES.items() if t is not None}
+    before = None
+    if inputs.get("commit", "").startswith("f6c0446"):  # the run's own code: its op totals were counted then
+        with open(os.path.join(RESULTS, "host_overhead_before_cpu.json")) as f:
+            before = {(r["model"], r["dtype"]): r["petra_ops"] for r in json.load(f)["ops"] if r["check_finite"]}
+    report = {"command": "python benchmarks/predict_gpus.py " + " ".join(argv or sys.argv[1:]),
+              "inputs": os.path.relpath(args.inputs, os.path.dirname(HERE)), "device": inputs["device"],
+              "link_bytes_per_s": LINK_BYTES_PER_S, "models": {}}
+    for row in inputs["time"]:
+        if row["model"] not in TARGETS:
+            continue
+        total = None if before is None else before[(row["model"], row["dtype"])]
+        result = predict_model(row["model"], row, inputs["sizes"], factors, total)
+        report["models"][f"{row['model']}_{row['dtype']}"] = result
+        print_model(result)
+    stem = os.path.splitext(os.path.basename(args.inputs))[0].removesuffix("_inputs")
+    print(f"saved {save_report(args.output or os.path.join(RESULTS, f'predict_gpus_{stem}.json'), report)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

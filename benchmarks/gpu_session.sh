@@ -11,6 +11,8 @@
 #   bench  petra/plain seconds per train_batch: RevGPT bf16 <= 1.5x, RevNet18 bf16 <= 1.7x, RevGPT fp32 <= 1.36x;
 #          petra/petra_unchecked (what check_finite costs) <= 1.03x
 #   lm     tokens/s PETRA / backprop: >= 0.65x at micro-batch 4 x k = 4, >= 0.5x at 1 x k = 16
+# Afterwards, on a CPU machine with the files brought back: predict 10 and 8 GPUs from what this one measured,
+#     python benchmarks/predict_gpus.py --inputs runs/gpu/gpu.json
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}

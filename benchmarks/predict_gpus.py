@@ -11,13 +11,15 @@ Where each input comes from (the JSON repeats it per model):
   (``benchmarks/results/timeline_revnet.json``), RevGPT by blocks (the LM head counted by its FLOPs against a
   block's: 0.8 of one at d 768, sequence 512, vocabulary 8192), forward : forward with graph : backward = 1 : 1 : 2.
   Assumed: the CPU's shape holds on a GPU.
-- **host seconds per stage and micro-batch** (measured, then assumed): the host seconds one GPU's run spent per
-  op dispatched, times the ops each stage dispatches per micro-batch (counted on CPU at the model's depth,
-  heads, stages and k: ``benchmarks/host_overhead.py``; counts do not depend on width, sequence or batch).
-  DeepSpeed's and torch's engines add their own host work on top of plain backprop's ops: the ratio of their
-  host time to plain's on negligible layers (``host_overhead.py``'s time part). Assumed: each op costs the
-  host the same on any rank, and a schedule with no host synchronisation inside a ``train_batch`` runs each
-  stage's micro-batch in max(device, host).
+- **host seconds per stage and micro-batch** (measured, then assumed): PETRA's host seconds per micro-batch on
+  the one GPU, all stages together, per op it dispatched; times the ops each stage dispatches (counted on CPU at
+  the model's depth, heads, stages and k by ``benchmarks/host_overhead.py``; counts do not depend on width,
+  sequence or batch). A peer's host time: PETRA's over the ratio of the two on negligible layers in one process
+  (``host_overhead.py``'s time part, for the code that ran), spread over the stages as plain backprop's ops.
+  Assumed: a rank's host costs what its share of the one process did, and with no host synchronisation inside
+  a ``train_batch`` each stage's micro-batch takes max(device, host).
+- **this commit's PETRA** on a run of older code, two ways: host time as the ops counted now (each op costing
+  what it did), and host time as the CPU measured it (PETRA's host over plain's, now against then).
 - **messages** (assumed): the stage-boundary activation at 100 GB/s between neighbouring GPUs.
 
 Writes ``benchmarks/results/predict_gpus_<inputs>.json`` and prints the tables.
@@ -42,8 +44,8 @@ from example_runs import save_report  # noqa: E402
 RESULTS = os.path.join(HERE, "results")
 TARGETS = {"revnet18": 10, "revgpt": 8}
 VARIANTS = ("petra", "1f1b", "torch_dualpipev")
-#: host engine factor over plain backprop's ops, by variant: which of host_overhead's time variants measures it
-ENGINES = {"petra": None, "1f1b": "deepspeed_1f1b_one_stage", "torch_dualpipev": "torch_1f1b_one_stage"}
+#: which of host_overhead's time variants measures each peer's host time (and plain backprop's)
+ENGINES = {"1f1b": "deepspeed_1f1b_one_stage", "torch_dualpipev": "torch_1f1b_one_stage", "plain": "plain"}
 LINK_BYTES_PER_S = 100e9
 #: the paper's Tab. 5: RevNet18 on 10 GPUs, ms per micro-batch of 256
 PAPER_REVNET18_MS_PER_256 = 53.4
@@ -53,7 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inputs", default=os.path.join(RESULTS, "gpu_h100_first_run_inputs.json"))
     parser.add_argument("--host-overhead", default=os.path.join(RESULTS, "host_overhead_cpu.json"),
-                        help="host_overhead.py's report: the engines' host factors")
+                        help="host_overhead.py's report of this commit: PETRA's host time against the peers'")
     parser.add_argument("--output", default=None)
     return parser.parse_args(argv)
 
@@ -107,35 +109,44 @@ def device_costs(name: str, plain_device_s: float, ops: dict, J: int, sizes: dic
     return Costs(tuple(stages), message / LINK_BYTES_PER_S)
 
 
-def predict_model(name: str, row: dict, sizes: dict, factors: dict, before_total: float | None) -> dict:
+def host_ratios(report: dict) -> dict[str, float]:
+    """PETRA's host time per ``train_batch`` over each peer's and plain backprop's on negligible layers, one process
+    (``host_overhead.py``'s time part)."""
+    seconds = report["time"]["seconds_per_call"]
+    return {v: seconds["petra"] / seconds[t] for v, t in ENGINES.items()}
+
+
+def predict_model(name: str, row: dict, sizes: dict, ran: dict, now: dict) -> dict:
+    """``ran``/``now``: the op totals (``(model, dtype) -> ops``, None: counted here) and host ratios of the code
+    that ran on the GPU and of this commit."""
     from petra_ds.perf.predict import predict_host_bound
 
     J, bf16 = TARGETS[name], row["dtype"] == "bf16"
     got = measured(row, sizes["k"])
     prefix = "revnet" if name == "revnet18" else "revgpt"
-    now = ops_per_stage(name, sizes[f"{prefix}_stages"], bf16)["petra_total"]  # this commit's ops at the run's J
-    ran_total = now if before_total is None else before_total  # the ops of the code that ran
+    now_total = ops_per_stage(name, sizes[f"{prefix}_stages"], bf16)["petra_total"]  # at the run's J
+    ran_total = now_total if ran["ops"] is None else ran["ops"][(name, row["dtype"])]
     per_op = got["petra_host_s"] / ran_total
     ops = ops_per_stage(name, J, bf16)
     costs = device_costs(name, got["plain_device_s"], ops, J, sizes)
-    shrink = ran_total / now  # the run's ops per micro-batch over this commit's (assumed: the same per stage)
-
-    def hosts(petra_scale: float) -> dict[str, list[float]]:
-        out = {"petra": [petra_scale * per_op * n for n in ops["petra"]]}
-        for v in VARIANTS[1:]:
-            out[v] = [factors[v] * per_op * n for n in ops["plain"]]
-        return out
-
-    scenarios = {"device_only": {v: 0.0 for v in VARIANTS}, "host_as_run": hosts(shrink)}
-    if before_total is not None:
-        scenarios["host_after_change"] = hosts(1.0)
+    # PETRA: the host seconds of each op, times the ops of each stage (the shape of this commit's, assumed the
+    # same for the code that ran); a peer: PETRA's host time over the measured ratio, spread as plain's ops
+    petra_as_run = [per_op * n * ran_total / now_total for n in ops["petra"]]
+    peers = {v: [got["petra_host_s"] / ran["ratios"][v] * n / sum(ops["plain"]) for n in ops["plain"]]
+             for v in VARIANTS[1:]}
+    scenarios = {"device_only": {v: 0.0 for v in VARIANTS}, "host_as_run": {"petra": petra_as_run, **peers}}
+    if ran["ops"] is not None:  # this commit's PETRA, the peers as they ran: host time as ops, or as CPU host time
+        scenarios["now_host_as_ops"] = {"petra": [per_op * n for n in ops["petra"]], **peers}
+        cpu = now["ratios"]["plain"] / ran["ratios"]["plain"]
+        scenarios["now_host_as_cpu_time"] = {"petra": [cpu * h for h in petra_as_run], **peers}
     ks = sorted({sizes["k"], 2 * J})
     table = {s: {str(k): {v: 1e3 * t for v, t in predict_host_bound(costs, k, host).items()} for k in ks}
              for s, host in scenarios.items()}
     return {"model": name, "stages": J, "micro_batch": sizes[f"{prefix}_batch"], "dtype": row["dtype"], "inputs": got,
             "host_seconds_per_op": per_op, "petra_ops_per_micro_batch_at_run": ran_total,
-            "ops_per_stage": {"petra": ops["petra"], "plain": ops["plain"]}, "engine_host_factors": factors,
-            "costs": costs.to_dict(), "ms_per_micro_batch": table,
+            "ops_per_stage": {"petra": ops["petra"], "plain": ops["plain"]},
+            "host_ratios": {"ran": ran["ratios"], "now": now["ratios"]}, "costs": costs.to_dict(),
+            "ms_per_micro_batch": table,
             "host_ms_per_stage": {s: {v: [1e3 * h for h in hs] for v, hs in host.items()}
                                   for s, host in scenarios.items() if s != "device_only"}}
 
@@ -149,7 +160,7 @@ def print_model(result: dict) -> None:
             cells = ", ".join(f"{v} {t:.2f} ms" for v, t in row.items())
             peers = [t for v, t in row.items() if v != "petra"]
             speed = f"; PETRA {min(peers) / row['petra']:.2f}x the fastest peer" if peers else ""
-            print(f"  {scenario:18s} k={k:>3s}: {cells}{speed}")
+            print(f"  {scenario:20s} k={k:>3s}: {cells}{speed}")
     if name == "revnet18":
         ms = result["ms_per_micro_batch"]
         per_256 = {s: by_k[min(by_k, key=int)]["petra"] * 256 / result["micro_batch"] for s, by_k in ms.items()}
@@ -172,20 +183,20 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.inputs} is a --tiny run of benchmarks/gpu.py: predict from a run at its default "
                          "sizes (the op counts here are those of its 12-block RevGPT and RevNet18)")
     with open(args.host_overhead) as f:
-        seconds = json.load(f)["time"]["seconds_per_call"]
-    factors = {v: seconds[t] / seconds["plain"] for v, t in ENGINES.items() if t is not None}
-    before = None
-    if inputs.get("commit", "").startswith("f6c0446"):  # the run's own code: its op totals were counted then
+        now = {"ops": None, "ratios": host_ratios(json.load(f))}
+    ran = now
+    if inputs.get("commit", "").startswith("f6c0446"):  # the code that ran was counted and timed on that commit
         with open(os.path.join(RESULTS, "host_overhead_before_cpu.json")) as f:
-            before = {(r["model"], r["dtype"]): r["petra_ops"] for r in json.load(f)["ops"] if r["check_finite"]}
+            before = json.load(f)
+        ran = {"ops": {(r["model"], r["dtype"]): r["petra_ops"] for r in before["ops"] if r["check_finite"]},
+               "ratios": host_ratios(before)}
     report = {"command": "python benchmarks/predict_gpus.py " + " ".join(argv or sys.argv[1:]),
               "inputs": os.path.relpath(args.inputs, os.path.dirname(HERE)), "device": inputs["device"],
               "link_bytes_per_s": LINK_BYTES_PER_S, "models": {}}
     for row in inputs["time"]:
         if row["model"] not in TARGETS:
             continue
-        total = None if before is None else before[(row["model"], row["dtype"])]
-        result = predict_model(row["model"], row, inputs["sizes"], factors, total)
+        result = predict_model(row["model"], row, inputs["sizes"], ran, now)
         report["models"][f"{row['model']}_{row['dtype']}"] = result
         print_model(result)
     stem = os.path.splitext(os.path.basename(args.inputs))[0].removesuffix("_inputs")

@@ -28,6 +28,7 @@ Writes ``benchmarks/results/predict_gpus_<inputs>.json`` and prints the tables.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -78,6 +79,7 @@ def measured(row: dict, k: int) -> dict[str, Any]:
                    "host time (assumed: host-bound, an upper bound otherwise)"}
 
 
+@functools.lru_cache(maxsize=None)
 def ops_per_stage(name: str, J: int, bf16: bool) -> dict[str, Any]:
     """PETRA's and plain's ops per micro-batch per stage at J stages (this commit's code), counted on CPU."""
     args = host_overhead.parse_args([])

@@ -2,8 +2,9 @@
 CPU (gloo) world.
 
 A fresh rank costs seconds before it does anything (importing torch and DeepSpeed), and a test launches
-up to four of them on a two-core machine; the pool pays that once per world size. A *world* is N worker
-processes that have imported ``petra_ds`` (so torch and DeepSpeed) and hold no process group. Each task,
+up to four of them on a two-core machine; the pool pays that once per session: its ranks are forked from a
+server that imported ``petra_ds`` (:func:`_context`). A *world* is N such worker processes that hold no
+process group. Each task,
 ``target(spec)`` on every rank, runs in a worker put back to what a fresh rank would see:
 
 - ``os.environ`` is the test process's environment at launch time, then ``spec["env"]``, then the rank's
@@ -53,7 +54,7 @@ from petra_ds.runtime.distributed import free_port
 #: a world is replaced after this many tasks (bounds whatever a task leaves behind in a worker)
 MAX_TASKS = 40
 #: at most this many pooled processes (~0.5 GB each): the least recently used worlds make room. 10 keeps
-#: the worlds of 1, 2, 3 and 4 ranks the suite uses all alive (a world started again costs 4-12 s)
+#: the worlds of 1, 2, 3 and 4 ranks the suite uses all alive
 MAX_PROCESSES = 10
 
 
@@ -64,10 +65,13 @@ def enabled() -> bool:
 # --- the worker (one rank) ---
 
 def _watch_parent(parent: int) -> None:
-    """Exit when the test process is gone (a hung task would otherwise keep this rank alive)."""
+    """Exit when the test process is gone (a hung task would otherwise keep this rank alive). The test process
+    is not this rank's parent (the fork server is): ask whether it still exists."""
     while True:
         time.sleep(1.0)
-        if os.getppid() != parent:
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -96,7 +100,7 @@ def _teardown() -> None:
 def _serve(rank: int, world: int, conn: Any, parent: int) -> None:
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(1)
-    importlib.import_module("petra_ds")  # torch, DeepSpeed and the engine, imported once
+    importlib.import_module("petra_ds")  # torch, DeepSpeed and the engine (already there, from the fork server)
 
     while True:
         try:
@@ -123,11 +127,19 @@ def _serve(rank: int, world: int, conn: Any, parent: int) -> None:
 
 # --- the test process's side ---
 
+def _context() -> Any:
+    """Ranks forked from a server that imported ``petra_ds`` (torch and DeepSpeed) once: a world starts in
+    milliseconds, not the seconds each rank took to import them. The server runs no task and starts no thread."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["petra_ds"])
+    return ctx
+
+
 class World:
     """``size`` worker processes, one per rank."""
 
     def __init__(self, size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.size = size
         self.tasks = 0
         self.conns, self.procs = [], []

@@ -96,3 +96,17 @@ def test_a_scalar_loss_needs_no_gradient_and_frozen_parameters_get_none():
         (dx,) = backprop([block(leaf).square().mean()], [None], [leaf], block)
         assert dx is not None and dx.shape == x.shape
     assert block[0].weight.grad is None and block[3].weight.grad is not None
+
+
+def test_a_parameter_replaced_between_micro_batches_still_gets_its_gradient():
+    ours, theirs = _block(0), _block(0)
+    inputs = _inputs(4)
+    for step, (x, dy) in enumerate(inputs):
+        if step == 2:  # a new weight object in both, as a user's surgery would make
+            for model in (ours, theirs):
+                model[3].weight = nn.Parameter(torch.ones(6, 8))
+        leaf_a, leaf_b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        backprop([ours(leaf_a)], [dy], [leaf_a], ours)
+        torch.autograd.backward([theirs(leaf_b)], [dy])
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p.grad, q.grad)

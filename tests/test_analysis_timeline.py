@@ -76,13 +76,13 @@ def test_a_host_bound_rank_runs_at_the_hosts_pace(J, k):
 def test_a_host_bound_unit_is_spread_over_its_primitives_in_proportion():
     costs = Costs((StageCosts(F, FG, B, step=0.5, backward_split=2 * B), StageCosts(F, FG, B)))
     H = 2 * (F + FG + B)
-    bound = costs.host_bound(H, lambda c, last: micro_batch_seconds("petra", c, last))
+    bound = costs.host_bound(H, lambda c, j, J: micro_batch_seconds("petra", c, j, J))
     first, last = bound.stages
     assert (first.forward, first.forward_grad, first.backward, first.backward_split, first.step) == pytest.approx(
         (2 * F, 2 * FG, 2 * B, 4 * B, 0.5))
     assert last.forward_grad + last.backward == pytest.approx(H)  # the last stage's clock has no forward
     with pytest.raises(ValueError, match="1f1b_rev"):
-        micro_batch_seconds("1f1b_rev", costs.stages[0], False)
+        micro_batch_seconds("1f1b_rev", costs.stages[0], 0, 2)
 
 
 def test_petra_speedup_over_pipelines_grows_towards_its_limit():

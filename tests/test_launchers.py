@@ -25,11 +25,11 @@ def run(cmd, tmp_path, printed=()):
     return json.loads(out.read_text())
 
 
-def test_deepspeed_launcher_runs_four_pipeline_ranks(tmp_path):
-    """9 toy layers on 4 processes: the layout fitted to them is 4 ranks x 2 stages (J = 8)."""
+def test_deepspeed_launcher_runs_two_pipeline_ranks(tmp_path):
+    """9 toy layers on 2 processes: the layout fitted to them is 2 ranks x 4 stages (J = 8)."""
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    summary = run([deepspeed, "--num_gpus", "4", "--master_port", str(free_port()), SCRIPT, "--deepspeed_config", CONFIG, "--steps", "10"], tmp_path)
-    assert summary["world_size"] == 4 and summary["num_stages"] == 8 and summary["stages_per_rank"] == 2
+    summary = run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), SCRIPT, "--deepspeed_config", CONFIG, "--steps", "10"], tmp_path)
+    assert summary["world_size"] == 2 and summary["num_stages"] == 8 and summary["stages_per_rank"] == 4
     assert summary["clock"] == 10 * 2 + 2 * (8 - 1)  # k clocks per train_batch, then the drain
     losses = summary["losses"]
     # micro-batch 0 reaches the loss at clock J - 1 = 7, in the 4th call (k = 2): the first three are NaN

@@ -2,13 +2,11 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from petra_ds.runtime.distributed import free_port
-from subprocess_env import ROOT, launcher_env
+from subprocess_env import ROOT
 
 
 @pytest.mark.parametrize("config,method,stages,extra", [
@@ -17,13 +15,14 @@ from subprocess_env import ROOT, launcher_env
     # slow resume test trains this path twice over)
     pytest.param("backprop.json", "backprop", 2, [], marks=pytest.mark.slow)])
 def test_two_process_run_writes_a_valid_summary(tmp_path, config, method, stages, extra):
+    """Two pooled ranks run the example's main as the launcher's processes would (the ``deepspeed`` command itself:
+    tests/test_launchers.py)."""
+    from harness import launch, run_example
+
     out = tmp_path / "run"
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           os.path.join(ROOT, "examples", "revnet", "train.py"), "--deepspeed_config",
-           os.path.join(ROOT, "ds_configs", config), "--dataset", "digits", "--width", "8", "--epochs", "2",
-           "--max-steps", "6", "--workers", "0", "--output-dir", str(out), *extra]  # with workers: test_example_resume
-    proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", config), "--dataset", "digits", "--width", "8",
+            "--epochs", "2", "--max-steps", "6", "--workers", "0", "--output-dir", str(out), *extra]
+    launch({"example": "revnet", "argv": argv}, world_size=2, target=run_example)  # workers: test_example_resume
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == method and summary["stages"] == stages and summary["world_size"] == 2
     assert 0.0 <= summary["final_eval_acc"] <= 1.0 and summary["samples_per_s"] > 0

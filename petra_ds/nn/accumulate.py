@@ -8,9 +8,9 @@ differentiates every block on its own graph k times per step, so those adds were
 micro-batch, where a ``.grad`` is still None, goes through autograd's own accumulation, which adopts the
 fresh gradients without a copy and knows when one is shared and must be copied.
 
-Which parameters a graph accumulates into is its owner's (a coupling's F, a stage): checked once against
-the first graph. An owner whose graph reaches a parameter it does not hold (a closure over another
-module's weight) keeps autograd's accumulation, which finds every parameter.
+Which parameters a graph accumulates into is its owner's (a coupling's F, a stage): checked against the first
+graph after the owner's parameters last changed. An owner whose graph reaches a parameter it does not hold (a
+closure over another module's weight) keeps autograd's accumulation, which finds every parameter.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-#: owner -> its parameters, or None where its graph reaches others (checked at the owner's first graph)
-_OWN: "weakref.WeakKeyDictionary[Any, tuple[Tensor, ...] | None]" = weakref.WeakKeyDictionary()
+#: owner -> (the ids of the parameters it held when checked, whether its graph reaches no others)
+_CHECKED: "weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], bool]]" = weakref.WeakKeyDictionary()
 
 
 def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: Sequence[Tensor],
@@ -31,11 +31,13 @@ def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: 
     gradient of each of ``leaves`` (None where it needs none or nothing flows to it) and add the parameter
     gradients into ``.grad`` as ``torch.autograd.backward`` does. ``owner`` has ``parameters()``: those the
     graph uses."""
-    if owner not in _OWN:
-        _OWN[owner] = _own_parameters(outputs, leaves, tuple(owner.parameters()))
-    own = _OWN[owner]
-    trainable = None if own is None else [p for p in own if p.requires_grad]
-    if trainable is None or any(p.grad is None for p in trainable):
+    params = tuple(owner.parameters())
+    ids = tuple(map(id, params))
+    checked = _CHECKED.get(owner)
+    if checked is None or checked[0] != ids:
+        checked = _CHECKED[owner] = (ids, _reaches_only(outputs, leaves, params))
+    trainable = [p for p in params if p.requires_grad]
+    if not checked[1] or any(p.grad is None for p in trainable):
         torch.autograd.backward(outputs, grads)
         return [t.grad if t.requires_grad else None for t in leaves]
     wanted = [t for t in leaves if t.requires_grad]
@@ -48,10 +50,8 @@ def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: 
     return [next(leaf_grads) if t.requires_grad else None for t in leaves]
 
 
-def _own_parameters(outputs: Sequence[Tensor], leaves: Sequence[Tensor],
-                    params: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
-    """``params``, or None when the graph of ``outputs`` accumulates into a tensor that is neither one of
-    them nor one of ``leaves``."""
+def _reaches_only(outputs: Sequence[Tensor], leaves: Sequence[Tensor], params: tuple[Tensor, ...]) -> bool:
+    """Whether every tensor the graph of ``outputs`` accumulates into is one of ``params`` or ``leaves``."""
     known = {id(t) for t in (*params, *leaves)}
     seen, pending = set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
     while pending:
@@ -61,6 +61,6 @@ def _own_parameters(outputs: Sequence[Tensor], leaves: Sequence[Tensor],
         seen.add(node)
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: the tensor it adds into
         if variable is not None and id(variable) not in known:
-            return None
+            return False
         pending.extend(n for n, _ in node.next_functions if n is not None)
-    return params
+    return True

@@ -53,18 +53,17 @@ class Costs:
         M = self.num_stages
         return Costs(tuple(self.stages[j * M // num_stages] for j in range(num_stages)), self.message_s)
 
-    def host_bound(self, host_s: float | Sequence[float], unit_s: Callable[[StageCosts, bool], float]) -> "Costs":
+    def host_bound(self, host_s: float | Sequence[float], unit_s: Callable[[StageCosts, int, int], float]) -> "Costs":
         """The costs of ranks whose host needs ``host_s`` (one value, or one per stage) to issue one unit of a
-        stage's work (``unit_s(stage, is_last)`` device seconds: what a schedule runs per stage and
+        stage's work (``unit_s(costs, stage, num_stages)`` device seconds: what a schedule runs per stage and
         micro-batch) while the device runs it asynchronously: the unit then lasts max(device, host), the host's
         seconds spread over the unit's primitives in proportion to the device's. The step keeps its own cost."""
-        last = self.num_stages - 1
         hosts = [float(host_s)] * self.num_stages if isinstance(host_s, (int, float)) else list(host_s)
         if len(hosts) != self.num_stages:
             raise ValueError(f"host seconds for {len(hosts)} stages, costs for {self.num_stages}")
         stages = []
         for j, s in enumerate(self.stages):
-            f = max(1.0, hosts[j] / unit_s(s, j == last))
+            f = max(1.0, hosts[j] / unit_s(s, j, self.num_stages))
             stages.append(replace(s, forward=f * s.forward, forward_grad=f * s.forward_grad, backward=f * s.backward,
                                   backward_split=None if s.backward_split is None else f * s.backward_split))
         return Costs(tuple(stages), self.message_s)

@@ -64,7 +64,7 @@ def predict_host_bound(costs: Costs, micro_batches: int, host_s: Mapping[str, fl
     gives the device-only pace. Torch's schedules that refuse k on J ranks are left out."""
     out = {}
     for v, host in host_s.items():
-        bound = costs.host_bound(host, lambda c, last, v=v: micro_batch_seconds(v, c, last))
+        bound = costs.host_bound(host, lambda c, j, J, v=v: micro_batch_seconds(v, c, j, J))
         try:
             out[v] = seconds_per_micro_batch(v, bound, micro_batches, reversible=reversible)
         except UnsupportedMicroBatches:

@@ -53,6 +53,7 @@ from typing import Iterator, Sequence
 
 from deepspeed.runtime.pipe import schedule as ds
 
+from ..pipeline.partition import LayerCost, stage_cost
 from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, ForwardPass, LoadMicroBatch, PostP2P,
                         ReverseReconstruct, Timeline, channels, reconstructs)
 from ..verify.replay import streams_for
@@ -63,16 +64,16 @@ from .torch_programs import SCHEDULES, TORCH_VARIANTS, torch_programs
 __all__ = ["GPipeSchedule", "micro_batch_seconds", "simulate_schedule"]
 
 
-def micro_batch_seconds(schedule: str, c: StageCosts, last: bool) -> float:
-    """Device seconds of one stage's work per micro-batch under ``schedule`` (the table above, summed): a
-    PETRA stage-clock (forward, reconstruction or recomputation, backward), a pipeline's forward and backward
-    (with the recomputation of ``*_ckpt``). The unit :meth:`Costs.host_bound` spreads a host's time over."""
-    if schedule == "petra":
-        return c.forward_grad + c.backward if last else c.forward + c.forward_grad + c.backward
+def micro_batch_seconds(schedule: str, c: StageCosts, stage: int, num_stages: int) -> float:
+    """Device seconds of stage ``stage``'s work per micro-batch under ``schedule``: a PETRA stage-clock, a
+    pipeline's forward and backward (with the recomputation of ``*_ckpt``); the partition's rule
+    (``pipeline/partition.py: stage_cost``) on the stage as one layer, whose reconstruction costs a forward
+    with a graph (the table above). The unit :meth:`Costs.host_bound` spreads a host's time over."""
     if schedule.endswith("_rev") or schedule in ("single", "naive_mp"):
         raise ValueError(f"no per-micro-batch unit for {schedule!r}: its stages' work depends on more than the costs")
-    recompute = c.forward_grad if schedule.endswith("_ckpt") else 0.0
-    return c.forward_grad + recompute + c.backward
+    rule = "petra" if schedule == "petra" else "backprop_ckpt" if schedule.endswith("_ckpt") else "backprop"
+    layer = LayerCost(c.forward, c.forward_grad, c.backward, reconstruct=c.forward_grad)
+    return stage_cost([layer], stage, num_stages, rule=rule)
 
 
 class GPipeSchedule(ds.PipeSchedule):

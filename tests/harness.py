@@ -29,7 +29,7 @@ from torch import nn
 
 from petra_ds.tools import spawn
 from petra_ds.runtime.config import uses_muon
-from petra_ds.pipeline.module import layer_module
+from petra_ds.pipeline.module import layer_module, petra_parts
 from petra_ds.tools.toy import (Additive, decoder_tiny_config, revgpt_tiny_config, toy_data, toy_layer_specs,
                                 token_data)
 
@@ -106,9 +106,15 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
     petra_ds.init_distributed(dist_backend="gloo", timeout=timeout)
     topology = PipeDataParallelTopology(num_pp=spec["pipe"], num_dp=spec["dp"])
     layer_specs, loss_fn, data_fn = model_for(spec)
-    model = petra_ds.PetraPipelineModule(
-        layer_specs, topology=topology, loss_fn=loss_fn,
-        stages_per_rank=spec["stages_per_rank"], partition_method="uniform", base_seed=spec["base_seed"])
+    if spec.get("plain_module"):  # DeepSpeed's own class, as a DeepSpeed user builds it: one stage per rank
+        from deepspeed.pipe import PipelineModule
+
+        model = PipelineModule(layer_specs, topology=topology, loss_fn=loss_fn, partition_method="uniform",
+                               seed_layers=True, base_seed=spec["base_seed"])
+    else:
+        model = petra_ds.PetraPipelineModule(
+            layer_specs, topology=topology, loss_fn=loss_fn,
+            stages_per_rank=spec["stages_per_rank"], partition_method="uniform", base_seed=spec["base_seed"])
     k, b, dp = spec["k"], spec["micro_batch"], spec["dp"]
     config = {
         "train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": k,
@@ -179,7 +185,7 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
         probe = getattr(importlib.import_module(module_name), function)(engine)
     return {
         "probe": probe,
-        "rank": engine.global_rank, "stages": sorted(engine.stages), "parts": model.petra_parts,
+        "rank": engine.global_rank, "stages": sorted(engine.stages), "parts": petra_parts(model),
         "grads": grads, "params": params, "losses": losses, "evals": evals, "memory": memory,
         "clock": engine.clock, "stage_steps": dict(engine.stage_steps), "skipped_steps": engine.skipped_steps,
         "reconstructs": {j: st.reconstructs for j, st in engine.stages.items()},

@@ -96,6 +96,22 @@ def test_variant_equals_direct_reference(input_buffer_all, param_buffer):
             assert max_diff(got, want) < TOL
 
 
+@pytest.mark.parametrize("pipe", [2, 3])
+def test_deepspeeds_own_pipeline_module_trains_as_the_oracle(pipe):
+    """``deepspeed.pipe.PipelineModule`` with a "petra" config, J = P ranks: the same delayed training as
+    PetraPipelineModule's, against the float64 oracle (its start-up settings print read a partition only ours has)."""
+    k, batches = 2, 4
+    results = run(pipe, 1, k=k, train_batches=batches, optimizer=SGD, dropout=0.1, plain_module=True,
+                  config={"gradient_clipping": 0.0})  # the oracle does not clip; DeepSpeed clips at 1 by default
+    final, grads = oracle.delayed_training(oracle.build_stages(pipe, 0.1), toy_data(k * batches, 4), k, 0.1, 0.9, SEED)
+    assert max_diff(merged_params(results), final) < TOL
+    got = {j: g for r in results for j, g in r["grads"].items()}
+    for j in range(pipe):
+        assert len(got[j]) == len(grads[j]) == batches
+        for mine, want in zip(got[j], grads[j]):
+            assert max_diff(mine, want) < TOL
+
+
 def test_variants_differ_from_each_other():
     """The ablations are not the same computation in disguise."""
     k = 2

@@ -12,6 +12,8 @@ import deepspeed
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from ..pipeline.module import petra_parts
+
 #: the optimizer hyper-parameters worth a line, where a param group has them
 GROUP_KEYS = ("lr", "betas", "momentum", "nesterov", "weight_decay", "use_muon")
 
@@ -29,7 +31,7 @@ def _stage(stage: int, layers: list[int], optimizer: Any, scheduler: Any) -> dic
 
 def _local_stages(engine: DeepSpeedEngine, petra: bool) -> list[dict]:
     if petra:
-        parts = engine.module.petra_parts
+        parts = petra_parts(engine.module)  # a plain PipelineModule's own partition when it is not ours
         return [_stage(j, parts[j:j + 2], opt, sched) for j, opt, sched in
                 zip(engine.local_stage_ids, engine.stage_optimizers, engine.stage_schedulers)]
     parts = getattr(engine.module, "parts", None)

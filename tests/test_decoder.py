@@ -118,6 +118,24 @@ def test_configs_the_decoder_cannot_reproduce_are_refused():
         block((torch.randn(1, 5, 16), torch.randn(1, 5, 16)))
 
 
+def test_a_qwen2_window_that_no_layer_uses_limits_no_sequence():
+    """use_sliding_window with max_window_layers >= num_hidden_layers: every layer attends fully (Hugging Face's
+    layer_types), so a sequence longer than sliding_window runs, and F equals Hugging Face's attention."""
+    config = decoder_tiny_config("qwen2", hidden=16, layers=1, use_sliding_window=True, sliding_window=4,
+                                 max_window_layers=1)
+    assert config.sliding_window == 4 and config.layer_types == ["full_attention"]
+    plain = _plain(config)
+    layer = plain.model.layers[0]
+    assert layer.self_attn.sliding_window is None  # Hugging Face's own reading of the config
+    block = decoder_layers(config, plain)[1].build().double().eval()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    causal = torch.full((9, 9), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    with torch.no_grad():
+        ref = layer.self_attn(layer.input_layernorm(x), attention_mask=causal,
+                              position_embeddings=plain.model.rotary_emb(x, torch.arange(9).unsqueeze(0)))[0]
+        assert (block.F(x) - ref).abs().max().item() < 1e-12
+
+
 @functools.lru_cache(maxsize=None)
 def _run(spec_json):
     return launch(json.loads(spec_json))

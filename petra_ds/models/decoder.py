@@ -121,7 +121,9 @@ class DecoderAttention(nn.Module):
         self.input_layernorm = layer.input_layernorm
         self.self_attn = layer.self_attn
         self.rotary_emb = _hf_class(config, "RotaryEmbedding")(config)
-        self.window = getattr(config, "sliding_window", None)
+        # a config that names its layers' types says which attend through a window (check_config refuses those:
+        # Qwen2's sliding_window then applies to none), one that does not (Mistral) windows every layer
+        self.window = None if getattr(config, "layer_types", None) else getattr(config, "sliding_window", None)
 
     def forward(self, x: Tensor, cache: Any = None, start: int = 0, **_: Any) -> Tensor:
         if self.window is not None and start + x.shape[1] > self.window:

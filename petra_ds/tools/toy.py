@@ -9,6 +9,8 @@ both trained on :func:`token_data`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -105,15 +107,16 @@ def revgpt_tiny_config(dropout: float = 0.0, tie_embeddings: bool = False, grain
 
 
 def decoder_tiny_config(model_type: str = "llama", hidden: int = 8, layers: int = 4, dropout: float = 0.0,
-                        tie_embeddings: bool = False):
+                        tie_embeddings: bool = False, **extra: Any):
     """A Hugging Face causal-LM config (``model_type``: llama, qwen2, qwen3, mistral) for the reversible decoder:
-    grouped-query attention (2 query heads share 1 key/value head), SwiGLU of 2 x ``hidden``."""
+    grouped-query attention (2 query heads share 1 key/value head), SwiGLU of 2 x ``hidden``; ``extra`` goes to
+    the config as its own keyword arguments."""
     from transformers import AutoConfig
 
     return AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                                 num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
                                 head_dim=hidden // 2, max_position_embeddings=4 * SEQ_LEN,
-                                attention_dropout=dropout, tie_word_embeddings=tie_embeddings)
+                                attention_dropout=dropout, tie_word_embeddings=tie_embeddings, **extra)
 
 
 def token_data(num: int, micro_batch: int, seed: int = 0, dtype=None) -> list[tuple]:

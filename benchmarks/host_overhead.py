@@ -277,9 +277,11 @@ def time_variants(args: argparse.Namespace) -> dict:
             call()
     rounds: dict[str, list[float]] = {name: [] for name in builders}
     names = list(calls)
-    for r in range(args.rounds):  # a round times every variant in turn, a few calls each, starting each round
-        for name in names[r % len(names):] + names[:r % len(names)]:  # at the next variant: a slow spell of
-            seconds = []                                                # the machine hits them all alike
+    # a round times every variant in turn, a few calls each, starting at the next variant each round: a slow
+    # spell of the machine hits them all alike
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            seconds = []
             for _ in range(args.calls):
                 start = time.process_time()
                 calls[name]()

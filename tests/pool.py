@@ -4,8 +4,8 @@ CPU (gloo) world.
 A fresh rank costs seconds before it does anything (importing torch and DeepSpeed), and a test launches
 up to four of them on a two-core machine; the pool pays that once per session: its ranks are forked from a
 server that imported ``petra_ds`` (:func:`_context`). A *world* is N such worker processes that hold no
-process group. Each task,
-``target(spec)`` on every rank, runs in a worker put back to what a fresh rank would see:
+process group. Each task, ``target(spec)`` on every rank, runs in a worker put back to what a fresh rank
+would see:
 
 - ``os.environ`` is the test process's environment at launch time, then ``spec["env"]``, then the rank's
   variables with a new ``MASTER_PORT`` (so nothing one test set leaks into the next); the working
@@ -129,7 +129,7 @@ def _serve(rank: int, world: int, conn: Any, parent: int) -> None:
 
 def _context() -> Any:
     """Ranks forked from a server that imported ``petra_ds`` (torch and DeepSpeed) once: a world starts in
-    milliseconds, not the seconds each rank took to import them. The server runs no task and starts no thread."""
+    milliseconds, not the seconds each rank took to import them. The server itself runs no task."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["petra_ds"])
     return ctx

@@ -7,6 +7,7 @@ for RevGPT, the decoder and the Reformer; ``from_pretrained`` gives back the sam
 
 import functools
 import json
+import warnings
 
 import pytest
 import torch
@@ -187,6 +188,17 @@ def test_cached_generation_equals_uncached_token_for_token(name):
     out = model(greedy[True][:, :12], use_cache=True)
     step = model(greedy[True][:, 12:], past_key_values=out.past_key_values, use_cache=True).logits
     assert (torch.cat([out.logits, step], 1) - full).abs().max().item() < 1e-12
+
+
+def test_generation_passes_the_cache_by_the_name_the_installed_transformers_takes():
+    """No deprecation warning from Hugging Face's attention (transformers 5.24 renamed ``past_key_values`` to
+    ``cache``; the old name would stop working in 5.40)."""
+    model = _models()["qwen2-tied"].double().eval()
+    prompt = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = model.generate(prompt, max_new_tokens=3, do_sample=False, use_cache=True)
+    assert out.shape == (1, 7)
 
 
 def test_reformer_generates_the_same_with_and_without_its_cache():

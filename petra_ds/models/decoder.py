@@ -22,6 +22,7 @@ layers with extra norms are refused: their decoder layer is more than one attent
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Sequence
 
@@ -124,6 +125,11 @@ class DecoderAttention(nn.Module):
         # a config that names its layers' types says which attend through a window (check_config refuses those:
         # Qwen2's sliding_window then applies to none), one that does not (Mistral) windows every layer
         self.window = None if getattr(config, "layer_types", None) else getattr(config, "sliding_window", None)
+        # the name Hugging Face's attention takes its cache by: ``cache`` from transformers 5.24 (``past_key_values``
+        # warns there, and goes in 5.40), ``past_key_values`` before, ``past_key_value`` in 4.x
+        accepted = inspect.signature(self.self_attn.forward).parameters
+        self.cache_keyword = next((n for n in ("cache", "past_key_values", "past_key_value") if n in accepted),
+                                  "past_key_values")
 
     def forward(self, x: Tensor, cache: Any = None, start: int = 0, **_: Any) -> Tensor:
         if self.window is not None and start + x.shape[1] > self.window:
@@ -133,7 +139,7 @@ class DecoderAttention(nn.Module):
         h = self.input_layernorm(x)
         cos_sin = self.rotary_emb(h, positions)
         mask = cached_attention_mask(x.shape[1], start + x.shape[1], x.device)
-        return self.self_attn(h, position_embeddings=cos_sin, attention_mask=mask, past_key_values=cache)[0]
+        return self.self_attn(h, position_embeddings=cos_sin, attention_mask=mask, **{self.cache_keyword: cache})[0]
 
 
 class DecoderMLP(nn.Module):

@@ -156,6 +156,21 @@ def test_module_sizes():
     assert sizes and {path: n for path, n in sizes.items() if n > 500} == {}
 
 
+def test_files_are_written_through_the_atomic_writer():
+    """No module opens a file for writing but ``util/files.py`` (whole or not at all); appending a line
+    ("a") stays allowed."""
+    writers = []
+    for path in python_files("petra_ds"):
+        if path.endswith(os.path.join("util", "files.py")):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+                modes = list(node.args[1:2]) + [k.value for k in node.keywords if k.arg == "mode"]
+                if any(isinstance(m, ast.Constant) and "w" in str(m.value) for m in modes):
+                    writers.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert writers == []
+
+
 def test_no_private_attribute_of_another_object_is_read():
     """``x._name`` only on ``self`` / ``cls`` / ``super()``, or on the third-party names above."""
     hits = []

@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..util.files import write_text_atomic
 from .costs import Costs, StageCosts
 from .measure import measure_message_seconds, measure_stage_costs, revnet_costs
 from .predict import VARIANTS, predict, report_costs, seconds_per_micro_batch, validate
@@ -355,8 +356,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         stem = args.name or "timeline_revnet"
     path = os.path.join(args.out_dir, stem + ".json")
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    write_text_atomic(path, json.dumps(result, indent=1))
     print(f"wrote {path}")
     return result
 

@@ -315,8 +315,7 @@ class RunFiles:
             plot(self.gradient_quality_rows, self.path("gradient_quality.png"), title=title)
 
     def summary(self, summary: dict) -> None:
-        with open(self.path("summary.json"), "w") as f:
-            json.dump(summary, f, indent=1, default=str)
+        write_text_atomic(self.path("summary.json"), json.dumps(summary, indent=1, default=str))
 
     def curves(self, losses: list[tuple[int, float]], metrics: list[dict], *, eval_key: str, eval_label: str,
                loss_label: str, right: tuple[str, str, str, str], right_scale: float = 1.0,

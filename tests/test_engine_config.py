@@ -167,3 +167,27 @@ def test_rank0_warns_when_stage0_is_more_than_one_step_behind(world_of_one, k, w
     assert bool(messages) == warned
     if warned:
         assert "3 optimizer steps" in messages[0] and '"gradient_accumulation_steps": 6' in messages[0]
+
+
+def test_eval_batch_gives_each_micro_batch_loss_or_their_mean_and_refuses_other_reductions(world_of_one):
+    """``reduce_output=None`` as DeepSpeed's PipelineEngine has it: the micro-batches' losses, whose mean is what
+    ``"avg"`` returns; anything else is named."""
+    import torch
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+    from torch import nn
+
+    import petra_ds
+    from petra_ds.tools.toy import toy_data, toy_layer_specs
+
+    model = petra_ds.PetraPipelineModule(toy_layer_specs(), topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
+                                         loss_fn=nn.CrossEntropyLoss(), stages_per_rank=3, partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "petra": {"stages_per_rank": 3}}
+    engine, *_ = petra_ds.initialize(model=model, config=config)
+    batches = toy_data(3, 4, dtype=torch.float32)
+    each = engine.eval_batch(iter(batches), reduce_output=None)
+    assert len(each) == 3 and all(t.numel() == 1 for t in each)
+    assert torch.allclose(torch.stack(each).mean(), engine.eval_batch(iter(batches)))
+    assert len({round(t.item(), 6) for t in each}) == 3
+    with pytest.raises(ValueError, match="reduce_output='sum'"):
+        engine.eval_batch(iter(batches), reduce_output="sum")

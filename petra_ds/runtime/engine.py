@@ -200,7 +200,12 @@ class PetraEngine(PipelineEngine):
         """Forward-only pass of ``num_micro_batches`` (default k) micro-batches through all stages (the
         schedule's ``EvalSchedule``), with the current parameters and batch-norm running statistics.
         Micro-batches in flight in training are not touched. Returns the mean loss (the same on every
-        rank); with ``return_logits`` also the last stage's outputs (``None`` on other ranks)."""
+        rank); with ``return_logits`` also the last stage's outputs (``None`` on other ranks). ``reduce_output``:
+        ``"avg"``, or None for each micro-batch's loss in a list (on the last stage; ``None`` on the others), as
+        DeepSpeed's ``PipelineEngine`` gives them."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' (the mean loss, on every rank) "
+                             "or None (each micro-batch's loss, on the last stage)")
         n = self.micro_batches if num_micro_batches is None else num_micro_batches
         was_training, data, clock = self.module.training, self._data, self.clock_now
         self.module.eval()
@@ -213,8 +218,11 @@ class PetraEngine(PipelineEngine):
         finally:
             self.module.train(was_training)
             self._data, self._eval, self.clock_now = data, None, clock
-        loss = self._reduce_loss(losses) if (compute_loss and bcast_loss) else (
-            torch.stack(losses).mean() if losses else None)
+        if reduce_output is None:
+            loss = list(losses) if compute_loss and self.is_last_stage() else None
+        else:
+            loss = self._reduce_loss(losses) if (compute_loss and bcast_loss) else (
+                torch.stack(losses).mean() if losses else None)
         self.transport.save_trace()
         if return_logits:
             return loss, (logits if self.is_last_stage() else None)

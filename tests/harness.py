@@ -150,6 +150,18 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["capture_grads"]:
         engine.step_observers.append(
             lambda j, st: grads[j].append({names[id(p)]: p.grad.detach().clone() for p in st.params}))
+    hooks: list[tuple[str, int]] = []
+    if spec.get("hook_order"):  # forwards_done and clock_end, in the order the engine calls them
+        from petra_ds.runtime.observe import Observer
+
+        class HookOrder(Observer):
+            def forwards_done(self, eng: Any, clock: int) -> None:
+                hooks.append(("forwards_done", clock))
+
+            def clock_end(self, eng: Any, clock: int) -> None:
+                hooks.append(("clock_end", clock))
+
+        engine.observe(HookOrder())
     memory: list[tuple[int, dict]] = []
     if spec["memory_trace"]:
         engine.clock_observers.append(lambda eng, clock: memory.append((clock, eng.memory_report())))
@@ -184,7 +196,7 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
         module_name, function = spec["probe"].split(":")
         probe = getattr(importlib.import_module(module_name), function)(engine)
     return {
-        "probe": probe,
+        "probe": probe, "hook_order": hooks,
         "rank": engine.global_rank, "stages": sorted(engine.stages), "parts": petra_parts(model),
         "grads": grads, "params": params, "losses": losses, "evals": evals, "memory": memory,
         "clock": engine.clock, "stage_steps": dict(engine.stage_steps), "skipped_steps": engine.skipped_steps,

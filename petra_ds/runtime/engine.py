@@ -277,10 +277,10 @@ class PetraEngine(PipelineEngine):
                 if watched:
                     self._notify("after_instruction", cmd)
             if training:
+                if cmds.forwards_end == len(cmds):  # no backward in this clock (or nothing at all: fill, drain)
+                    self._notify("forwards_done", clock)
                 self.finite.flush()
                 self._notify("clock_end", clock)
-                if cmds.forwards_end == len(cmds):
-                    self._notify("forwards_done", clock)
 
     def _reduce_loss(self, losses: list[Tensor]) -> Tensor:
         """Mean over the finished micro-batches, averaged over data parallelism and broadcast from the

@@ -30,7 +30,9 @@ def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: 
     """Pull ``grads`` back through the graph of ``outputs`` (None for a scalar output means 1); return the
     gradient of each of ``leaves`` (None where it needs none or nothing flows to it) and add the parameter
     gradients into ``.grad`` as ``torch.autograd.backward`` does. ``owner`` has ``parameters()``: those the
-    graph uses."""
+    graph uses (None: unknown, autograd accumulates them)."""
+    if owner is None:
+        return _by_autograd(outputs, grads, leaves)
     params = tuple(owner.parameters())
     ids = tuple(map(id, params))
     checked = _CHECKED.get(owner)
@@ -38,8 +40,7 @@ def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: 
         checked = _CHECKED[owner] = (ids, _reaches_only(outputs, leaves, params))
     trainable = [p for p in params if p.requires_grad]
     if not checked[1] or any(p.grad is None for p in trainable):
-        torch.autograd.backward(outputs, grads)
-        return [t.grad if t.requires_grad else None for t in leaves]
+        return _by_autograd(outputs, grads, leaves)
     wanted = [t for t in leaves if t.requires_grad]
     found = torch.autograd.grad(outputs, wanted + trainable, grads, allow_unused=True)
     pairs = [(p.grad, g) for p, g in zip(trainable, found[len(wanted):]) if g is not None]
@@ -48,6 +49,13 @@ def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: 
             torch._foreach_add_([a for a, _ in pairs], [b for _, b in pairs])
     leaf_grads = iter(found[:len(wanted)])
     return [next(leaf_grads) if t.requires_grad else None for t in leaves]
+
+
+def _by_autograd(outputs: Sequence[Tensor], grads: Sequence[Tensor | None],
+                 leaves: Sequence[Tensor]) -> list[Tensor | None]:
+    """``torch.autograd.backward``: each parameter's gradient added by autograd, the leaves' read from ``.grad``."""
+    torch.autograd.backward(outputs, grads)
+    return [t.grad if t.requires_grad else None for t in leaves]
 
 
 def _reaches_only(outputs: Sequence[Tensor], leaves: Sequence[Tensor], params: tuple[Tensor, ...]) -> bool:

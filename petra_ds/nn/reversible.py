@@ -85,13 +85,7 @@ class GraphTape(Tape):
                 outs.append(out)
                 grads.append(grad.to(out.dtype))
         inputs = as_tuple(self.inputs)
-        if not outs:
-            found: list[Tensor | None] = [None] * len(inputs)
-        elif self.owner is None:
-            torch.autograd.backward(outs, grads)
-            found = [leaf.grad for leaf in inputs]
-        else:
-            found = backprop(outs, grads, inputs, self.owner)
+        found = backprop(outs, grads, inputs, self.owner) if outs else [None] * len(inputs)
         dx = [_grad_or_zeros(leaf, g) for leaf, g in zip(inputs, found)]
         shape = self.inputs
         self.inputs = self.outputs = self.owner = None

@@ -219,7 +219,7 @@ class PetraEngine(PipelineEngine):
             self.module.train(was_training)
             self._data, self._eval, self.clock_now = data, None, clock
         if reduce_output is None:
-            loss = list(losses) if compute_loss and self.is_last_stage() else None
+            loss = losses if compute_loss and self.is_last_stage() else None
         else:
             loss = self._reduce_loss(losses) if (compute_loss and bcast_loss) else (
                 torch.stack(losses).mean() if losses else None)

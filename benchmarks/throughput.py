@@ -21,7 +21,7 @@ blocks per stage for the RevGPT, DeepSpeed's ``uniform`` for the RevNet) and --s
 ``profile`` each schedule is cut by its own cost rule (``petra_ds.pipeline.partition``), from one
 measurement. DeepSpeed's pipeline gets the two streams stacked into one tensor (``Packed``), which halves its backward on
 reversible models; ``--ds-pairs`` measures it on the plain pair.
-Each rank also times its own stage's primitives (``petra_ds.perf.timeline.measure_stage_costs``)
+Each rank also times its own stage's primitives (``petra_ds.perf.time_model.measure_stage_costs``)
 and the message time between neighbours, for the timeline model. After the timed calls one more call
 records each rank's peak memory as the allocator sees it (``peak_allocated``: every tensor storage alive,
 parameters, gradients, optimizer state, activations, saved tensors, recompute graphs and messages
@@ -430,7 +430,7 @@ def stage_costs(engine, data) -> dict:
     gathered on every rank."""
     from deepspeed import comm as dist
 
-    from petra_ds.perf.timeline import measure_stage_costs
+    from petra_ds.perf.time_model import measure_stage_costs
 
     from petra_ds.runtime.observe import Observer
 
@@ -462,7 +462,7 @@ def message_seconds(engine) -> float:
 
     from petra_ds.schedule import channels
     from petra_ds.runtime import messages
-    from petra_ds.perf.timeline import measure_message_seconds
+    from petra_ds.perf.time_model import measure_message_seconds
 
     if engine.num_stages < 2:
         return 0.0

@@ -21,7 +21,6 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.utils import logger
 
-from . import moved
 from .diagnostics.gradient_quality import GradientQuality
 from .diagnostics.settings import format_settings, run_settings
 from .nn.check import NonFiniteError
@@ -44,8 +43,6 @@ __all__ = [
     "init_distributed",
     "initialize",
 ]
-
-moved.install()
 
 
 def _load(config: Any, args: Any) -> dict:

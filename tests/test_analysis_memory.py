@@ -1,9 +1,9 @@
-"""The Tab. 3 estimate (petra_ds.perf.memory) against the engine's own ledger of what it holds."""
+"""The Tab. 3 estimate (petra_ds.perf.memory_estimate) against the engine's own ledger of what it holds."""
 
 import pytest
 import torch
 
-from petra_ds.perf import memory
+from petra_ds.perf import memory_estimate as memory
 from petra_ds.tools.toy import toy_layer_specs
 
 from harness import launch

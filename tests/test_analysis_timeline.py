@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from petra_ds.perf.timeline import (Costs, StageCosts, main, measure_stage_costs, plot_gantt, predict, revnet_costs,
+from petra_ds.perf.time_model import (Costs, StageCosts, main, measure_stage_costs, plot_gantt, predict, revnet_costs,
                                     seconds_per_micro_batch, simulate_schedule, validate)
 from petra_ds.perf.predict import predict_host_bound
 from petra_ds.perf.programs import micro_batch_seconds

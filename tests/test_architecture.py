@@ -82,7 +82,7 @@ def petra_imports(path: str, modules: set[str], at_run_time: bool = False) -> se
 
 #: petra_ds's layers, lowest first. A module may import its own package and every layer below its own;
 #: packages that share a layer are independent of each other. The package's top (``petra_ds/__init__.py``,
-#: which holds ``initialize``, and ``moved.py``) sees everything.
+#: which holds ``initialize``) sees everything.
 LAYERS = (
     ("util",),  # atomic files, nested-tensor walks, argument checks
     ("schedule", "nn", "data"),  # the schedule as data; the coupling math; data streams
@@ -99,7 +99,7 @@ LAYERS = (
 def layer_of(module: str) -> tuple[int, str]:
     """(layer index, package) of a petra_ds module; the top is above every layer."""
     parts = module.split(".")
-    package = parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] not in ("moved",)) else ""
+    package = parts[1] if len(parts) >= 2 else ""
     for index, packages in enumerate(LAYERS):
         if package in packages:
             return index, package
@@ -116,7 +116,7 @@ def test_every_package_has_a_layer():
     packages = {name for name in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, name, "__init__.py"))}
     assert packages == {package for layer in LAYERS for package in layer}
     top = {name for name in os.listdir(PACKAGE) if name.endswith(".py")}
-    assert top == {"__init__.py", "moved.py"}, "a module at the top of petra_ds belongs in a layer"
+    assert top == {"__init__.py"}, "a module at the top of petra_ds belongs in a layer"
 
 
 def test_no_import_runs_upward():
@@ -293,23 +293,23 @@ def test_traces_recorded_before_the_layers_replay():
     assert set(report.batches) == {0, 1} and report.transfers > 0
 
 
-def test_former_module_names_still_work():
-    """``petra_ds.moved``: the documented ``python -m`` commands under their former names, and imports of
-    moved modules, give the module that holds the code now (the same object: classes stay identical)."""
+def test_importing_petra_ds_installs_no_import_hook_and_old_files_name_no_module():
+    """Former module names are not kept alive by a global import hook: ``import petra_ds`` adds no finder to
+    ``sys.meta_path``. What a run wrote before the package moved still loads without one: the checkpoint's
+    pickles name no petra_ds class (only torch's and the builtins', which ``weights_only`` accepts) and the
+    traces are JSON (the two tests above load both)."""
+    import glob
     import subprocess
     import sys
 
-    import petra_ds.keys
-    import petra_ds.schedule.channels
-    from petra_ds.analysis.held import HeldTracker
-    from petra_ds.diagnostics import held
+    import torch
 
-    assert petra_ds.keys is petra_ds.schedule.channels and HeldTracker is held.HeldTracker
-    import importlib
-
-    from petra_ds.moved import MOVED
-
-    assert all(importlib.import_module(old) is importlib.import_module(new) for old, new in MOVED.items())
-    done = subprocess.run([sys.executable, "-m", "petra_ds.nccl_replay", "--help"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-    assert done.returncode == 0 and "directory" in done.stdout, done.stderr[-2000:]
+    probe = ("import sys; before = list(sys.meta_path); import petra_ds; "
+             "print([type(f).__module__ for f in sys.meta_path if f not in before])")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not [m for m in eval(done.stdout.strip().splitlines()[-1]) if m.startswith("petra_ds")]
+    files = glob.glob(os.path.join(ROOT, "tests", "fixtures", "checkpoint_before_move", "**", "*.pt"), recursive=True)
+    assert len(files) == 9
+    for path in files:
+        assert torch.serialization.get_unsafe_globals_in_checkpoint(path) == [], path

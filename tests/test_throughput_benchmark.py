@@ -52,8 +52,8 @@ def test_packed_layers_compute_what_the_plain_layers_compute(model):
 def test_every_variant_runs_on_the_same_partition_and_the_report_validates(tmp_path):
     """DeepSpeed's, PETRA's and two torch variants under the deepspeed launcher (2 CPU processes), a
     report with samples/s, peak allocated and held bytes, ratios, the fastest peers and the per-stage costs that
-    petra_ds.perf.timeline.validate reads."""
-    from petra_ds.perf.timeline import validate
+    petra_ds.perf.time_model.validate reads."""
+    from petra_ds.perf.time_model import validate
 
     bench = load_benchmark("throughput")
     out = tmp_path / "report.json"

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..runtime.memory import StorageKey, storage, storage_bytes
+from ..runtime.ledger import StorageKey, storage, storage_bytes
 from ..util.nested import tensors_in
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.engine import PetraEngine
-from ..runtime.memory import storage, storage_bytes, storage_keys
+from ..runtime.ledger import storage, storage_bytes, storage_keys
 from ..util.nested import tensors_in
 
 #: categories of held bytes, in the order a shared storage is attributed

@@ -17,7 +17,7 @@ import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import Tensor
 
-from ..nn.batchnorm import BatchNormPolicy, running_stat_tensors
+from ..nn.batchnorm import BatchNormPolicy
 from ..pipeline.module import layer_module, stage_layers, stage_reversible, stages_per_rank_of
 from ..pipeline.ties import TiedWeights
 from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, EvalForward, EvalSchedule, FedMicroBatches,
@@ -26,11 +26,12 @@ from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, EvalForwa
                         Timeline, Window, channels)
 from . import checkpoint, messages
 from .config import PetraConfig, check_stages_per_rank
-from .finite import FiniteWatch, skips_on_device
-from .memory import memory_report
+from .finite import FiniteWatch
+from .ledger import memory_report
 from .observe import Callbacks, Holdings, Observer, hook_table
 from .optimizers import StageOptimizers, StageSchedulers, single_or_combined, stage_optimizers, stage_schedulers
 from .stage import Stage, StageOptions
+from .step import StageStep
 from .transport import Transport
 
 
@@ -59,7 +60,7 @@ class PetraEngine(PipelineEngine):
             compile=petra_config.compile)
         self.stages: dict[int, Stage] = {}
         #: what the stages read and make, checked for NaN / Inf on the device, read once per window
-        self.finite = FiniteWatch(lambda: self.clock_now, self.local_stage_ids, self.num_petra_stages,
+        self.finite = FiniteWatch(lambda: self._running_clock, self.local_stage_ids, self.num_petra_stages,
                                   check_finite=petra_config.check_finite, non_finite=petra_config.non_finite)
         #: (stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``), as the windows'
         #: reads found them (the watch's own list)
@@ -67,24 +68,27 @@ class PetraEngine(PipelineEngine):
         for j in self.local_stage_ids:
             last = j == self.num_petra_stages - 1
             stage = Stage(j, self.num_petra_stages, stage_layers(module, j), options,
-                          loss_fn=module.loss_fn if last else None)
+                          loss_fn=module.loss_fn if last else None, finite=self.finite,
+                          compensation=petra_config.delay_compensation, not_stepped=self.ties.reader_ids(j))
             if stage.reversible != self.reversible[j]:
                 raise TypeError(f"stage {j}: its built layers and their specs disagree on reversibility")
-            stage.stepped = [p for p in stage.stepped if id(p) not in self.ties.reader_ids(j)]
-            stage.compensation = petra_config.delay_compensation.for_stage(
-                stage.stepped, j, self.num_petra_stages, self.micro_batches)
-            stage.finite = self.finite
             self.stages[j] = stage
+        replicas = self.grid.data_parallel_size > 1
+        #: each local stage's optimizer step (``runtime/step.py``)
+        self.steppers = {j: StageStep(
+            st, self.stage_optimizers[i], self.stage_schedulers[i], clipping=self.gradient_clipping(),
+            finite=self.finite, non_finite=petra_config.non_finite, ties=self.ties,
+            average=self._average_over_replicas if replicas else None, take=self._take_message, notify=self._notify)
+            for i, (j, st) in enumerate(self.stages.items())}
         self.timeline = Timeline(self.num_petra_stages)
-        self.stage_steps = {j: 0 for j in self.local_stage_ids}
         #: messages received for the next clock, by ``channels.Key`` (the receiving stage first)
         self.inbox: dict[channels.Key, tuple] = {}
         self._outbox: dict[int, dict[channels.Key, tuple]] = {j: {} for j in self.local_stage_ids}
         self._loaded: dict[int, tuple[Any, Any]] = {}  # stage 0's micro-batches read, not yet run
-        self.clock_now, self._window_losses, self._data, self._window_loss = 0, [], None, math.nan
+        self._running_clock, self._window_losses, self._data, self._window_loss = 0, [], None, math.nan
         #: every message and collective of this rank (``PETRA_DS_COMM_TRACE=<dir>`` records them)
         self.transport = Transport(rank=self.global_rank, device=self.device, local_stages=self.local_stage_ids,
-                                   stage_rank=self.stage_rank, clock=lambda: self.clock_now)
+                                   stage_rank=self.stage_rank, clock=lambda: self._running_clock)
         self._first_inputs_layout: messages.Layout | None = None
         self._eval: dict[str, Any] | None = None  # an eval_batch call's options and results
         self._callbacks = Callbacks()
@@ -189,6 +193,7 @@ class PetraEngine(PipelineEngine):
 
     @property
     def clock(self) -> int:
+        """The next clock to run (the clock a ``train_batch`` call opens with); the one running is private."""
         return self.timeline.clock
 
     def stage_rank(self, stage: int) -> int:
@@ -207,7 +212,7 @@ class PetraEngine(PipelineEngine):
             raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' (the mean loss, on every rank) "
                              "or None (each micro-batch's loss, on the last stage)")
         n = self.micro_batches if num_micro_batches is None else num_micro_batches
-        was_training, data, clock = self.module.training, self._data, self.clock_now
+        was_training, data, clock = self.module.training, self._data, self._running_clock
         self.module.eval()
         self._eval = {"compute_loss": compute_loss, "return_logits": return_logits, "losses": [], "logits": []}
         self._data = data_iter
@@ -217,7 +222,7 @@ class PetraEngine(PipelineEngine):
             losses, logits = self._eval["losses"], self._eval["logits"]
         finally:
             self.module.train(was_training)
-            self._data, self._eval, self.clock_now = data, None, clock
+            self._data, self._eval, self._running_clock = data, None, clock
         if reduce_output is None:
             loss = losses if compute_loss and self.is_last_stage() else None
         else:
@@ -258,7 +263,7 @@ class PetraEngine(PipelineEngine):
         training = isinstance(schedule, PetraSchedule)
         start = schedule.start_clock if training else 0
         for clock, cmds in enumerate(schedule, start=start):
-            self.clock_now = clock
+            self._running_clock = clock
             watched = bool(self._hooks["before_instruction"] or self._hooks["after_instruction"])
             labelled = torch.autograd._profiler_enabled()
             for i, cmd in enumerate(cmds):
@@ -304,7 +309,7 @@ class PetraEngine(PipelineEngine):
             ran_out = (f"the evaluation data ran out at micro-batch {m}; give eval_batch at least "
                        "num_micro_batches micro-batches")
         else:
-            ran_out = (f"the data iterator ran out at micro-batch {m} (clock {self.clock_now}) inside a "
+            ran_out = (f"the data iterator ran out at micro-batch {m} (clock {self._running_clock}) inside a "
                        f"train_batch call of {self.micro_batches} clocks; give it k micro-batches per call "
                        "(e.g. deepspeed.utils.RepeatingLoader) or call drain() to finish")
         batch = messages.read_micro_batch(self._data, self.batch_fn, self.device, ran_out)
@@ -356,46 +361,18 @@ class PetraEngine(PipelineEngine):
             self._outbox[stage][channels.backward_key(stage, m)] = (dx, x_tilde)
 
     def _exec_step(self, cmd: AccumulateAndStep) -> None:
-        stage, step = cmd.stage, cmd.step
-        st = self.stages[stage]
-        index = stage - self.local_stage_ids[0]
-        optimizer = self.stage_optimizers[index]
-        params = [p for p in st.params if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.grid.data_parallel_size > 1 or self.ties:  # they rewrite the gradients the backwards reported
-            self.finite.flush_gradients()
-        if self.grid.data_parallel_size > 1:
-            self.transport.average_over_replicas([p.grad for p in params] + running_stat_tensors(st.norms),
-                                                 self.grid.get_data_parallel_group(),
-                                                 f"the data-parallel reduction of stage {stage}")
-        self._outbox[stage].update(self.ties.gradients(stage, step, lambda key: self.inbox.pop(key, None)))
-        grads = [p.grad for p in st.stepped]
-        norm = None
-        if self.gradient_clipping() > 0:  # its total norm is the step's finite check
-            norm = torch.nn.utils.clip_grad_norm_(st.stepped, self.gradient_clipping())
-        found_inf = self.finite.step(stage, step, st.last_micro_batch, grads, norm)
-        on_device = optimizer is not None and skips_on_device(optimizer)
-        # a host read, only for an optimizer that cannot skip on the device
-        finite = found_inf is None or on_device or not bool(found_inf)
-        if not finite and self.petra_config.non_finite == "raise":
-            self.finite.check()
-        self._notify("before_step", stage, step)
-        if optimizer is not None and finite:
-            if on_device:
-                optimizer.found_inf = found_inf
-            st.compensation.step(optimizer.step, optimizer, step)
-        self._notify("after_step", stage, step)
-        for p in params:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
-            p.grad = None
-        self._outbox[stage].update(self.ties.weights(stage, step))
-        scheduler = self.stage_schedulers[index]
-        if scheduler is not None:
-            scheduler.step()
-        self.stage_steps[stage] += 1
-        if self.stage_steps[stage] != step:
-            raise RuntimeError(f"stage {stage} took step {self.stage_steps[stage]}, the schedule says {step}")
+        self._outbox[cmd.stage].update(self.steppers[cmd.stage](cmd.step))
+
+    def _average_over_replicas(self, tensors: list[Tensor], what: str) -> None:
+        self.transport.average_over_replicas(tensors, self.grid.get_data_parallel_group(), what)
+
+    def _take_message(self, key: channels.Key) -> tuple | None:
+        return self.inbox.pop(key, None)
+
+    @property
+    def stage_steps(self) -> dict[int, int]:
+        """Optimizer steps each local stage took (skipped ones included)."""
+        return {j: stepper.steps for j, stepper in self.steppers.items()}
 
     # --- instructions: messages (each names its channel and key; transport.py moves them) ---
 
@@ -407,11 +384,11 @@ class PetraEngine(PipelineEngine):
         self.transport.recv(cmd.channel(), cmd.key())
 
     def _exec_post(self, cmd: PostP2P) -> None:
-        self.transport.post(f"the {cmd.batch} batch of clock {self.clock_now}",
+        self.transport.post(f"the {cmd.batch} batch of clock {self._running_clock}",
                             fresh_layouts=cmd.batch == channels.EVAL)
 
     def _exec_commit(self, cmd: CommitP2P) -> None:
-        received = self.transport.commit(f"the commit of clock {self.clock_now}")
+        received = self.transport.commit(f"the commit of clock {self._running_clock}")
         if self.ties:  # every clock commits: no scan of what arrived for models without ties
             weights = {key: value for key, value in received.items() if self.ties.is_weights(key)}
             self.ties.apply(weights)
@@ -459,7 +436,8 @@ class PetraEngine(PipelineEngine):
         fed = FedMicroBatches(tuple(map(tuple, state["feed"])))
         self.timeline = Timeline(self.num_petra_stages, state["clock"], fed)
         self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
-        self.stage_steps = dict(state["stage_steps"])
+        for j, steps in state["stage_steps"].items():
+            self.steppers[j].steps = steps
         pairs = [(self.stage_optimizers, state["optimizers"], optimizer_states),
                  (self.stage_schedulers, state["schedulers"], scheduler_states)]
         for objects, states, wanted in pairs:
@@ -474,7 +452,7 @@ class PetraEngine(PipelineEngine):
     # --- introspection ---
 
     def memory_report(self) -> dict[int, dict[str, int]]:
-        """Per local stage, bytes held now (see :func:`petra_ds.runtime.memory.memory_report`)."""
+        """Per local stage, bytes held now (see :func:`petra_ds.runtime.ledger.memory_report`)."""
         return memory_report(self)
 
     #: one handler per PETRA instruction, and nothing else. DualPipeV merges DeepSpeed's map into its own

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +34,7 @@ from ..schedule import reconstructs
 from .compensation import NoCompensation
 from .compiled import compile_layers
 from .finite import FiniteWatch
-from .memory import tensor_bytes
+from .ledger import tensor_bytes
 
 
 @dataclass
@@ -89,7 +89,14 @@ class Stage:
         layers: Sequence[Callable],
         options: StageOptions,
         loss_fn: Callable | None = None,
+        *,
+        finite: FiniteWatch | None = None,
+        compensation: Any = None,
+        not_stepped: Collection[int] = (),
     ) -> None:
+        """``finite``: where the stage reports what it reads and makes (default: checks nothing);
+        ``compensation``: the engine's delay compensation (anything with ``for_stage``; default none);
+        ``not_stepped``: ids of parameters another stage steps (a reader's copies of tied weights)."""
         if not layers:
             raise ValueError(f"stage {index} has no layers")
         self.index = index
@@ -115,9 +122,9 @@ class Stage:
         for module in self.modules:  # keyed-RNG layer indices, unique inside the stage
             key = assign_rng_keys(module, key)
         self.params = self._unique_params()
-        #: what this stage's own step updates: what it clips and what delay compensation acts on (the engine
-        #: leaves out a reader's copies of tied weights, which follow their owner)
-        self.stepped = [p for p in self.params if p.requires_grad]
+        #: what this stage's own step updates: what it clips and what delay compensation acts on (not a
+        #: reader's copies of tied weights, which follow their owner)
+        self.stepped = [p for p in self.params if p.requires_grad and id(p) not in not_stepped]
         self.norms = [bn for module in self.modules for bn in batch_norms(module)]
 
         self.fifo: deque[tuple[int, Activation]] = deque()  # exact inputs of a non-reversible stage
@@ -140,10 +147,10 @@ class Stage:
         self.peak_param_buffer_bytes = 0
         self._checked = not options.check_reversible
         #: delay compensation (``petra_ds.runtime.compensation``): the weights a forward runs with, how a step is taken
-        self.compensation = NoCompensation()
-        #: where this stage reports what it reads and makes, to find the first NaN / Inf (the engine's
-        #: ``petra_ds.runtime.finite.FiniteWatch``; this one checks nothing)
-        self.finite = FiniteWatch.off()
+        self.compensation = NoCompensation() if compensation is None else compensation.for_stage(
+            self.stepped, index, num_stages, options.gradient_accumulation_steps)
+        #: where this stage reports what it reads and makes, to find the first NaN / Inf
+        self.finite = FiniteWatch.off() if finite is None else finite
 
     def check_layers(self, x: Activation) -> None:
         """``inverse(forward(x)) == x`` for every layer declared reversible, on this input: a wrong inverse

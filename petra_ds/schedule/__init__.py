@@ -7,7 +7,7 @@ from .instructions import (INSTRUCTIONS, AccumulateAndStep, CommitP2P, DelayedBa
                            LoadMicroBatch, PostP2P, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight,
                            ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad, SendTiedWeight)
 from .schedules import Clock, EvalSchedule, PetraSchedule
-from .timeline import FedMicroBatches, Timeline, Window
+from .progress import FedMicroBatches, Timeline, Window
 
 __all__ = [
     "INSTRUCTIONS", "AccumulateAndStep", "Clock", "CommitP2P", "DelayedBackward", "EvalForward", "EvalSchedule",

@@ -25,7 +25,7 @@ from .clock import backward_micro_batch, delay, forward_micro_batch, reconstruct
 from .instructions import (AccumulateAndStep, CommitP2P, DelayedBackward, EvalForward, ForwardPass, LoadMicroBatch,
                            PostP2P, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight, ReverseReconstruct,
                            SendActivation, SendGrad, SendTiedGrad, SendTiedWeight)
-from .timeline import FedMicroBatches, Window
+from .progress import FedMicroBatches, Window
 
 
 class Clock(list):

@@ -9,10 +9,10 @@ report) and ``measure`` (timing with torch). Their public names are re-exported 
 ``naive_mp_rev`` is the paper's "Rev. backprop." baseline of Tab. 5: model parallelism without overlap,
 where the reversible stages rebuild their inputs in the backward instead of storing activations.
 
-    python -m petra_ds.perf.timeline                     # Tab. 5 picture: RevNet18 (J=10), RevNet34 (J=18)
-    python -m petra_ds.perf.timeline --uniform --stages 4 --micro-batches 4
-    python -m petra_ds.perf.timeline --validate benchmarks/results/throughput_revgpt_cpu.json
-    python -m petra_ds.perf.timeline --extrapolate benchmarks/results/throughput_revgpt_cpu_redesign.json
+    python -m petra_ds.perf.time_model                     # Tab. 5 picture: RevNet18 (J=10), RevNet34 (J=18)
+    python -m petra_ds.perf.time_model --uniform --stages 4 --micro-batches 4
+    python -m petra_ds.perf.time_model --validate benchmarks/results/throughput_revgpt_cpu.json
+    python -m petra_ds.perf.time_model --extrapolate benchmarks/results/throughput_revgpt_cpu_redesign.json
 
 Reports and Gantt charts go to ``--out-dir``, by default ``runs/benchmarks/``; the committed ones in
 ``benchmarks/results/`` are rewritten only with ``--out-dir benchmarks/results``.
@@ -299,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out-dir", default=RESULTS, help=f"where the JSON and the PNGs go (default {RESULTS})")
     parser.add_argument("--name", default=None, help="output file stem (default depends on the mode)")
     args = parser.parse_args(argv)
-    args.command = "python -m petra_ds.perf.timeline " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.command = "python -m petra_ds.perf.time_model " + " ".join(sys.argv[1:] if argv is None else argv)
 
     if args.validate:
         with open(args.validate) as f:

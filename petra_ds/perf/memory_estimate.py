@@ -1,6 +1,6 @@
 """The paper's Tab. 3 memory estimate, computed from the real model.
 
-    python -m petra_ds.perf.memory            # RevNet50, ImageNet 224x224, micro-batch 64, fp32, J = 18
+    python -m petra_ds.perf.memory_estimate            # RevNet50, ImageNet 224x224, micro-batch 64, fp32, J = 18
 
 Per stage j of J (one stage per residual block, as in the paper) a delayed-gradient method holds, between
 a micro-batch's forward and its backward, ``tau_j = 2(J-1-j)`` micro-batches in flight: their inputs

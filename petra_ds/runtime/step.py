@@ -1,0 +1,79 @@
+"""One stage's optimizer step as one unit (the ``AccumulateAndStep`` instruction), in the order it must run.
+
+After a stage's k-th backward since its last step: its gradients are averaged over its data-parallel
+replicas, a reader of tied weights hands its gradient to their owner and the owner adds its readers',
+the gradients are clipped over the stage's own parameters and checked for NaN / Inf (one reduction: the
+clipping norm is the check), delay compensation takes the optimizer's step (or the step is skipped), the
+gradients are cleared, the owner's new tied weights go to their readers, the LR scheduler steps. The
+engine runs this unit and carries what it returns; the unit reaches the engine only through the callables
+it was given.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ..nn.batchnorm import running_stat_tensors
+from ..pipeline.ties import TiedWeights
+from ..schedule.channels import Key
+from .finite import FiniteWatch, skips_on_device
+from .stage import Stage
+
+#: what a step produces for other stages: messages by key (tied gradients and weights)
+Messages = dict[Key, tuple]
+
+
+class StageStep:
+    """Stage ``stage``'s optimizer step. ``average`` (None without data parallelism) averages tensors over
+    the stage's replicas; ``take`` pops a received message (None when none came); ``notify`` calls the
+    observers' ``before_step`` / ``after_step`` hooks."""
+
+    def __init__(self, stage: Stage, optimizer: Any, scheduler: Any, *, clipping: float, finite: FiniteWatch,
+                 non_finite: str, ties: TiedWeights, average: Callable[[list[Tensor], str], None] | None,
+                 take: Callable[[Key], tuple | None], notify: Callable[..., None]) -> None:
+        self.stage, self.optimizer, self.scheduler = stage, optimizer, scheduler
+        self.clipping, self.finite, self.non_finite, self.ties = clipping, finite, non_finite, ties
+        self.average, self.take, self.notify = average, take, notify
+        self.trainable = [p for p in stage.params if p.requires_grad]
+        self.skips_on_device = optimizer is not None and skips_on_device(optimizer)
+        #: optimizer steps taken (skipped ones included), the schedule's count
+        self.steps = 0
+
+    def __call__(self, step: int) -> Messages:
+        """Take the stage's ``step``-th step (1-based); returns the messages it produced."""
+        st, j = self.stage, self.stage.index
+        for p in self.trainable:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.average is not None or self.ties:  # they rewrite the gradients the backwards reported
+            self.finite.flush_gradients()
+        if self.average is not None:
+            self.average([p.grad for p in self.trainable] + running_stat_tensors(st.norms),
+                         f"the data-parallel reduction of stage {j}")
+        produced: Messages = dict(self.ties.gradients(j, step, self.take))
+        norm = None
+        if self.clipping > 0:  # its total norm is the step's finite check
+            norm = torch.nn.utils.clip_grad_norm_(st.stepped, self.clipping)
+        found_inf = self.finite.step(j, step, st.last_micro_batch, [p.grad for p in st.stepped], norm)
+        # a host read, only for an optimizer that cannot skip on the device
+        finite = found_inf is None or self.skips_on_device or not bool(found_inf)
+        if not finite and self.non_finite == "raise":
+            self.finite.check()
+        self.notify("before_step", j, step)
+        if self.optimizer is not None and finite:
+            if self.skips_on_device:
+                self.optimizer.found_inf = found_inf
+            st.compensation.step(self.optimizer.step, self.optimizer, step)
+        self.notify("after_step", j, step)
+        for p in self.trainable:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
+            p.grad = None
+        produced.update(self.ties.weights(j, step))
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.steps += 1
+        if self.steps != step:
+            raise RuntimeError(f"stage {j} took step {self.steps}, the schedule says {step}")
+        return produced

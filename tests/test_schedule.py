@@ -223,3 +223,46 @@ def replay_tampered_two_stages(action):
                  and any(isinstance(x, ForwardPass) for x in c))
     action(clock, next(i for i, x in enumerate(clock) if isinstance(x, DelayedBackward) and x.stage == 0))
     replay(streams, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k, reversible=[True] * J)
+
+
+def test_every_message_is_derived_from_what_the_compute_consumes_and_produces():
+    """A rank's sends follow the compute that produced their key, in the same clock; its receives are the
+    keys its compute consumes at the next clock; no compute consumes or produces anything else by a message
+    (stage 0 takes its loaded micro-batch, never a message)."""
+    from petra_ds.schedule import EvalSchedule, LoadMicroBatch, channels
+
+    J, S, k = 6, 2, 2
+    _t, windows = windows_for(J, [(k, k)] * 4 + [None])
+    rev = mixed_reversibility(J)
+    streams = streams_for(windows, pipeline_ranks=J // S, stages_per_rank=S, gradient_accumulation_steps=k,
+                          reversible=rev)
+    evals = {r: list(EvalSchedule(3, J // S, r, stages_per_rank=S)) for r in range(J // S)}
+    for all_clocks in (streams, evals):
+        for rank, clocks in all_clocks.items():
+            for t, cmds in enumerate(clocks):
+                produced = {c.produces for c in cmds if getattr(c, "produces", None) is not None}
+                following = clocks[t + 1] if t + 1 < len(clocks) else []
+                consumed_next = {c.consumes for c in following if getattr(c, "consumes", None) is not None}
+                sent = {c.key() for c in cmds if c.sends is True and c.channel().kind in
+                        (channels.ACT, channels.GRAD, channels.EVAL)}
+                received = {c.key() for c in cmds if c.sends is False and c.channel().kind in
+                            (channels.ACT, channels.GRAD, channels.EVAL)}
+                assert sent == {key for key in produced if key.kind != channels.DATA}, (rank, t)
+                assert received == {key for key in consumed_next if key.kind != channels.DATA}, (rank, t)
+                loads = [c for c in cmds if isinstance(c, LoadMicroBatch)]
+                assert all(c.produces == channels.data_key(c.micro_batch) for c in loads)
+    report = replay(streams, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k, reversible=rev)
+    report.assert_drained()
+
+
+def test_replay_detects_a_compute_that_consumes_the_wrong_message():
+    """The replay derives what a compute must consume again: a backward of a reconstructing stage that also
+    claims the gradient message (its reconstruction took it) is named."""
+    def claim_the_gradient(cmds, i):
+        c = cmds[i]
+        cmds[i] = DelayedBackward(c.stage, c.micro_batch, consumes=(c.stage + 1, "grad", c.micro_batch),
+                                  produces=c.produces)
+
+    with pytest.raises(ScheduleError, match="consumes"):
+        replay_tampered(6, 1, lambda c: isinstance(c, DelayedBackward) and c.stage == 1 and c.consumes is None,
+                        claim_the_gradient, rank=1)

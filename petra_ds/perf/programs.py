@@ -55,7 +55,7 @@ from deepspeed.runtime.pipe import schedule as ds
 
 from ..pipeline.partition import LayerCost, stage_cost
 from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, ForwardPass, LoadMicroBatch, PostP2P,
-                        ReverseReconstruct, Timeline, channels, reconstructs)
+                        ReverseReconstruct, Timeline, channels)
 from ..verify.replay import streams_for
 from .costs import Costs, StageCosts
 from .simulator import Compute, Endpoint, Mark, Op, Post, Simulation, Wait, simulate
@@ -174,7 +174,7 @@ def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_pe
         for w, window in enumerate(windows):
             for _ in range(window.clocks):
                 for cmd in next(clock_iter):
-                    j = getattr(cmd, "stage", None)
+                    j = cmd.stage
                     c = costs.stages[j] if j is not None else None
                     if isinstance(cmd, LoadMicroBatch):
                         continue
@@ -184,7 +184,7 @@ def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_pe
                     elif isinstance(cmd, ReverseReconstruct):
                         program.append(Compute(j, "reconstruct", cmd.micro_batch, c.forward_grad))
                     elif isinstance(cmd, DelayedBackward):
-                        if j != last and not reconstructs(j, J, reversible[j], input_buffer):
+                        if cmd.consumes is not None:  # its input is exact (FIFO, raw data): recomputed
                             program.append(Compute(j, "recompute", cmd.micro_batch, c.forward_grad))
                         program.append(Compute(j, "backward", cmd.micro_batch, c.backward))
                     elif isinstance(cmd, AccumulateAndStep):
@@ -193,7 +193,7 @@ def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_pe
                         channel = cmd.channel()
                         if (channel.dst if cmd.sends else channel.src) // S == rank:
                             continue  # handed over in memory
-                        size = 2.0 if getattr(cmd, "with_input", False) else 1.0
+                        size = 2.0 if cmd.with_input else 1.0
                         queued.append(_endpoint(counts, channel, cmd.sends, j, size * costs.message_s))
                     elif isinstance(cmd, (PostP2P, CommitP2P)):
                         program.extend(Post(e) for e in queued)

@@ -84,7 +84,6 @@ class PetraEngine(PipelineEngine):
         #: messages received for the next clock, by ``channels.Key`` (the receiving stage first)
         self.inbox: dict[channels.Key, tuple] = {}
         self._outbox: dict[int, dict[channels.Key, tuple]] = {j: {} for j in self.local_stage_ids}
-        self._loaded: dict[int, tuple[Any, Any]] = {}  # stage 0's micro-batches read, not yet run
         self._running_clock, self._window_losses, self._data, self._window_loss = 0, [], None, math.nan
         #: every message and collective of this rank (``PETRA_DS_COMM_TRACE=<dir>`` records them)
         self.transport = Transport(rank=self.global_rank, device=self.device, local_stages=self.local_stage_ids,
@@ -133,8 +132,9 @@ class PetraEngine(PipelineEngine):
     def holdings(self, stage: int) -> Holdings:
         """What ``stage`` keeps alive now beyond its model and optimizer (a read-only view)."""
         own = self.stages[stage].held()
-        loaded = tuple(self._loaded.values()) if stage == 0 else ()
-        mine = tuple(v for key, v in self.inbox.items() if key[0] == stage) + tuple(self._outbox[stage].values())
+        inbox = [(key.kind == channels.DATA, v) for key, v in self.inbox.items() if key.stage == stage]
+        loaded = tuple(v for data, v in inbox if data)  # stage 0's micro-batches read, not yet run
+        mine = tuple(v for data, v in inbox if not data) + tuple(self._outbox[stage].values())
         return Holdings(data=(*own["data"], *loaded), inputs=own["inputs"], outputs=own["outputs"],
                         param_stash=own["param_stash"], messages=(*mine, *own["messages"]))
 
@@ -315,30 +315,25 @@ class PetraEngine(PipelineEngine):
         batch = messages.read_micro_batch(self._data, self.batch_fn, self.device, ran_out)
         if self._eval is None:  # training exchanges shapes once; evaluation renegotiates every call
             self._first_inputs_layout = messages.check_layout(self._first_inputs_layout, batch, m)
-        self._loaded[m] = batch
-
-    def _take_input(self, cmd: ForwardPass | EvalForward) -> tuple[Any, Any]:
-        if cmd.stage == 0:
-            return self._loaded.pop(cmd.micro_batch)
-        return self.inbox.pop(cmd.key())
+        self.inbox[cmd.produces] = batch
 
     def _exec_forward(self, cmd: ForwardPass) -> None:
         stage, m = cmd.stage, cmd.micro_batch
         st = self.stages[stage]
-        x, labels = self._take_input(cmd)
+        x, labels = self.inbox.pop(cmd.consumes)
         out = st.forward(m, x, labels)
         self._notify("after_forward", stage, m, x, labels)
-        if st.is_last:
+        if cmd.produces is None:
             self._window_losses.append(out)
         else:
-            self._outbox[stage][channels.forward_key(stage, m)] = (out, labels)
+            self._outbox[stage][cmd.produces] = (out, labels)
 
     def _exec_eval_forward(self, cmd: EvalForward) -> None:
         st, ev = self.stages[cmd.stage], self._eval
-        x, labels = self._take_input(cmd)
+        x, labels = self.inbox.pop(cmd.consumes)
         out = st.run(x)
-        if not st.is_last:
-            self._outbox[cmd.stage][channels.forward_key(cmd.stage, cmd.micro_batch, channels.EVAL)] = (out, labels)
+        if cmd.produces is not None:
+            self._outbox[cmd.stage][cmd.produces] = (out, labels)
             return
         if ev["compute_loss"]:
             ev["losses"].append(st.loss_fn(out, labels).detach().float())
@@ -346,19 +341,19 @@ class PetraEngine(PipelineEngine):
             ev["logits"].append(out)
 
     def _exec_reconstruct(self, cmd: ReverseReconstruct) -> None:
-        delta, x_tilde = self.inbox.pop(cmd.key())
+        delta, x_tilde = self.inbox.pop(cmd.consumes)
         self.stages[cmd.stage].reconstruct(cmd.micro_batch, x_tilde, delta)
 
     def _exec_backward(self, cmd: DelayedBackward) -> None:
         stage, m = cmd.stage, cmd.micro_batch
         st = self.stages[stage]
-        delta = None if st.is_last or st.reconstructs else self.inbox.pop(cmd.key())[0]
+        delta = None if cmd.consumes is None else self.inbox.pop(cmd.consumes)[0]
         rebuilt = st.reconstruction  # a reconstructing stage was handed delta with its reconstruction
         self._notify("before_backward", stage, m, delta if rebuilt is None else rebuilt.delta)
         dx, x_tilde = st.backward(m, delta)
         self._notify("after_backward", stage, m, x_tilde)
-        if stage > 0:
-            self._outbox[stage][channels.backward_key(stage, m)] = (dx, x_tilde)
+        if cmd.produces is not None:
+            self._outbox[stage][cmd.produces] = (dx, x_tilde)
 
     def _exec_step(self, cmd: AccumulateAndStep) -> None:
         self._outbox[cmd.stage].update(self.steppers[cmd.stage](cmd.step))
@@ -400,7 +395,8 @@ class PetraEngine(PipelineEngine):
     @property
     def mid_clock(self) -> bool:
         """Whether a clock's work is half done (messages in flight or produced, data loaded)."""
-        return self.transport.in_flight or any(self._outbox.values()) or bool(self._loaded)
+        return self.transport.in_flight or any(self._outbox.values()) or any(
+            key.kind == channels.DATA for key in self.inbox)
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 ACT = "act"  #: x_j, forward, j -> j + 1 (with the labels)
 GRAD = "grad"  #: delta_j (and x~_{j-1} when stage j - 1 reconstructs), backward, j -> j - 1
 EVAL = "eval"  #: a forward-only activation of ``eval_batch``
+DATA = "data"  #: a micro-batch stage 0 loaded for its forward in the same clock (never sent)
 TIED_GRAD = "tied_grad"  #: a reader's gradient of tied weights, to their owner
 TIED_WEIGHT = "tied_weight"  #: the owner's new tied weights, to a reader
 PROBE_ACT, PROBE_GRAD = "gq_act", "gq_grad"  #: the gradient-quality probe's end-to-end pass
@@ -78,6 +79,11 @@ def tied_grad_key(owner: int, key: str, reader: int, step: int) -> Key:
 def tied_weight_key(reader: int, key: str, step: int) -> Key:
     """The owner's weights after step ``step`` in reader ``reader``'s inbox."""
     return Key(reader, tied(TIED_WEIGHT, key), step)
+
+
+def data_key(micro_batch: int) -> Key:
+    """The micro-batch ``micro_batch`` stage 0 loaded, in its own inbox."""
+    return Key(0, DATA, micro_batch)
 
 
 def forward_key(stage: int, micro_batch: int, kind: str = ACT) -> Key:

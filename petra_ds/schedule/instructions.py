@@ -1,11 +1,13 @@
 """PETRA's instructions: what a rank runs in a clock, as DeepSpeed ``PipeInstruction`` objects.
 
 Each class says, as data, what every executor needs to know about it: its ``phase`` in the clock, and for
-a message its direction, the channel it travels on and its key in the receiving stage's inbox (``channels``);
-a compute instruction that consumes a received message names that message's key. The engine
-(``runtime/engine.py``), the replay (``verify/replay.py``) and the time model (``perf/programs.py``) read
-these instead of each deciding from the class. :data:`INSTRUCTIONS` lists them all: the engine has
-exactly one handler for each, and only for these.
+a message its direction, the channel it travels on and its key in the receiving stage's inbox (``channels``).
+A compute instruction carries what it ``consumes`` from its stage's inbox and what it ``produces`` for
+another stage (message keys, or None): the schedule decides them once, from the clock equations, and
+derives the sends and receives from them (``schedules.py``). The engine (``runtime/engine.py``), the replay
+(``verify/replay.py``) and the time model (``perf/programs.py``) read these fields instead of each deciding
+from the class or the stage. :data:`INSTRUCTIONS` lists them all: the engine has exactly one handler for
+each, and only for these.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ class Instruction(PipeInstruction):
     phase: ClassVar[str] = TRANSFER
     #: a message: True for a send, False for a receive; None for everything else
     sends: ClassVar[bool | None] = None
+    #: a gradient message: whether it carries x~ too (its receiver reconstructs)
+    with_input: bool = False
+    #: the PETRA stage it is about (None: the rank's posts and commits)
+    stage: int | None = None
 
     def channel(self) -> Channel:
         """The link this message travels on."""
@@ -50,8 +56,19 @@ class PetraInstruction(Instruction):
         super().__init__(stage=stage, micro_batch=micro_batch, **kwargs)
 
 
-class LoadMicroBatch(PetraInstruction):
-    """Stage 0 reads the next (inputs, labels) from the data iterator.
+class Compute(PetraInstruction):
+    """A compute instruction: ``consumes`` is the key of what it takes from its stage's inbox (a message
+    received at the previous clock, or stage 0's loaded micro-batch), ``produces`` the key of what it makes
+    for another stage; None for nothing."""
+
+    def __init__(self, stage: int, micro_batch: int, *, consumes: Key | None = None,
+                 produces: Key | None = None) -> None:
+        super().__init__(stage, micro_batch, consumes=consumes, produces=produces)
+
+
+class LoadMicroBatch(Compute):
+    """Stage 0 reads the next (inputs, labels) from the data iterator into its inbox (``produces``: its
+    ``channels.data_key``), for its forward in the same clock.
 
     Only stage 0 reads data: the labels travel with the activations to the last stage, so a rank that
     does not host stage 0 never touches the iterator (DeepSpeed's 1F1B has the last stage read its
@@ -62,48 +79,35 @@ class LoadMicroBatch(PetraInstruction):
     phase = LOAD
 
 
-class ForwardPass(PetraInstruction):
-    """x_j = F_j(x_{j-1}; theta_j). Non-reversible stages push their exact input on their FIFO; the
-    last stage computes the loss and keeps its graph for the backward in the same clock."""
+class ForwardPass(Compute):
+    """x_j = F_j(x_{j-1}; theta_j), x_{j-1} from ``consumes``; x_j with the labels to ``produces`` (None at
+    the last stage). Non-reversible stages push their exact input on their FIFO; the last stage computes the
+    loss and keeps its graph for the backward in the same clock."""
 
     phase = FORWARD
 
-    def key(self) -> Key:
-        """x_{j-1}, received at the previous clock (stage 0 reads its loaded micro-batch instead)."""
-        return channels.forward_key(self.stage - 1, self.micro_batch)
 
-
-class EvalForward(PetraInstruction):
+class EvalForward(Compute):
     """F_j(x) with the current parameters, no graph and no training state touched (``eval_batch``);
     the last stage computes the loss and keeps the outputs when asked."""
 
     phase = FORWARD
 
-    def key(self) -> Key:
-        return channels.forward_key(self.stage - 1, self.micro_batch, channels.EVAL)
 
-
-class ReverseReconstruct(PetraInstruction):
+class ReverseReconstruct(Compute):
     """x~_{j-1} = F_j^{-1}(x~_j; theta_j) with the current parameters, building the graph of F_j on the
-    way (reversible stages only)."""
+    way (reversible stages only); ``consumes`` (delta_{j+1}, x~_j) from the next stage."""
 
     phase = BACKWARD
 
-    def key(self) -> Key:
-        """(delta_{j+1}, x~_j) from the next stage."""
-        return channels.backward_key(self.stage + 1, self.micro_batch)
 
-
-class DelayedBackward(PetraInstruction):
-    """delta_j = d_x F_j^T delta_{j+1} and Delta_j += d_theta F_j^T delta_{j+1}, on the reconstructed
-    graph, the recomputed one (non-reversible stages, from the FIFO or the raw micro-batch) or the
-    live one (last stage)."""
+class DelayedBackward(Compute):
+    """delta_j = d_x F_j^T delta_{j+1} and Delta_j += d_theta F_j^T delta_{j+1}; (delta_j, x~_{j-1}) to
+    ``produces`` (None at stage 0). It ``consumes`` delta_{j+1} exactly when it recomputes F_j from an
+    exact input (the FIFO of a non-reversible stage, stage 0's raw micro-batch); a reconstructing stage
+    took delta_{j+1} with its reconstruction and the last stage has its live graph (``consumes`` None)."""
 
     phase = BACKWARD
-
-    def key(self) -> Key:
-        """delta_{j+1} from the next stage (a reconstructing stage took it with its reconstruction)."""
-        return channels.backward_key(self.stage + 1, self.micro_batch)
 
 
 class AccumulateAndStep(Instruction):
@@ -120,25 +124,25 @@ class SendActivation(PetraInstruction):
     """Queue x_j (output of ``stage``'s forward of ``micro_batch``) and the labels for stage j+1
     (``kind="eval"``: an ``eval_batch`` activation)."""
 
-    sends = True
+    sends, kind = True, channels.ACT
 
     def channel(self) -> Channel:
-        return channels.forward_channel(self.stage, getattr(self, "kind", channels.ACT))
+        return channels.forward_channel(self.stage, self.kind)
 
     def key(self) -> Key:
-        return channels.forward_key(self.stage, self.micro_batch, getattr(self, "kind", channels.ACT))
+        return channels.forward_key(self.stage, self.micro_batch, self.kind)
 
 
 class RecvActivation(PetraInstruction):
     """Queue the receive of x_{j-1} for ``stage``'s forward of ``micro_batch`` at the next clock."""
 
-    sends = False
+    sends, kind = False, channels.ACT
 
     def channel(self) -> Channel:
-        return channels.forward_channel(self.stage - 1, getattr(self, "kind", channels.ACT))
+        return channels.forward_channel(self.stage - 1, self.kind)
 
     def key(self) -> Key:
-        return channels.forward_key(self.stage - 1, self.micro_batch, getattr(self, "kind", channels.ACT))
+        return channels.forward_key(self.stage - 1, self.micro_batch, self.kind)
 
 
 class SendGrad(PetraInstruction):

@@ -15,17 +15,52 @@ makes the traffic safe under NCCL's rules (see ``petra_ds.runtime.transport``).
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
 
 from ..util.checks import positive_int
 from . import channels
+from .channels import Key
 from .clock import backward_micro_batch, delay, forward_micro_batch, reconstructs
-from .instructions import (AccumulateAndStep, CommitP2P, DelayedBackward, EvalForward, ForwardPass, LoadMicroBatch,
-                           PostP2P, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight, ReverseReconstruct,
+from .instructions import (AccumulateAndStep, CommitP2P, Compute, DelayedBackward, EvalForward, ForwardPass,
+                           LoadMicroBatch, PostP2P, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight, ReverseReconstruct,
                            SendActivation, SendGrad, SendTiedGrad, SendTiedWeight)
 from .progress import FedMicroBatches, Window
+
+
+def with_messages(compute: Sequence[Compute], consumers_next: Sequence[Compute],
+                  consumers_of: Callable[[Key], Sequence[Compute]]) -> list[PipeInstruction]:
+    """``compute`` with its messages, derived from what each instruction produces and consumes (one pass, as
+    torch.distributed.pipelining adds its sends and receives): a send after each instruction that produces
+    a message, then a receive for each message ``consumers_next`` (this rank's compute of the same phase at
+    the next clock) consumes. ``consumers_of(key)`` is the receiving stage's compute at the next clock: a
+    gradient carries x~ when its consumer reconstructs. Loaded data (``channels.DATA``) is never sent."""
+    cmds: list[PipeInstruction] = []
+    for c in compute:
+        cmds.append(c)
+        key = c.produces
+        if key is None or key.kind == channels.DATA:
+            continue
+        if key.kind == channels.GRAD:
+            takers = [t for t in consumers_of(key) if t.consumes == key]
+            cmds.append(SendGrad(c.stage, c.micro_batch, with_input=isinstance(takers[0], ReverseReconstruct)))
+        else:
+            cmds.append(SendActivation(c.stage, c.micro_batch, **_kind(key.kind)))
+    for c in consumers_next:
+        key = c.consumes
+        if key is None or key.kind == channels.DATA:
+            continue
+        if key.kind == channels.GRAD:
+            cmds.append(RecvGrad(c.stage, c.micro_batch, with_input=isinstance(c, ReverseReconstruct)))
+        else:
+            cmds.append(RecvActivation(c.stage, c.micro_batch, **_kind(key.kind)))
+    return cmds
+
+
+def _kind(kind: str) -> dict[str, str]:
+    """An activation message's ``kind`` keyword (none for training's, the instructions' default)."""
+    return {} if kind == channels.ACT else {"kind": kind}
 
 
 class Clock(list):
@@ -129,6 +164,29 @@ class PetraSchedule(PipeSchedule):
                     recvs.append(RecvTiedWeight(stage=reader, owner=owner, tie=key, step=step))
         return sends + recvs
 
+    def compute(self, clock: int, stage: int) -> tuple[list[Compute], list[Compute]]:
+        """``stage``'s compute at ``clock`` as (forward phase, backward phase), each instruction with what it
+        consumes and produces: the one place that says where a stage's input and its gradient come from."""
+        last = self.num_petra_stages - 1
+        forward: list[Compute] = []
+        backward: list[Compute] = []
+        m = self.forward_at(clock, stage)
+        if m is not None:
+            if stage == 0:
+                forward.append(LoadMicroBatch(0, m, produces=channels.data_key(m)))
+            x = channels.data_key(m) if stage == 0 else channels.forward_key(stage - 1, m)
+            forward.append(ForwardPass(stage, m, consumes=x, produces=None if stage == last else
+                                       channels.forward_key(stage, m)))
+        m = self.backward_at(clock, stage)
+        if m is not None:
+            delta = None if stage == last else channels.backward_key(stage + 1, m)
+            if self.reconstructs(stage):
+                backward.append(ReverseReconstruct(stage, m, consumes=delta))
+                delta = None
+            backward.append(DelayedBackward(stage, m, consumes=delta, produces=channels.backward_key(stage, m)
+                                            if stage > 0 else None))
+        return forward, backward
+
     def steps(self) -> Iterator[Clock]:
         for clock in range(self.start_clock, self.start_clock + self.clocks):
             yield self.clock_instructions(clock)
@@ -138,46 +196,22 @@ class PetraSchedule(PipeSchedule):
         this rank sends or receives in this clock, posted as one batch; the backwards, then the gradients'
         batch; the optimizer steps, the tied-weight messages, and a ``CommitP2P`` that posts those and waits
         for all of them. Receives are for the inputs of the next clock."""
-        last = self.num_petra_stages - 1
-        local = self.local_stages
-        cmds: list[PipeInstruction] = []
-        m = self.forward_at(clock, 0)
-        if 0 in local and m is not None:
-            cmds.append(LoadMicroBatch(stage=0, micro_batch=m))
-        posts = False
-        for stage in local:
-            m = self.forward_at(clock, stage)
-            if m is not None:
-                cmds.append(ForwardPass(stage=stage, micro_batch=m))
-                if stage < last:
-                    cmds.append(SendActivation(stage=stage, micro_batch=m))
-        for stage in local:
-            m = self.forward_at(clock + 1, stage)
-            if m is not None and stage > 0:
-                cmds.append(RecvActivation(stage=stage, micro_batch=m))
-        if any(isinstance(c, (SendActivation, RecvActivation)) for c in cmds):
+        now = [self.compute(clock, stage) for stage in self.local_stages]
+        following = [self.compute(clock + 1, stage) for stage in self.local_stages]
+        cmds = with_messages([c for f, _ in now for c in f], [c for f, _ in following for c in f],
+                             lambda key: self.compute(clock + 1, key.stage)[0])
+        posts = len(cmds) > sum(len(f) for f, _ in now)
+        if posts:
             cmds.append(PostP2P(channels.ACT))
-            posts = True
         forwards_end = len(cmds)
-        grads: list[PipeInstruction] = []
-        for stage in reversed(local):
-            m = self.backward_at(clock, stage)
-            if m is None:
-                continue
-            if self.reconstructs(stage):
-                grads.append(ReverseReconstruct(stage=stage, micro_batch=m))
-            grads.append(DelayedBackward(stage=stage, micro_batch=m))
-            if stage > 0:
-                grads.append(SendGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage - 1)))
-        for stage in local:
-            m = self.backward_at(clock + 1, stage)
-            if m is not None and stage < last:
-                grads.append(RecvGrad(stage=stage, micro_batch=m, with_input=self.reconstructs(stage)))
+        backwards = [c for _, b in reversed(now) for c in b]
+        grads = with_messages(backwards, [c for _, b in following for c in b],
+                              lambda key: self.compute(clock + 1, key.stage)[1])
         cmds.extend(grads)
-        if any(isinstance(c, (SendGrad, RecvGrad)) for c in grads):
+        if len(grads) > len(backwards):
             cmds.append(PostP2P(channels.GRAD))
             posts = True
-        for stage in local:
+        for stage in self.local_stages:
             step = self.step_at(clock, stage)
             if step is not None:
                 cmds.append(AccumulateAndStep(stage=stage, step=step))
@@ -207,24 +241,22 @@ class EvalSchedule(PipeSchedule):
         m = forward_micro_batch(clock, stage)
         return m if 0 <= m < self.micro_batches else None
 
-    def steps(self) -> Iterator[list[PipeInstruction]]:
+    def compute(self, clock: int, stage: int) -> list[Compute]:
+        m = self._micro_batch(clock, stage)
+        if m is None:
+            return []
         last = self.num_petra_stages - 1
-        for clock in range(self.micro_batches + last):
-            cmds: list[PipeInstruction] = []
-            for stage in self.local_stages:
-                m = self._micro_batch(clock, stage)
-                if m is None:
-                    continue
-                if stage == 0:
-                    cmds.append(LoadMicroBatch(stage=0, micro_batch=m))
-                cmds.append(EvalForward(stage=stage, micro_batch=m))
-                if stage < last:
-                    cmds.append(SendActivation(stage=stage, micro_batch=m, kind=channels.EVAL))
-            for stage in self.local_stages:
-                m = self._micro_batch(clock + 1, stage)
-                if m is not None and stage > 0:
-                    cmds.append(RecvActivation(stage=stage, micro_batch=m, kind=channels.EVAL))
-            if any(isinstance(c, (SendActivation, RecvActivation)) for c in cmds):
+        load = [LoadMicroBatch(0, m, produces=channels.data_key(m))] if stage == 0 else []
+        x = channels.data_key(m) if stage == 0 else channels.forward_key(stage - 1, m, channels.EVAL)
+        return load + [EvalForward(stage, m, consumes=x, produces=None if stage == last else
+                                   channels.forward_key(stage, m, channels.EVAL))]
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        for clock in range(self.micro_batches + self.num_petra_stages - 1):
+            now = [c for stage in self.local_stages for c in self.compute(clock, stage)]
+            cmds = with_messages(now, [c for stage in self.local_stages for c in self.compute(clock + 1, stage)],
+                                 lambda key: self.compute(clock + 1, key.stage))
+            if len(cmds) > len(now):
                 cmds += [PostP2P(channels.EVAL), CommitP2P()]
             yield cmds
 

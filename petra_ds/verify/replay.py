@@ -8,7 +8,9 @@ safe on NCCL is :mod:`petra_ds.verify.nccl_replay`'s question, asked of recorded
 checks the PETRA semantics: one forward and one backward per micro-batch and stage, the delay
 ``2(J-1-j)``, messages that travel exactly one clock, input FIFOs only where a stage cannot
 reconstruct, and an optimizer step after every k-th backward of a stage, after its compute of that
-clock.
+clock. It re-derives, on purpose, what each compute instruction must consume and produce (from the stage's
+position and whether it reconstructs) and fails where the instruction says otherwise: an independent check
+of the schedule's one derivation, not a second source of it.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ class _Replay:
             expected = range(rank * self.S, (rank + 1) * self.S)
             for clock_cmds in self.streams[rank]:
                 for cmd in clock_cmds:
-                    stage = getattr(cmd, "stage", None)
+                    stage = cmd.stage
                     if stage is not None and stage not in expected:
                         raise ScheduleError(f"rank {rank} runs {cmd!r} for a stage it does not host")
         while True:
@@ -228,7 +230,8 @@ class _Replay:
             j, m = cmd.stage, cmd.micro_batch
             if not self.reconstructs(j):
                 self.fail(rank, clock, cmd, "this stage cannot reconstruct its input")
-            self.take(rank, clock, cmd, cmd.key())
+            self.expect(rank, clock, cmd, channels.backward_key(j + 1, m), None)
+            self.take(rank, clock, cmd, cmd.consumes)
             self.tape[j] = (m, clock)
         elif isinstance(cmd, DelayedBackward):
             self.backward(rank, clock, cmd)
@@ -250,7 +253,7 @@ class _Replay:
         elif cmd.sends is True:
             self.queue_send(rank, clock, cmd)
         elif cmd.sends is False:
-            self.queued_recvs[rank].append((cmd.channel(), cmd.key(), getattr(cmd, "with_input", False), cmd))
+            self.queued_recvs[rank].append((cmd.channel(), cmd.key(), cmd.with_input, cmd))
         elif isinstance(cmd, PostP2P):
             for channel, message in self.queued_sends.pop(rank, []):
                 self.channels[channel].append(message)
@@ -277,6 +280,12 @@ class _Replay:
             self.fail(rank, clock, cmd, f"message received at clock {received}, used at {clock}: "
                       "messages travel exactly one clock")
 
+    def expect(self, rank, clock, cmd, consumes, produces) -> None:
+        """The instruction consumes and produces what its stage's position says (derived here again)."""
+        if (cmd.consumes, cmd.produces) != (consumes, produces):
+            self.fail(rank, clock, cmd, f"consumes {cmd.consumes} and produces {cmd.produces}; its stage "
+                      f"consumes {consumes} and produces {produces}")
+
     def first(self, rank, clock, cmd, done: dict, what: str) -> tuple[int, int]:
         """(stage, micro-batch) of a compute that must come before the stage's step and only once."""
         self.check_not_stepped(rank, clock, cmd)
@@ -289,19 +298,22 @@ class _Replay:
         j, m = self.first(rank, clock, cmd, r.forward_clock, "forward")
         if m + j != clock:
             self.fail(rank, clock, cmd, f"forward of micro-batch {m} at stage {j} belongs to clock {m + j}")
+        produces = channels.forward_key(j, m) if j < self.J - 1 else None
         if j == 0:
+            self.expect(rank, clock, cmd, channels.data_key(m), produces)
             if m not in r.raw:
                 self.fail(rank, clock, cmd, "stage 0 forward before its micro-batch was loaded")
         else:
-            self.take(rank, clock, cmd, cmd.key())
+            self.expect(rank, clock, cmd, channels.forward_key(j - 1, m), produces)
+            self.take(rank, clock, cmd, cmd.consumes)
         r.forward_clock[(j, m)] = clock
         if j == self.J - 1:
             self.graph[j] = (m, clock)
         elif j > 0 and not self.reconstructs(j):
             r.fifo[j].append(m)
             r.max_fifo[j] = max(r.max_fifo[j], len(r.fifo[j]))
-        if j < self.J - 1:
-            self.outbox[j][channels.forward_key(j, m)] = clock
+        if cmd.produces is not None:
+            self.outbox[j][cmd.produces] = clock
 
     def backward(self, rank, clock, cmd):
         r = self.report
@@ -311,6 +323,9 @@ class _Replay:
         expected = r.forward_clock[(j, m)] + delay(j, self.J)
         if clock != expected:
             self.fail(rank, clock, cmd, f"backward at clock {clock}, expected forward + 2(J-1-j) = {expected}")
+        recomputes = j < self.J - 1 and not self.reconstructs(j)
+        self.expect(rank, clock, cmd, channels.backward_key(j + 1, m) if recomputes else None,
+                    channels.backward_key(j, m) if j > 0 else None)
         if j == self.J - 1:
             if self.graph.pop(j, None) != (m, clock):
                 self.fail(rank, clock, cmd, "last stage backward without its forward in this clock")
@@ -318,7 +333,7 @@ class _Replay:
             if self.tape.pop(j, None) != (m, clock):
                 self.fail(rank, clock, cmd, "reversible stage backward without its reconstruction")
         else:
-            self.take(rank, clock, cmd, cmd.key())
+            self.take(rank, clock, cmd, cmd.consumes)
         if j == 0:
             if m not in r.raw:
                 self.fail(rank, clock, cmd, "stage 0 lost its raw micro-batch")
@@ -328,12 +343,12 @@ class _Replay:
                 self.fail(rank, clock, cmd, f"FIFO head is {list(r.fifo[j])[:1]}, not micro-batch {m}")
             r.fifo[j].popleft()
         r.backward_clock[(j, m)] = clock
-        if j > 0:
-            self.outbox[j][channels.backward_key(j, m)] = clock
+        if cmd.produces is not None:
+            self.outbox[j][cmd.produces] = clock
 
     def queue_send(self, rank, clock, cmd):
         """A send of a message its stage produced at this clock (a result of its compute or its step)."""
-        channel, key, with_input = cmd.channel(), cmd.key(), getattr(cmd, "with_input", False)
+        channel, key, with_input = cmd.channel(), cmd.key(), cmd.with_input
         if self.outbox[cmd.stage].pop(key, None) != clock:
             self.fail(rank, clock, cmd, "sends a message not produced at this clock")
         if not 0 <= channel.dst < self.J:

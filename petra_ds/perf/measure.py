@@ -11,25 +11,18 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from ..util.nested import map_tensors, tensors_in
 from .costs import Costs, StageCosts
 
 __all__ = ["measure_layer_costs", "measure_message_seconds", "measure_stage_costs", "revnet_costs"]
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for item in x for t in _tensors(item)]
-    return []
+    return list(tensors_in(x))
 
 
 def _leaves(x: Any, grad: bool) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(grad and x.is_floating_point())
-    if isinstance(x, (tuple, list)):
-        return type(x)(_leaves(t, grad) for t in x)
-    return x
+    return map_tensors(lambda t: t.detach().requires_grad_(grad and t.is_floating_point()), x)
 
 
 def _sync(tensors: Sequence[torch.Tensor]) -> None:

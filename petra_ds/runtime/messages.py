@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..util.nested import tensors_in
+from ..util.nested import map_tensors, tensors_in
 
 HEADER_LEN = 512
 
@@ -147,13 +147,14 @@ def to_device(value: Any, device: Any) -> Any:
     """Tensors (inside tuples and lists) moved to ``device``; anything else as it is. From host memory to a GPU
     the copy goes through pinned memory without blocking: a copy from pageable memory would wait for the
     device's queued work, a host sync at every micro-batch stage 0 reads."""
-    if isinstance(value, Tensor):
-        if value.device.type == "cpu" and torch.device(device).type == "cuda":
-            return (value if value.is_pinned() else value.pin_memory()).to(device, non_blocking=True)
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return tuple(to_device(v, device) for v in value)
-    return value
+    pinned = torch.device(device).type == "cuda"
+
+    def move(t: Tensor) -> Tensor:
+        if pinned and t.device.type == "cpu":
+            return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+        return t.to(device)
+
+    return map_tensors(move, value, sequence=tuple)
 
 
 def read_micro_batch(data: Iterator | None, batch_fn: Callable | None, device: Any,

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..pipeline.module import PetraPipelineModule, layer_module, petra_parts
 from ..pipeline.partition import LayerCost, load_costs, save_costs
+from ..util.nested import map_tensors
 
 #: the costs file ``--partition profile`` writes in a run's output directory
 COSTS_FILE = "layer_costs.json"
@@ -55,14 +56,6 @@ def build_all(specs: Sequence[Any]) -> list[Callable]:
     return layers
 
 
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to(t, device) for t in x)
-    return x
-
-
 def measure_specs(specs: Sequence[Any], micro_batch: tuple[Any, Any], loss_fn: Callable,
                   device: torch.device) -> list[LayerCost]:
     """Every layer's costs on ``device`` and ``micro_batch = (inputs, labels)``, from a copy of the layers
@@ -73,7 +66,7 @@ def measure_specs(specs: Sequence[Any], micro_batch: tuple[Any, Any], loss_fn: C
         layers = build_all(specs)
         for module in {id(m): m for m in map(layer_module, layers) if m is not None}.values():
             module.to(device)
-        x, labels = _to(micro_batch, device)
+        x, labels = map_tensors(lambda t: t.to(device), micro_batch)
         return measure_layer_costs(layers, x, loss_fn=loss_fn, labels=labels)
 
 

@@ -1,10 +1,10 @@
 """The one walk over nested tensors: messages, holdings, optimizer states and checks all hold tensors inside
-tuples, lists, deques and dicts."""
+tuples, lists, deques and dicts; micro-batches and layer inputs are rebuilt with each tensor mapped."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from torch import Tensor
 
@@ -20,3 +20,13 @@ def tensors_in(obj: Any) -> Iterator[Tensor]:
     elif isinstance(obj, (tuple, list, deque)):
         for value in obj:
             yield from tensors_in(value)
+
+
+def map_tensors(fn: Callable[[Tensor], Any], obj: Any, sequence: type | None = None) -> Any:
+    """``obj`` with every tensor inside nested tuples and lists replaced by ``fn(tensor)``; anything else as it
+    is. Each tuple or list is rebuilt as its own type, or as ``sequence`` when given."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return (sequence or type(obj))(map_tensors(fn, value, sequence) for value in obj)
+    return obj

@@ -333,3 +333,16 @@ def test_one_walker_over_nested_tensors():
             if calls_itself and checks_sequences and "Tensor" in ast.unparse(node):
                 walkers.append(f"{os.path.relpath(path, ROOT)}: {node.name}")
     assert walkers == []
+
+
+def test_deepspeeds_num_stages_is_never_rewritten():
+    """DeepSpeed's ``num_stages`` counts pipeline ranks (P); petra_ds never assigns it, not even for a moment
+    (PETRA's stage count J is ``num_petra_stages`` / ``petra_parts``)."""
+    writes = []
+    for path in python_files("petra_ds"):
+        for node in ast.walk(ast.parse(open(path).read())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            writes += [f"{os.path.relpath(path, ROOT)}:{node.lineno}" for t in targets
+                       if isinstance(t, ast.Attribute) and t.attr == "num_stages"]
+    assert writes == []

@@ -279,7 +279,7 @@ def test_combined_methods_parse_and_refuse_what_cannot_run():
 
 def test_adaptive_momentum_names_an_optimizer_without_momentum():
     w = torch.nn.Parameter(torch.zeros(2))
-    stage = DelayCompensation("adaptive_momentum").for_stage([w], stage=0, num_stages=2, k=2)  # s_0 = 1
+    stage = DelayCompensation("adaptive_momentum").for_stage([w], stage=0, petra_stages=2, k=2)  # s_0 = 1
     assert stage.beta1(0.9) == pytest.approx(0.9 + 0.09 * 0.5)
     opt = torch.optim.Adagrad([w], lr=0.1)
     w.grad = torch.ones(2)

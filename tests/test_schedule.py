@@ -32,7 +32,7 @@ def run_windows(J, S, k, plan, reversible=None):
     reversible = mixed_reversibility(J) if reversible is None else reversible
     streams = streams_for(windows, pipeline_ranks=J // S, stages_per_rank=S,
                           gradient_accumulation_steps=k, reversible=reversible)
-    report = replay(streams, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k,
+    report = replay(streams, petra_stages=J, stages_per_rank=S, gradient_accumulation_steps=k,
                     reversible=reversible)
     return timeline, streams, report
 
@@ -122,7 +122,7 @@ def replay_tampered(J, k, predicate, action, rank):
     rev = mixed_reversibility(J)
     streams = streams_for(windows, pipeline_ranks=J, stages_per_rank=1, gradient_accumulation_steps=k, reversible=rev)
     tamper(streams, rank, predicate, action)
-    report = replay(streams, num_stages=J, stages_per_rank=1, gradient_accumulation_steps=k, reversible=rev)
+    report = replay(streams, petra_stages=J, stages_per_rank=1, gradient_accumulation_steps=k, reversible=rev)
     report.assert_drained()
 
 
@@ -185,7 +185,7 @@ def test_replay_with_tied_weights(S, k):
             windows.append(window)
         streams = streams_for(windows, pipeline_ranks=J // S, stages_per_rank=S, gradient_accumulation_steps=k,
                               reversible=mixed_reversibility(J), ties=ties)
-        report = replay(streams, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k,
+        report = replay(streams, petra_stages=J, stages_per_rank=S, gradient_accumulation_steps=k,
                         reversible=mixed_reversibility(J), ties=ties)
         report.assert_drained()
         for key, owner, readers in ties:
@@ -199,7 +199,7 @@ def test_replay_with_tied_weights(S, k):
         broken = {r: [[c for c in cmds if not (r == rank and type(c).__name__ == "RecvTiedWeight")]
                       for cmds in clocks] for r, clocks in streams.items()}
         with pytest.raises(ScheduleError):
-            replay(broken, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k,
+            replay(broken, petra_stages=J, stages_per_rank=S, gradient_accumulation_steps=k,
                    reversible=mixed_reversibility(J), ties=ties).assert_drained()
 
 
@@ -222,7 +222,7 @@ def replay_tampered_two_stages(action):
     clock = next(c for c in streams[0] if any(isinstance(x, DelayedBackward) and x.stage == 0 for x in c)
                  and any(isinstance(x, ForwardPass) for x in c))
     action(clock, next(i for i, x in enumerate(clock) if isinstance(x, DelayedBackward) and x.stage == 0))
-    replay(streams, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k, reversible=[True] * J)
+    replay(streams, petra_stages=J, stages_per_rank=S, gradient_accumulation_steps=k, reversible=[True] * J)
 
 
 def test_every_message_is_derived_from_what_the_compute_consumes_and_produces():
@@ -251,7 +251,7 @@ def test_every_message_is_derived_from_what_the_compute_consumes_and_produces():
                 assert received == {key for key in consumed_next if key.kind != channels.DATA}, (rank, t)
                 loads = [c for c in cmds if isinstance(c, LoadMicroBatch)]
                 assert all(c.produces == channels.data_key(c.micro_batch) for c in loads)
-    report = replay(streams, num_stages=J, stages_per_rank=S, gradient_accumulation_steps=k, reversible=rev)
+    report = replay(streams, petra_stages=J, stages_per_rank=S, gradient_accumulation_steps=k, reversible=rev)
     report.assert_drained()
 
 

@@ -80,7 +80,7 @@ def replayed(run: dict):
     common = dict(stages_per_rank=run["S"], gradient_accumulation_steps=run["k"], reversible=reconstructs,
                   ties=run["ties"])
     streams = streams_for(windows, pipeline_ranks=run["ranks"], **common)
-    report = replay(streams, num_stages=run["J"], **common)
+    report = replay(streams, petra_stages=run["J"], **common)
     return windows, streams, report, reconstructs
 
 

@@ -64,7 +64,7 @@ from .torch_programs import SCHEDULES, TORCH_VARIANTS, torch_programs
 __all__ = ["GPipeSchedule", "micro_batch_seconds", "simulate_schedule"]
 
 
-def micro_batch_seconds(schedule: str, c: StageCosts, stage: int, num_stages: int) -> float:
+def micro_batch_seconds(schedule: str, c: StageCosts, stage: int, petra_stages: int) -> float:
     """Device seconds of stage ``stage``'s work per micro-batch under ``schedule``: a PETRA stage-clock, a
     pipeline's forward and backward (with the recomputation of ``*_ckpt``); the partition's rule
     (``pipeline/partition.py: stage_cost``) on the stage as one layer, whose reconstruction costs a forward
@@ -73,7 +73,7 @@ def micro_batch_seconds(schedule: str, c: StageCosts, stage: int, num_stages: in
         raise ValueError(f"no per-micro-batch unit for {schedule!r}: its stages' work depends on more than the costs")
     rule = "petra" if schedule == "petra" else "backprop_ckpt" if schedule.endswith("_ckpt") else "backprop"
     layer = LayerCost(c.forward, c.forward_grad, c.backward, reconstruct=c.forward_grad)
-    return stage_cost([layer], stage, num_stages, rule=rule)
+    return stage_cost([layer], stage, petra_stages, rule=rule)
 
 
 class GPipeSchedule(ds.PipeSchedule):

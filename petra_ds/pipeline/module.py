@@ -12,9 +12,10 @@ import copy
 import functools
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from deepspeed import comm as dist
+from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
@@ -89,6 +90,8 @@ class PetraPipelineModule(PipelineModule):
             for j, twin in give_readers_their_copy(self, tie, local).items()}
 
     def _partition_layers(self, method: str = "uniform") -> None:
+        """DeepSpeed's methods (and ``profile``) cut the layers into J = ranks x stages_per_rank PETRA stages;
+        DeepSpeed's ``num_stages`` keeps counting ranks."""
         ranks = self.num_stages
         num_petra = ranks * self.stages_per_rank
         if num_petra > len(self._layer_specs):
@@ -96,14 +99,9 @@ class PetraPipelineModule(PipelineModule):
                 f"{num_petra} PETRA stages (pipeline ranks {ranks} x stages_per_rank {self.stages_per_rank}) "
                 f"for {len(self._layer_specs)} layers: every stage needs at least one layer; use fewer "
                 "ranks or a smaller stages_per_rank")
-        self.num_stages = num_petra
-        try:
-            if method.lower() == "profile":
-                self.parts = self._balanced_parts(num_petra)
-            else:
-                super()._partition_layers(method)
-        finally:
-            self.num_stages = ranks
+        self.parts = self._cut(method.lower(), num_petra)
+        if self.global_rank == 0:
+            self._print_parts(self.parts)
         self.petra_parts = [int(p) for p in self.parts]  # "parameters" partitioning returns numpy ints
         if any(b <= a for a, b in zip(self.petra_parts, self.petra_parts[1:])):
             raise ValueError(f"partition {self.petra_parts} leaves a PETRA stage without layers; "
@@ -113,6 +111,32 @@ class PetraPipelineModule(PipelineModule):
         self._set_bounds(start=self.petra_parts[first], stop=self.petra_parts[first + self.stages_per_rank])
         # DeepSpeed's per-rank view (stage_owner, tied groups) keeps counting pipeline ranks
         self.parts = [self.petra_parts[r * self.stages_per_rank] for r in range(ranks + 1)]
+
+    def _cut(self, method: str, num_petra: int) -> list[int]:
+        """Layer boundaries of ``num_petra`` stages by ``method``, as DeepSpeed's ``_partition_layers`` cuts
+        pipeline ranks (with DeepSpeed's own helpers), or by measured cost (``profile``)."""
+        if method == "profile":
+            return self._balanced_parts(num_petra)
+        if method == "uniform":
+            return ds_utils.partition_uniform(num_items=len(self._layer_specs), num_parts=num_petra)
+        if method == "parameters":
+            return ds_utils.partition_balanced(weights=self._count_layer_params(), num_parts=num_petra)
+        if method.startswith("type:"):
+            chosen = set(self._find_layer_type(method.split(":", 1)[1]))
+            weights = [int(i in chosen) for i in range(len(self._layer_specs))]
+            return ds_utils.partition_balanced(weights=weights, num_parts=num_petra)
+        raise NotImplementedError(f"partition method {method!r}: use uniform, parameters, type:<regex> or profile")
+
+    def _print_parts(self, parts: Sequence[int]) -> None:
+        """Each PETRA stage's layers, in DeepSpeed's start-up format."""
+        for stage, (start, stop) in enumerate(zip(parts, parts[1:])):
+            print(f"stage={stage} layers={stop - start}")
+            for idx, layer in enumerate(self._layer_specs[start:stop]):
+                name = layer.typename.__name__ if isinstance(layer, LayerSpec) else getattr(
+                    layer, "__name__", type(layer).__name__)
+                print(f"    {idx + start:2d}: {name}")
+        if self.loss_fn:
+            print(f"  loss: {getattr(self.loss_fn, '__name__', type(self.loss_fn).__name__)}")
 
     def _balanced_parts(self, num_petra: int) -> list[int]:
         if self.layer_costs is None:

@@ -45,7 +45,7 @@ class LayerCost:
 RULES = ("petra", "backprop", "backprop_ckpt")
 
 
-def stage_cost(costs: Sequence[LayerCost], stage: int, num_stages: int, input_buffer: str = "non_reversible",
+def stage_cost(costs: Sequence[LayerCost], stage: int, petra_stages: int, input_buffer: str = "non_reversible",
                rule: str = "petra") -> float:
     """Seconds per micro-batch of stage ``stage`` made of the layers ``costs`` under ``rule``."""
     if rule not in RULES:
@@ -54,37 +54,37 @@ def stage_cost(costs: Sequence[LayerCost], stage: int, num_stages: int, input_bu
     if rule != "petra":
         passes = 2 if rule == "backprop_ckpt" else 1  # a checkpointed forward also runs with autograd on
         return passes * sum(c.forward_grad for c in costs) + backward
-    if stage == num_stages - 1:
+    if stage == petra_stages - 1:
         return sum(c.forward_grad for c in costs) + backward
     forward = sum(c.forward for c in costs)
-    if reconstructs(stage, num_stages, all(c.reconstruct is not None for c in costs), input_buffer):
+    if reconstructs(stage, petra_stages, all(c.reconstruct is not None for c in costs), input_buffer):
         return forward + sum(c.reconstruct for c in costs) + backward
     return forward + sum(c.forward_grad for c in costs) + backward
 
 
-def balanced_parts(costs: Sequence[LayerCost], num_stages: int, input_buffer: str = "non_reversible",
+def balanced_parts(costs: Sequence[LayerCost], petra_stages: int, input_buffer: str = "non_reversible",
                    rule: str = "petra") -> list[int]:
-    """Layer boundaries ``[0, b_1, ..., len(costs)]`` of ``num_stages`` non-empty contiguous stages that
+    """Layer boundaries ``[0, b_1, ..., len(costs)]`` of ``petra_stages`` non-empty contiguous stages that
     minimise the largest :func:`stage_cost` under ``rule`` (exact, by dynamic programming; among optimal
     cuts the one with the earliest boundaries)."""
     n = len(costs)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"cannot cut {n} layers into {num_stages} non-empty stages")
+    if not 1 <= petra_stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {petra_stages} non-empty stages")
     inf = float("inf")
     # best[j][i]: the smallest slowest-stage cost of layers [0, i) cut into stages 0..j-1; cut[j][i] its last boundary
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best = [[inf] * (n + 1) for _ in range(petra_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(petra_stages + 1)]
     best[0][0] = 0.0
-    for j in range(1, num_stages + 1):
-        for i in range(j, n - (num_stages - j) + 1):
+    for j in range(1, petra_stages + 1):
+        for i in range(j, n - (petra_stages - j) + 1):
             for c in range(j - 1, i):
                 if best[j - 1][c] == inf:
                     continue
-                value = max(best[j - 1][c], stage_cost(costs[c:i], j - 1, num_stages, input_buffer, rule))
+                value = max(best[j - 1][c], stage_cost(costs[c:i], j - 1, petra_stages, input_buffer, rule))
                 if value < best[j][i]:
                     best[j][i], cut[j][i] = value, c
     parts = [n]
-    for j in range(num_stages, 0, -1):
+    for j in range(petra_stages, 0, -1):
         parts.append(cut[j][parts[-1]])
     return parts[::-1]
 
@@ -92,8 +92,8 @@ def balanced_parts(costs: Sequence[LayerCost], num_stages: int, input_buffer: st
 def stage_costs(costs: Sequence[LayerCost], parts: Sequence[int], input_buffer: str = "non_reversible",
                 rule: str = "petra") -> list[float]:
     """Each stage's :func:`stage_cost` under the cut ``parts`` (layer boundaries ``[0, ..., len(costs)]``)."""
-    num_stages = len(parts) - 1
-    return [stage_cost(costs[a:b], j, num_stages, input_buffer, rule) for j, (a, b) in enumerate(zip(parts, parts[1:]))]
+    petra_stages = len(parts) - 1
+    return [stage_cost(costs[a:b], j, petra_stages, input_buffer, rule) for j, (a, b) in enumerate(zip(parts, parts[1:]))]
 
 
 def imbalance(costs: Sequence[LayerCost], parts: Sequence[int], input_buffer: str = "non_reversible",

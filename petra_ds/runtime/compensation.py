@@ -102,10 +102,10 @@ class DelayCompensation:
                 f'"petra.delay_compensation.beta" must be in [0, 1), got {self.beta!r}')
         positive_int(self.anneal_steps, '"petra.delay_compensation.anneal_steps"', DelayCompensationError)
 
-    def for_stage(self, params: Sequence[Tensor], stage: int, num_stages: int, k: int) -> "StageCompensation":
-        """The per-stage object for ``stage`` of ``num_stages`` stepping every ``k`` micro-batches: its
+    def for_stage(self, params: Sequence[Tensor], stage: int, petra_stages: int, k: int) -> "StageCompensation":
+        """The per-stage object for ``stage`` of ``petra_stages`` stepping every ``k`` micro-batches: its
         gradients are s_j = tau_j / k optimizer steps late, the first stage's s_0."""
-        steps_behind, most_behind = delay(stage, num_stages) / k, delay(0, num_stages) / k
+        steps_behind, most_behind = delay(stage, petra_stages) / k, delay(0, petra_stages) / k
         if self.method == "weight_prediction" and steps_behind > 0:
             return WeightPrediction(params, self.scale * steps_behind, self.beta)
         if self.method == "lr_rescale" and steps_behind > 0:
@@ -138,8 +138,8 @@ class Combined:
     def method(self) -> str:
         return "+".join(p.method for p in self.parts)
 
-    def for_stage(self, params: Sequence[Tensor], stage: int, num_stages: int, k: int) -> "StageCompensation":
-        return Chain([p.for_stage(params, stage, num_stages, k) for p in self.parts])
+    def for_stage(self, params: Sequence[Tensor], stage: int, petra_stages: int, k: int) -> "StageCompensation":
+        return Chain([p.for_stage(params, stage, petra_stages, k) for p in self.parts])
 
 
 def _number(x: Any) -> bool:

@@ -118,11 +118,11 @@ class FiniteWatch:
     gradient rewrites gradients a backward reported): a handful of kernels per clock instead of a few per
     value and tensor."""
 
-    def __init__(self, clock: Callable[[], int], local_stages: Iterable[int], num_stages: int, *,
+    def __init__(self, clock: Callable[[], int], local_stages: Iterable[int], petra_stages: int, *,
                  check_finite: bool = True, non_finite: str = "raise") -> None:
         self._clock = clock
         self._local = set(local_stages)
-        self._num_stages = num_stages
+        self._petra_stages = petra_stages
         self.check_finite = check_finite
         self.non_finite = non_finite
         self._seen: list[Sighting] = []  # one per tensor reduced, in the order of _maxima's entries
@@ -209,7 +209,7 @@ class FiniteWatch:
             self._record(self._sighting(kind, what, stage, m, sender), values)
 
     def _sighting(self, kind: str, what: str, stage: int, m: int, sender: int | None) -> Sighting:
-        remote = sender is not None and 0 <= sender < self._num_stages and sender not in self._local
+        remote = sender is not None and 0 <= sender < self._petra_stages and sender not in self._local
         return Sighting(kind, what, stage, m, self._clock(), sender if remote else None)
 
     def _record(self, sighting: Sighting, values: Any) -> None:

@@ -80,12 +80,12 @@ class Reconstruction:
 
 
 class Stage:
-    """Stage ``index`` of ``num_stages``: its layers, what it keeps between forward and backward."""
+    """Stage ``index`` of ``petra_stages``: its layers, what it keeps between forward and backward."""
 
     def __init__(
         self,
         index: int,
-        num_stages: int,
+        petra_stages: int,
         layers: Sequence[Callable],
         options: StageOptions,
         loss_fn: Callable | None = None,
@@ -100,18 +100,18 @@ class Stage:
         if not layers:
             raise ValueError(f"stage {index} has no layers")
         self.index = index
-        self.num_stages = num_stages
+        self.petra_stages = petra_stages
         self.layers = list(layers)
         self.options = options
         if options.compile:
             compile_layers(self.layers, options.compile)
         self.loss_fn = loss_fn
         self.is_first = index == 0
-        self.is_last = index == num_stages - 1
+        self.is_last = index == petra_stages - 1
         if self.is_last and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn (PipelineModule(loss_fn=...))")
         self.reversible = all(isinstance(l, nn.Module) and is_reversible(l) for l in self.layers)
-        self.reconstructs = reconstructs(index, num_stages, self.reversible, options.input_buffer)
+        self.reconstructs = reconstructs(index, petra_stages, self.reversible, options.input_buffer)
         self.keeps_input = not (self.is_first or self.is_last or self.reconstructs)
         self.modules = []
         for layer in self.layers:
@@ -148,7 +148,7 @@ class Stage:
         self._checked = not options.check_reversible
         #: delay compensation (``petra_ds.runtime.compensation``): the weights a forward runs with, how a step is taken
         self.compensation = NoCompensation() if compensation is None else compensation.for_stage(
-            self.stepped, index, num_stages, options.gradient_accumulation_steps)
+            self.stepped, index, petra_stages, options.gradient_accumulation_steps)
         #: where this stage reports what it reads and makes, to find the first NaN / Inf
         self.finite = FiniteWatch.off() if finite is None else finite
 

@@ -14,34 +14,34 @@ def forward_micro_batch(clock: int, stage: int) -> int:
     return clock - stage
 
 
-def backward_micro_batch(clock: int, stage: int, num_stages: int) -> int:
+def backward_micro_batch(clock: int, stage: int, petra_stages: int) -> int:
     """The micro-batch whose backward stage ``stage`` runs at ``clock``."""
-    return clock - 2 * (num_stages - 1) + stage
+    return clock - 2 * (petra_stages - 1) + stage
 
 
-def delay(stage: int, num_stages: int) -> int:
+def delay(stage: int, petra_stages: int) -> int:
     """tau_j: clocks between a micro-batch's forward and its backward at ``stage``."""
-    return 2 * (num_stages - 1 - stage)
+    return 2 * (petra_stages - 1 - stage)
 
 
-def first_stage_lateness(num_stages: int, k: int) -> str | None:
+def first_stage_lateness(petra_stages: int, k: int) -> str | None:
     """A warning when stage 0 applies its gradients more than one optimizer step after their forward
     (tau_0 / k > 1): at a high learning rate that delay, more than any compensation, decides how far PETRA
     trails backprop. None otherwise."""
-    behind = delay(0, num_stages) / k
+    behind = delay(0, petra_stages) / k
     if behind <= 1:
         return None
-    need = delay(0, num_stages)
-    return (f"PETRA: stage 0 applies its gradients {behind:g} optimizer steps after its forward (J = {num_stages} "
+    need = delay(0, petra_stages)
+    return (f"PETRA: stage 0 applies its gradients {behind:g} optimizer steps after its forward (J = {petra_stages} "
             f"stages, k = {k} micro-batches per step); at a high learning rate this costs quality. Keep the global "
             f"batch and split it into at least {need} micro-batches per step (\"gradient_accumulation_steps\": "
             f"{need}, the micro-batch made smaller to match; the examples do it with --global-batch N). DeepSpeed's "
             "\"muon\" tolerates the delay better than Adam, and gains from more micro-batches too")
 
 
-def reconstructs(stage: int, num_stages: int, reversible: bool, input_buffer: str = "non_reversible") -> bool:
+def reconstructs(stage: int, petra_stages: int, reversible: bool, input_buffer: str = "non_reversible") -> bool:
     """Whether ``stage`` rebuilds its input by inversion instead of keeping it: a reversible middle
     stage, unless ``input_buffer="all"`` keeps every input. Stage 0 re-reads its data and the last stage
     keeps its graph within the clock, so neither does. The schedule (and through it the engine), the
     replay, the timeline, the partition and the stage all ask this function."""
-    return 0 < stage < num_stages - 1 and reversible and input_buffer != "all"
+    return 0 < stage < petra_stages - 1 and reversible and input_buffer != "all"

@@ -50,9 +50,9 @@ class FedMicroBatches:
             intervals.append((start, start + count))
         return FedMicroBatches(tuple(intervals))
 
-    def drained_at(self, num_stages: int) -> int:
+    def drained_at(self, petra_stages: int) -> int:
         """The first clock at which no fed micro-batch has a backward still to run."""
-        return 0 if self.last is None else self.last + delay(0, num_stages) + 1
+        return 0 if self.last is None else self.last + delay(0, petra_stages) + 1
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Window:
 class Timeline:
     """Where the pipeline is between windows: the next clock and the micro-batches fed so far."""
 
-    num_stages: int
+    petra_stages: int
     clock: int = 0
     feed: FedMicroBatches = field(default_factory=FedMicroBatches)
 
@@ -82,7 +82,7 @@ class Timeline:
 
     def drain_window(self) -> Window:
         """The clocks, with no new data, until every fed micro-batch had its backward everywhere."""
-        clocks = max(0, self.feed.drained_at(self.num_stages) - self.clock)
+        clocks = max(0, self.feed.drained_at(self.petra_stages) - self.clock)
         return Window(self.clock, clocks, 0, self.feed)
 
     def advance(self, window: Window) -> None:
@@ -93,4 +93,4 @@ class Timeline:
 
     @property
     def in_flight(self) -> bool:
-        return self.clock < self.feed.drained_at(self.num_stages)
+        return self.clock < self.feed.drained_at(self.petra_stages)

@@ -89,7 +89,7 @@ def streams_for(
 def replay(
     streams: Mapping[int, Sequence[Sequence[PipeInstruction]]],
     *,
-    num_stages: int,
+    petra_stages: int,
     stages_per_rank: int,
     gradient_accumulation_steps: int,
     reversible: Sequence[bool] | None = None,
@@ -102,18 +102,18 @@ def replay(
     With ``ties`` ``(key, owner, readers)`` it also checks the tied-weight traffic: every reader sends
     its gradient at its own step, the owner has all of them before it steps, and every reader receives
     the weights of every owner step in the clock the owner took it."""
-    return _Replay(streams, num_stages, stages_per_rank, gradient_accumulation_steps,
+    return _Replay(streams, petra_stages, stages_per_rank, gradient_accumulation_steps,
                    reversible, start_clock, ties, input_buffer).run()
 
 
 class _Replay:
-    def __init__(self, streams, num_stages, stages_per_rank, k, reversible, start_clock, ties=(),
+    def __init__(self, streams, petra_stages, stages_per_rank, k, reversible, start_clock, ties=(),
                  input_buffer="non_reversible"):
         self.streams = {rank: [list(c) for c in clocks] for rank, clocks in streams.items()}
-        self.J = num_stages
+        self.J = petra_stages
         self.S = stages_per_rank
         self.k = k
-        self.reversible = tuple(reversible) if reversible is not None else (False,) * num_stages
+        self.reversible = tuple(reversible) if reversible is not None else (False,) * petra_stages
         self.input_buffer = input_buffer
         self.start = start_clock
         self.report = ReplayReport()

@@ -1,6 +1,6 @@
 """The communication trace the engine's OLD posting issued, lowered from PETRA's instruction streams.
 
-The negative control of :mod:`petra_ds.verify.nccl_replay`. Before the transport of README "On GPUs: NCCL", the
+The negative control of :mod:`petra_ds.verify.nccl_replay`. Before the transport of docs/design/nccl.md, the
 engine posted every cross-rank receive of a clock as its own ``irecv`` at the clock's start, every send as
 its own ``isend`` right after the compute that produced it, and waited for all of them at the clock's
 ``CommitP2P``; a channel's first message went at the commit instead, after its layout header, each in a

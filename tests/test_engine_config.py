@@ -68,7 +68,7 @@ def test_client_optimizer_and_scheduler_callables_are_built_per_stage():
 
 @pytest.mark.slow  # ~21 s; the default run keeps test_transformer's bf16 reconstruction bound through 12 blocks
 def test_bf16_on_cpu_trains_and_bounds_the_reconstruction_error():
-    """bf16 autocast in F and G with fp32 parameters and fp32 streams (README, "bf16")."""
+    """bf16 autocast in F and G with fp32 parameters and fp32 streams (docs/guides/gpus.md)."""
     common = {"k": 2, "dtype": "float32", "micro_batch": 16, "dropout": 0.1}
     frozen = {"optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "train_batches": 6, "track_reconstruction": True}
     errors = {}

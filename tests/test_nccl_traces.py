@@ -1,4 +1,4 @@
-"""Communication recorded from real CPU runs (gloo), replayed under NCCL's rules (README, "On GPUs: NCCL").
+"""Communication recorded from real CPU runs (gloo), replayed under NCCL's rules (docs/design/nccl.md).
 
 Every rank of each run writes its issue order (``PETRA_DS_COMM_TRACE``); :func:`replay_nccl` plays the
 ranks against each other with one in-order queue per rank, tags ignored and the first-call rule, and

@@ -1,4 +1,4 @@
-"""PETRA's schedule over random layouts, checked against the clock equations (README, "The PETRA clock, exactly").
+"""PETRA's schedule over random layouts, checked against the clock equations (docs/design/clock.md).
 
 tests/test_schedule.py replays fixed layouts and checks, over random window sequences, that the
 pipeline drains with the right number of backwards and steps. Here every random configuration

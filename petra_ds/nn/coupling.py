@@ -5,7 +5,7 @@ swap (the paper's RevNet block, one branch)       y1 = x2            y2 = x1 + F
 half (one residual update of the additive one)    y1 = x1 + F(x2)    y2 = x2         (or the mirror)
 
 ``reconstruct`` inverts and builds the gradient graph in the same evaluation of F and G: the F and
-G evaluated while inverting are the ones differentiated (README, "The PETRA clock, exactly"), so each function runs
+G evaluated while inverting are the ones differentiated (docs/design/clock.md), so each function runs
 twice per micro-batch in total (forward, reconstruction), never three times.
 
 An additive coupling is its F half followed by its G half: as two layers, a partition may cut between

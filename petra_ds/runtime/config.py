@@ -21,7 +21,7 @@ class PetraConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PetraConfig:
-    """Parsed ``"petra"`` section (its keys: README, "Using PETRA from DeepSpeed code")."""
+    """Parsed ``"petra"`` section (its keys: docs/reference/config.md)."""
 
     stages_per_rank: int = 1
     input_buffer: str = "non_reversible"
@@ -115,7 +115,7 @@ class PetraConfig:
 
 #: DeepSpeed's "muon" without a "muon_lr": the examples and benchmarks give the hidden matrices this many
 #: times the AdamW lr (Muon's step is in spectral units). 10 was the best of 10 and 20 for PETRA and for
-#: backprop in the RevGPT sweep at 1,500 steps (BENCHMARKS.md, issue 22)
+#: backprop in the RevGPT sweep at 1,500 steps (BENCHMARKS.md, accuracy of language models)
 MUON_LR_RATIO = 10
 
 

@@ -1,4 +1,4 @@
-"""Per-clock point-to-point traffic between pipeline ranks, safe under NCCL's rules (README, "On GPUs: NCCL").
+"""Per-clock point-to-point traffic between pipeline ranks, safe under NCCL's rules (docs/design/nccl.md).
 
 The rules, from NCCL's and torch's documentation and the reports that hit them:
 

@@ -1,6 +1,6 @@
 """The PETRA clock: when each stage runs each micro-batch, and which stages rebuild their input.
 
-The clock equations (README, "The PETRA clock, exactly") live in the functions below and nowhere else:
+The clock equations (docs/design/clock.md) live in the functions below and nowhere else:
 micro-batch ``m`` enters stage 0 at clock ``m``; at stage ``j`` of ``J`` its forward runs at clock
 ``m + j`` and its backward ``2(J-1-j)`` clocks later; the last stage does forward, loss and backward in
 one clock.

@@ -1,4 +1,4 @@
-"""Replay recorded communication traces under NCCL's rules (README, "On GPUs: NCCL"), without a GPU.
+"""Replay recorded communication traces under NCCL's rules (docs/design/nccl.md), without a GPU.
 
 CI runs gloo, which forgives what NCCL does not: a receive queued ahead of the send it must progress
 with, pairing that relies on tags, a first call on a group that leaves ranks out. Multi-rank NCCL cannot
@@ -309,7 +309,7 @@ class _NcclReplay:
                 lines.extend(self.rank_lines(r))
         if any(line.startswith("  head: event") and " batch '" in line for line in lines):
             lines.append("Only a queue's head is launched: fuse the ops that must progress together in one "
-                         "batch_isend_irecv, issued in the same order on every rank (README, \"On GPUs: NCCL\").")
+                         "batch_isend_irecv, issued in the same order on every rank (docs/design/nccl.md).")
         return "\n".join(lines)
 
     def rank_lines(self, rank: int) -> list[str]:

@@ -241,3 +241,48 @@ def test_the_gathered_model_is_the_pipeline():
         with pytest.raises(ValueError, match="a padded batch"):
             model(ids, attention_mask=torch.tensor([[0] + [1] * 6, [1] * 7]))
     assert causal_lm.AutoConfig.for_model("petra_reversible_decoder").model_type == "petra_reversible_decoder"
+
+
+def test_the_oldest_transformers_is_named_once_and_older_ones_are_refused():
+    """pyproject.toml's floor is the decoder's :data:`OLDEST_TRANSFORMERS`; an older install is refused with the
+    command that fixes it (4.53 computes attention with other masks: the decoder's F would differ silently)."""
+    import os
+    import re
+
+    from petra_ds.models.decoder import OLDEST_TRANSFORMERS, check_transformers
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    floor = re.search(r'"transformers>=([\d.]+)"', open(os.path.join(root, "pyproject.toml")).read()).group(1)
+    assert tuple(int(p) for p in floor.split(".")) == OLDEST_TRANSFORMERS
+    with pytest.raises(ImportError, match=r"pip install 'transformers>=4\.54'"):
+        check_transformers("4.53.3")
+    check_transformers("4.54.0")
+    check_transformers("5.24.0")
+
+
+@pytest.mark.slow
+def test_the_decoder_equals_hugging_face_on_the_oldest_transformers_allowed(tmp_path):
+    """This file's tests, in a virtualenv over this one with the oldest transformers pyproject.toml allows (the
+    default run covers the newest, which CI installs). Needs the package registry, as CI's install does."""
+    import os
+    import subprocess
+    import sys
+    import venv
+
+    from petra_ds.models.decoder import OLDEST_TRANSFORMERS
+
+    env_dir = tmp_path / "oldest"
+    venv.create(env_dir, system_site_packages=True, with_pip=True)
+    python = str(env_dir / "bin" / "python")
+    oldest = ".".join(map(str, OLDEST_TRANSFORMERS))
+    pin = f"transformers=={oldest}.*"
+    installed = subprocess.run([python, "-m", "pip", "install", "-q", pin], capture_output=True, text=True,
+                               timeout=900)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    version = subprocess.run([python, "-c", "import transformers; print(transformers.__version__)"],
+                             capture_output=True, text=True, timeout=300).stdout.strip()
+    assert version.startswith(oldest + "."), version
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
+                           "-m", "not slow"], capture_output=True, text=True, cwd=root, timeout=1800)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]

@@ -74,7 +74,7 @@ def test_profile_partition_measures_once_and_every_rank_cuts_from_the_file(tmp_p
                                           (["backprop", "petra", "weight_prediction"],
                                            {"backprop - petra": 2.0, "weight_prediction - petra": 1.0})])
 def test_the_accuracy_benchmark_reports_each_method_against_petra(tmp_path, monkeypatch, methods, gaps):
-    """benchmarks/accuracy.py with any subset of methods (a PETRA-only re-run included): each method's gap to PETRA
+    """python -m benchmarks.accuracy with any subset of methods (a PETRA-only re-run included): each method's gap to PETRA
     in points of final accuracy, from the runs' summaries (the runs themselves replaced here)."""
     from subprocess_env import load_benchmark
 

@@ -30,6 +30,7 @@ import torch
 from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 from torch import Tensor, nn
 from torch.nn import functional as F_
+import transformers
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -39,6 +40,9 @@ from .layer_states import State, load_into, split_by_prefix
 from .transformer import GRAINS, init_normal, tied_logits
 
 TIE_KEY = "embed_tokens"
+#: the oldest transformers whose modules the decoder reproduces exactly (pyproject.toml requires it; older
+#: releases call attention with other masks and positions, and the decoder's F would differ from theirs)
+OLDEST_TRANSFORMERS = (4, 54)
 _LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 
 
@@ -51,8 +55,18 @@ def _hf_module(config: PretrainedConfig) -> tuple[Any, type]:
     return sys.modules[model_class.__module__], model_class
 
 
+def check_transformers(version: str) -> None:
+    """Refuse a transformers older than :data:`OLDEST_TRANSFORMERS`, saying what to install."""
+    installed = tuple(int(part) for part in version.split(".")[:2])
+    if installed < OLDEST_TRANSFORMERS:
+        oldest = ".".join(map(str, OLDEST_TRANSFORMERS))
+        raise ImportError(f"transformers {version} is installed; the reversible decoder reproduces Hugging Face's "
+                          f"modules from transformers {oldest} on: pip install 'transformers>={oldest}'")
+
+
 def check_config(config: PretrainedConfig) -> None:
     """Refuse what the two-stream decoder cannot reproduce from Hugging Face's modules, saying what to change."""
+    check_transformers(transformers.__version__)
     _hf_module(config)
     if "gemma" in config.model_type:
         raise ValueError(f"{config.model_type} scales its embeddings and adds norms around its MLP: the reversible "

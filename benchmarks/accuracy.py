@@ -1,70 +1,39 @@
-"""PETRA (plain and with each delay compensation) vs backprop (DeepSpeed 1F1B) on the same
-architecture, data, epochs and seed.
+"""Accuracy against backprop: does PETRA train as well as backprop of the same model, on images and on text?
 
-    OMP_NUM_THREADS=1 python benchmarks/accuracy.py --dataset digits --width 16 --epochs 40 --procs 2
-    ... --methods backprop petra weight_prediction lr_rescale --procs 1 --jobs 2 --epochs 15
+    python -m benchmarks.accuracy [flags]                      vision (default)
+    python -m benchmarks.accuracy lm [flags]
+    python -m benchmarks.accuracy time-to-loss [flags]
+    python -m benchmarks.accuracy gradient-quality [flags]
 
-Runs examples/revnet/train.py once per method (under the deepspeed launcher with --procs > 1; --jobs
-runs at once, one thread each), prints the final and best eval accuracies and each other method's difference
-to PETRA in points (any subset of methods; a PETRA-only run has no difference), and saves everything as JSON.
+- vision (default): RevNet18 on digits, PETRA (and each delay compensation) against backprop: final and best eval
+  accuracy, the gap in points. Writes runs/benchmarks/accuracy_digits.json. 2 cores: 33 min (report:
+  benchmarks/results/accuracy_digits_clip1.json).
+- lm: RevGPT on text, best against best: each PETRA recipe (optimizer + delay compensation) at its best learning
+  rate against backprop at its best, over J and k. Writes runs/lm_accuracy/report.json and a PNG. 2 cores: about
+  75 min (estimate: 24 runs of 500 steps, two at a time).
+- time-to-loss: how much wall time do PETRA and a backprop pipeline need to reach the loss backprop reaches at
+  step N? Writes runs/benchmarks/time_to_loss_<device>.json and a PNG. 2 cores: tens of minutes (estimate from
+  benchmarks/results/time_to_loss_cpu.json).
+- gradient-quality: how close is PETRA's gradient to the delayed and to the end-to-end gradient, per stage (the
+  paper's App. B)? Writes runs/benchmarks/gradient_quality_<model>.json and a PNG. 2 cores: 12 min (report:
+  benchmarks/results/gradient_quality_revnet.json).
+
+Durations are for the default flags; docs/benchmarks.md has their sources. ``<word> --help`` lists a
+sub-benchmark's flags. Set OMP_NUM_THREADS=1 on a CPU.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from .lib import gradient_quality, lm_accuracy, time_to_loss, vision_accuracy
+from .lib.commands import dispatch
 
-from example_runs import METHODS, launcher, method_arguments, run_example, save_report  # noqa: E402
+COMMANDS = {"lm": lm_accuracy.main, "time-to-loss": time_to_loss.main, "gradient-quality": gradient_quality.main}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", default="digits")
-    parser.add_argument("--arch", default="revnet18")
-    parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--epochs", type=int, default=40)
-    parser.add_argument("--procs", type=int, default=2)
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once")
-    parser.add_argument("--methods", nargs="+", default=["backprop", "petra"], choices=METHODS)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--petra-config", default="ds_configs/petra_digits.json")
-    parser.add_argument("--backprop-config", default="ds_configs/backprop_digits.json")
-    parser.add_argument("--output", default="runs/benchmarks/accuracy_digits.json",
-                        help="JSON report, relative to the repository root")
-    parser.add_argument("--run-dir", default="runs/accuracy")
-    args = parser.parse_args()
-
-    def run(method: str) -> tuple[str, dict]:
-        out = os.path.join(args.run_dir, method)
-        config = args.backprop_config if method == "backprop" else args.petra_config
-        cmd = launcher(args.procs) + [
-            "examples/revnet/train.py", "--deepspeed_config", config, "--dataset", args.dataset, "--arch", args.arch,
-            "--width", str(args.width), "--epochs", str(args.epochs), "--seed", str(args.seed), "--workers", "1",
-            "--output-dir", out] + method_arguments(method)
-        summary, _rows, wall = run_example(cmd, out)
-        return method, {"final_eval_acc": summary["final_eval_acc"], "best_eval_acc": summary["best_eval_acc"],
-                        "samples_per_s": summary["samples_per_s"], "stages": summary["stages"],
-                        "wall_s": wall, "command": " ".join(cmd[1:])}
-
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = dict(pool.map(run, args.methods))
-    # every other method against PETRA, in points of final accuracy (none without a PETRA run)
-    gaps = {f"{m} - petra": 100 * (r["final_eval_acc"] - results["petra"]["final_eval_acc"])
-            for m, r in results.items() if m != "petra" and "petra" in results}
-    report = {"dataset": args.dataset, "arch": args.arch, "width": args.width, "epochs": args.epochs,
-              "procs": args.procs, "seed": args.seed, "results": results,
-              "gap_points_final": gaps.get("backprop - petra"), "gaps_points_final": gaps}
-    save_report(args.output, report)
-    print(f"{'method':18s} {'final':>8s} {'best':>8s} {'samples/s':>10s} {'wall s':>8s}")
-    for method, r in results.items():
-        print(f"{method:18s} {100 * r['final_eval_acc']:7.2f}% {100 * r['best_eval_acc']:7.2f}% "
-              f"{r['samples_per_s']:10.1f} {r['wall_s']:8.1f}")
-    for name, gap in gaps.items():
-        print(f"{name} (final): {gap:+.2f} points")
+def main(argv: Sequence[str] | None = None) -> Any:
+    return dispatch("benchmarks.accuracy", __doc__, vision_accuracy.main, COMMANDS, argv)
 
 
 if __name__ == "__main__":

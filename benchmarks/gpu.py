@@ -1,330 +1,35 @@
-"""PETRA on one CUDA device: peak memory and step time against plain backprop, and
-``petra.reconstruct_overlap`` on vs off.
+"""GPU: on one CUDA device, how fast is PETRA against plain backprop and how much memory does it take, and what
+would it reach on 8 and 10 GPUs?
 
-    python benchmarks/gpu.py                        # a GPU: RevNet18 and RevGPT, fp32 and bf16
-    python benchmarks/gpu.py --device cpu --tiny    # smoke run of every code path on CPU (< 1 min)
+    python -m benchmarks.gpu [flags]            one GPU (default)
+    python -m benchmarks.gpu predict [flags]
+    bash benchmarks/gpu_session.sh              every GPU check in one go
 
-One process, a world of one (NCCL on CUDA, gloo on CPU) hosting all J PETRA stages: the paper's
-single-GPU setting. Per model and dtype, the variants run interleaved over ``--rounds`` rounds, each
-freshly built:
+- one GPU (default): seconds per train_batch and peak memory of PETRA (all J stages in one process) against plain
+  backprop of the same layers, RevNet18 and RevGPT, fp32 and bf16. Writes benchmarks/results/gpu_<device>.json.
+  Needs CUDA; on 2 cores ``--device cpu --tiny`` smoke-runs every code path in 24 s (measured).
+- predict: RevNet18 on 10 GPUs and RevGPT on 8, PETRA against DeepSpeed's 1F1B and torch's DualPipeV, predicted by
+  the timeline model from a one-GPU report. Writes benchmarks/results/predict_gpus_<inputs>.json. 2 cores: 19 s
+  (measured).
+- gpu_session.sh: the GPU tests, the one-GPU benchmark and the LM example's tokens/s, logs and JSON under
+  runs/gpu/. About 8 min on an H100 (its header).
 
-    plain          the same layers, one forward and backward per micro-batch, k micro-batches per step
-    petra          PetraEngine with J stages in this process, timed once the pipeline is full
-    petra_overlap  the same with "petra": {"reconstruct_overlap": true}
-    petra_unchecked  petra with "petra": {"check_finite": false} (what the NaN / Inf watch costs)
-
-RevNet18 takes the paper's partition (J = 10, one layer per stage: each reconstructing stage holds one
-block, so the overlap has nothing to hide there); RevGPT's J = 4 stages hold 3 blocks each (its middle
-two reconstruct). All use torch's fused AdamW, gradient clipping at norm 1 and the same micro-batches.
-Under bf16 each layer of the plain model runs under autocast and its output goes back to fp32, as at a
-PETRA stage boundary (fp32 streams: README, "bf16"). Reported per variant: seconds per ``train_batch``
-(k micro-batches; the median of the calls of a round, then the median over rounds) and
-``torch.cuda.max_memory_allocated`` over the timed calls minus what was allocated before the variant was
-built (parameters, gradients and optimizer state included for both). Writes ``benchmarks/results/gpu_<device>.json``.
+docs/benchmarks.md has the durations' sources. ``<word> --help`` lists a sub-benchmark's flags.
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import itertools
-import json
-import math
-import os
-import platform
-import re
-import statistics
 import sys
-import time
-from typing import Any, Callable
+from typing import Any, Sequence
 
-import torch
+from .lib import predict_gpus, single_gpu
+from .lib.commands import dispatch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = ("revnet18", "revgpt")
-DTYPES = ("fp32", "bf16")
-VARIANTS = ("plain", "petra", "petra_overlap", "petra_unchecked")
-#: every variant's optimizer: torch's fused AdamW (no JIT build; skips a non-finite step on the device), and clipping
-OPTIMIZER = {"lr": 1e-4, "weight_decay": 0.01, "fused": True}
-CLIPPING = 1.0
-#: sizes: a real run on a GPU, and the smoke run (--tiny)
-FULL = {"k": 4, "rounds": 3, "calls": 10,
-        "revnet_batch": 128, "revnet_width": 64, "image_size": 32, "revnet_stages": 10,
-        "revgpt_batch": 8, "d_model": 768, "layers": 12, "heads": 12, "seq_len": 512, "vocab_size": 8192,
-        "revgpt_stages": 4}
-TINY = {"k": 2, "rounds": 1, "calls": 2,
-        "revnet_batch": 4, "revnet_width": 4, "image_size": 8, "revnet_stages": 10,
-        "revgpt_batch": 2, "d_model": 16, "layers": 4, "heads": 2, "seq_len": 8, "vocab_size": 32,
-        "revgpt_stages": 3}
+COMMANDS = {"predict": predict_gpus.main}
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    tiny = "--tiny" in argv
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="small sizes, one round: checks the code paths")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    for name, value in (TINY if tiny else FULL).items():
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=value)
-    parser.add_argument("--output", default=None, help="JSON report (default benchmarks/results/gpu_<device>.json)")
-    return parser.parse_args(argv)
-
-
-# --- models and data ---
-
-def model(name: str, args: argparse.Namespace) -> tuple[list, Callable, str, int, int]:
-    """(layer specs, loss_fn, partition method, J, micro-batch size)."""
-    if name == "revnet18":
-        from torch.nn import functional as F
-
-        from petra_ds.models.revnet import revnet_layers
-
-        specs = revnet_layers(18, num_classes=10, cifar=True, base_width=args.revnet_width)
-        return specs, F.cross_entropy, "uniform", args.revnet_stages, args.revnet_batch
-    from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
-
-    config = RevGPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, d_model=args.d_model,
-                          n_layers=args.layers, n_heads=args.heads, dropout=0.0)
-    return revgpt_layers(config), lm_loss, "type:RevGPTBlock", args.revgpt_stages, args.revgpt_batch
-
-
-def micro_batches(name: str, args: argparse.Namespace, size: int, device: torch.device, count: int = 4) -> list:
-    """A few fixed synthetic micro-batches (time and memory do not depend on their values)."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(count):
-        if name == "revnet18":
-            x = torch.randn(size, 3, args.image_size, args.image_size, generator=g)
-            out.append((x.to(device), torch.randint(10, (size,), generator=g).to(device)))
-        else:
-            ids = torch.randint(args.vocab_size, (size, args.seq_len + 1), generator=g)
-            out.append((ids[:, :-1].to(device), ids[:, 1:].to(device)))
-    return out
-
-
-# --- measuring one variant ---
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _allocated(device: torch.device) -> int | None:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-
-
-def timed(train_batch: Callable[[], Any], warmup: int, calls: int, device: torch.device, before: int | None) -> dict:
-    """Warm up, then time ``calls`` calls; the peak over the timed calls, above ``before``."""
-    for _ in range(warmup):
-        train_batch()
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    seconds = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        train_batch()
-        _sync(device)
-        seconds.append(time.perf_counter() - start)
-    result = {"seconds_per_call": seconds, "median_seconds": statistics.median(seconds)}
-    result.update(profiled(train_batch, device))
-    if device.type == "cuda":
-        result["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
-        result["allocated_after_bytes"] = torch.cuda.memory_allocated(device) - before
-    else:
-        result["peak_bytes"] = result["allocated_after_bytes"] = None
-    return result
-
-
-def profiled(train_batch: Callable[[], Any], device: torch.device) -> dict:
-    """One more call under ``torch.profiler``: the device's kernel seconds, and the host's seconds less those it
-    spent waiting for the device (synchronisations, and copies to the host, which wait for the stream): what the
-    host needs to issue a call (``benchmarks/predict_gpus.py`` reads both; profiling slows the host somewhat)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    _sync(device)
-    with profile(activities=activities) as trace:
-        start = time.perf_counter()
-        train_batch()
-        _sync(device)
-        wall = time.perf_counter() - start
-    events = trace.key_averages()
-    waited = sum(e.self_cpu_time_total for e in events if "Synchronize" in e.key or e.key.startswith("cudaMemcpy"))
-    kernels = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
-    return {"host_seconds": wall - waited / 1e6, "device_seconds": kernels / 1e6}
-
-
-def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.device) -> dict:
-    """Plain backprop of the whole model: k forward / backward passes, then one Adam step."""
-    specs, loss_fn, _, _, size = model(name, args)
-    before = _allocated(device)
-    torch.manual_seed(0)
-    layers = torch.nn.ModuleList([spec.build() for spec in specs]).to(device)
-    optimizer = torch.optim.AdamW(layers.parameters(), **OPTIMIZER)
-    data = itertools.cycle(micro_batches(name, args, size, device))
-    k = args.k
-
-    def layer_by_layer(x: Any) -> Any:
-        for layer in layers:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                x = layer(x)
-            if bf16:  # back to fp32 streams, as at a PETRA stage boundary
-                x = tuple(t.float() for t in x) if isinstance(x, tuple) else x.float()
-        return x
-
-    def train_batch() -> None:
-        for _ in range(k):
-            x, labels = next(data)
-            (loss_fn(layer_by_layer(x), labels) / k).backward()
-        torch.nn.utils.clip_grad_norm_(layers.parameters(), CLIPPING)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    result = timed(train_batch, 2, args.calls, device, before)
-    del layers, optimizer, data
-    return result | {"leftover_bytes": _release(device, before)}
-
-
-def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.device, overlap: bool = False,
-              check_finite: bool = True) -> dict:
-    """PetraEngine, all J stages in this process; timed after ceil(2(J-1)/k) + 1 calls fill the pipeline."""
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-
-    import petra_ds
-
-    specs, loss_fn, partition, J, size = model(name, args)
-    before = _allocated(device)
-    module = petra_ds.PetraPipelineModule(specs, topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
-                                          loss_fn=loss_fn, stages_per_rank=J, partition_method=partition,
-                                          base_seed=0)
-    config = {"train_micro_batch_size_per_gpu": size, "gradient_accumulation_steps": args.k,
-              "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}}, "steps_per_print": 10**9,
-              "gradient_clipping": CLIPPING,
-              "petra": {"stages_per_rank": J, "reconstruct_overlap": overlap, "check_finite": check_finite}}
-    if bf16:
-        config["bf16"] = {"enabled": True}
-    engine, *_ = petra_ds.initialize(model=module, config=config)
-    data = itertools.cycle(micro_batches(name, args, size, engine.device))
-    fill = math.ceil(2 * (J - 1) / args.k) + 1
-    result = timed(lambda: engine.train_batch(data), fill, args.calls, device, before)
-    result["parts"] = [int(p) for p in module.petra_parts]
-    result["reconstructing_stages"] = {j: len(st.layers) for j, st in engine.stages.items() if st.reconstructs}
-    del engine, module, data
-    return result | {"leftover_bytes": _release(device, before)}
-
-
-def _release(device: torch.device, before: int | None) -> int | None:
-    """Free what the variant built; what stays allocated (a leak would skew the next variant)."""
-    gc.collect()
-    if device.type != "cuda":
-        return None
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated(device) - before
-
-
-# --- the report ---
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
-def summarize(runs: list[dict]) -> dict:
-    """Medians over rounds per (model, dtype, variant) and the ratios between variants."""
-    table: dict[tuple[str, str], dict[str, dict]] = {}
-    for r in runs:
-        table.setdefault((r["model"], r["dtype"]), {}).setdefault(r["variant"], []).append(r)
-    memory, speed = [], []
-    for (name, dtype), variants in table.items():
-        row_m: dict[str, Any] = {"model": name, "dtype": dtype}
-        row_s: dict[str, Any] = {"model": name, "dtype": dtype}
-        for variant, rs in variants.items():
-            peaks = [r["peak_bytes"] for r in rs if r["peak_bytes"] is not None]
-            row_m[f"{variant}_peak_bytes"] = max(peaks) if peaks else None
-            row_s[f"{variant}_seconds_per_call"] = statistics.median(r["median_seconds"] for r in rs)
-            row_s[f"{variant}_rounds"] = [r["median_seconds"] for r in rs]
-            for part in ("host", "device"):  # profiled: see profiled()
-                row_s[f"{variant}_{part}_seconds_per_call"] = statistics.median(r[f"{part}_seconds"] for r in rs)
-        for a, b in (("petra", "plain"), ("petra_overlap", "plain"), ("petra_overlap", "petra"),
-                     ("petra", "petra_unchecked")):
-            if row_m.get(f"{a}_peak_bytes") and row_m.get(f"{b}_peak_bytes"):
-                row_m[f"{a}/{b}"] = row_m[f"{a}_peak_bytes"] / row_m[f"{b}_peak_bytes"]
-            if f"{a}_seconds_per_call" in row_s and f"{b}_seconds_per_call" in row_s:
-                row_s[f"{a}/{b}"] = row_s[f"{a}_seconds_per_call"] / row_s[f"{b}_seconds_per_call"]
-        memory.append(row_m)
-        speed.append(row_s)
-    return {"memory": memory, "time": speed}
-
-
-def print_report(report: dict) -> None:
-    print(f"\n{report['device']}, k={report['sizes']['k']}, {report['sizes']['rounds']} round(s)")
-    for row in report["time"]:
-        times = ", ".join(f"{v} {row[f'{v}_seconds_per_call'] * 1e3:.1f} ms" for v in VARIANTS
-                          if f"{v}_seconds_per_call" in row)
-        ratios = ", ".join(f"{k} {row[k]:.3f}x" for k in row if "/" in k)
-        print(f"  {row['model']:9s} {row['dtype']}: per train_batch {times}; {ratios}")
-    for row in report["memory"]:
-        peaks = ", ".join(f"{v} {row[f'{v}_peak_bytes'] / 2**20:.1f} MiB" for v in VARIANTS
-                          if row.get(f"{v}_peak_bytes") is not None)
-        ratios = ", ".join(f"{k} {row[k]:.3f}x" for k in row if "/" in k)
-        print(f"  {row['model']:9s} {row['dtype']}: max_memory_allocated {peaks or 'n/a (CPU)'}; {ratios}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/gpu.py needs a CUDA device and torch.cuda.is_available() is False; "
-              "`--device cpu --tiny` smoke-runs its code paths on CPU", file=sys.stderr)
-        return 2
-    if args.device == "cpu":  # DeepSpeed's CPU accelerator and gloo even where a GPU is visible
-        os.environ["DS_ACCELERATOR"] = "cpu"
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        torch.set_num_threads(1)  # a smoke run: no OpenMP spinning against whatever else runs
-    import deepspeed
-
-    import petra_ds
-
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    petra_ds.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    runs = []
-    for round_ in range(args.rounds):
-        for name, dtype, variant in itertools.product(args.models, args.dtypes, args.variants):
-            bf16 = dtype == "bf16"
-            if variant == "plain":
-                result = run_plain(name, args, bf16, device)
-            else:
-                result = run_petra(name, args, bf16, device, overlap=variant == "petra_overlap",
-                                   check_finite=variant != "petra_unchecked")
-            runs.append({"model": name, "dtype": dtype, "variant": variant, "round": round_, **result})
-            peak = result["peak_bytes"]
-            print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:13s} "
-                  f"{result['median_seconds'] * 1e3:9.1f} ms/call"
-                  + (f", peak {peak / 2**20:.1f} MiB" if peak is not None else ""), flush=True)
-    report = {
-        "command": "python benchmarks/gpu.py " + " ".join(argv),
-        "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
-        "deepspeed": deepspeed.__version__, "tiny": args.tiny,
-        "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
-        "sizes": {name: getattr(args, name) for name in FULL},
-        **summarize(runs), "runs": runs,
-    }
-    print_report(report)
-    slug = re.sub(r"[^a-z0-9]+", "_", report["device"].lower()).strip("_") if device.type == "cuda" else "cpu"
-    name = f"gpu_{slug}{'_tiny' if args.tiny else ''}.json"
-    output = args.output or os.path.join(ROOT, "benchmarks", "results", name)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    with open(output, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"saved {output}")
-    return 0
+def main(argv: Sequence[str] | None = None) -> Any:
+    return dispatch("benchmarks.gpu", __doc__, single_gpu.main, COMMANDS, argv)
 
 
 if __name__ == "__main__":

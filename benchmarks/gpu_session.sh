@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every check this project runs on one GPU, in one go: the GPU tests, benchmarks/gpu.py at its default sizes and
+# Every check this project runs on one GPU, in one go: the GPU tests, python -m benchmarks.gpu at its default sizes and
 # the LM example's tokens/s, PETRA against backprop with the same optimizer. Each step has its own time limit,
 # writes its log and JSON under $OUT (default runs/gpu) and one line to $OUT/steps.txt; a table comes last.
 #
@@ -12,9 +12,9 @@
 #          petra/petra_unchecked (what check_finite costs) <= 1.03x
 #   lm     tokens/s PETRA / backprop: >= 0.65x at micro-batch 4 x k = 4, >= 0.5x at 1 x k = 16
 # Afterwards, on a CPU machine with the files brought back: predict 10 and 8 GPUs from what this one measured,
-#     python benchmarks/predict_gpus.py --inputs runs/gpu/gpu.json
+#     python -m benchmarks.gpu predict --inputs runs/gpu/gpu.json
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.."  # the repository root: python -m benchmarks.gpu runs from there
 OUT=${OUT:-runs/gpu}
 STEPS=${STEPS:-"tests bench lm"}
 mkdir -p "$OUT"
@@ -34,7 +34,7 @@ case " $STEPS " in *" tests "*)
   step tests 300 python -m pytest -m gpu tests/test_gpu.py -ra -q ;;
 esac
 case " $STEPS " in *" bench "*)
-  step bench 360 python benchmarks/gpu.py --rounds 2 --calls 8 --output "$OUT/gpu.json" ;;
+  step bench 360 python -m benchmarks.gpu --rounds 2 --calls 8 --output "$OUT/gpu.json" ;;
 esac
 case " $STEPS " in *" lm "*)
   # text no setting was tuned on: this machine's Python standard-library sources, [a-h]*.py / [t-z]*.py

@@ -1,6 +1,7 @@
-"""Where the repository is, the environment for tests that start a launcher in a subprocess, and the
-example and benchmark scripts loaded as modules."""
+"""Where the repository is, the environment for tests that start a launcher in a subprocess, the example
+scripts loaded as modules, and the benchmarks' modules by name."""
 
+import importlib
 import importlib.util
 import os
 
@@ -24,9 +25,11 @@ def load_example(name: str):
     return example
 
 
+#: the modules of benchmarks.lib whose name is not the benchmark's
+BENCHMARK_MODULES = {"accuracy": "vision_accuracy", "memory": "memory_held", "gpu": "single_gpu"}
+
+
 def load_benchmark(name: str):
-    """benchmarks/<name>.py as a module named ``<name>_benchmark`` (benchmarks/ is a folder of scripts)."""
-    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    """The module of ``benchmarks.lib`` that holds the benchmark ``name`` ("throughput", "accuracy", ...), imported
+    (the repository root is on the tests' path: pyproject's ``pythonpath``)."""
+    return importlib.import_module(f"benchmarks.lib.{BENCHMARK_MODULES.get(name, name)}")

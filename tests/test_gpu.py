@@ -213,10 +213,10 @@ def test_compiled_stages_on_cuda_train_as_eager_ones_do(name):
 
 
 def test_benchmark_script_runs_on_the_gpu(tmp_path):
-    """``benchmarks/gpu.py --tiny`` end to end on CUDA: peak memory of PETRA and plain backprop recorded."""
+    """``python -m benchmarks.gpu --tiny`` end to end on CUDA: peak memory of PETRA and plain backprop recorded."""
     out = tmp_path / "gpu.json"
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--tiny", "--output", str(out)],
-                   cwd=ROOT, check=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--tiny", "--output", str(out)], cwd=ROOT, check=True,
+                   timeout=600)
     report = json.loads(out.read_text())
     assert report["device_type"] == "cuda"
     for row in report["memory"]:
@@ -225,14 +225,13 @@ def test_benchmark_script_runs_on_the_gpu(tmp_path):
 
 
 def _steady_state_syncs(_spec: dict) -> dict:
-    """Per model of ``benchmarks/host_overhead.py`` (CI sizes, fused AdamW, clipping): the synchronising CUDA
+    """Per model of ``python -m benchmarks.host_overhead`` (CI sizes, fused AdamW, clipping): the synchronising CUDA
     calls ``torch.cuda.set_sync_debug_mode("warn")`` reports during one steady-state ``train_batch``."""
     import warnings
 
     import petra_ds
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import host_overhead
+    from benchmarks.lib import host_overhead
 
     torch.cuda.set_device(0)
     petra_ds.init_distributed(dist_backend="nccl")

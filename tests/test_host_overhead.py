@@ -1,17 +1,13 @@
-"""The host cost of a PETRA clock, counted (``benchmarks/host_overhead.py`` at CI sizes): aten ops per micro-batch
-against plain forward + backward of the same layers, host syncs per ``train_batch``, what ``check_finite`` adds,
-and the counters themselves against hand-made programs."""
-
-import os
-import sys
+"""The host cost of a PETRA clock, counted (``python -m benchmarks.host_overhead`` at CI sizes): aten ops per
+micro-batch against plain forward + backward of the same layers, host syncs per ``train_batch``, what
+``check_finite`` adds, and the counters themselves against hand-made programs."""
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from petra_ds.diagnostics.host_cost import HostSyncs, OpCounter
 
-import host_overhead  # noqa: E402  (benchmarks/ is a folder of scripts)
-from petra_ds.diagnostics.host_cost import HostSyncs, OpCounter  # noqa: E402
+from benchmarks.lib import host_overhead
 
 TINY = host_overhead.parse_args(["--tiny"])
 
@@ -94,7 +90,7 @@ def test_bf16_casts_each_weight_once_per_stage_evaluation(world_of_one):
 
 
 def test_op_counts_do_not_depend_on_width_sequence_or_batch(world_of_one):
-    """Why the benchmark counts at narrow sizes what benchmarks/gpu.py runs wide."""
+    """Why the benchmark counts at narrow sizes what ``python -m benchmarks.gpu`` runs wide."""
     narrow = host_overhead.count_ops("revgpt", TINY, False, True)
     wide = host_overhead.count_ops("revgpt", TINY, False, True, d=32, seq=16)
     assert narrow["petra_by_op"] == wide["petra_by_op"]

@@ -1,4 +1,5 @@
-"""benchmarks/lm_accuracy.py's recipes: the command a run gets for an optimizer and its delay compensation."""
+"""``python -m benchmarks.accuracy lm``'s recipes: the command a run gets for an optimizer and its delay
+compensation."""
 
 import argparse
 import json
@@ -6,7 +7,7 @@ import os
 
 import pytest
 
-from subprocess_env import load_benchmark
+from benchmarks.lib import lm_accuracy as bench
 
 
 def _args(**overrides):
@@ -21,7 +22,6 @@ def _optimizer(cmd):
 
 
 def test_muon10_sets_its_own_muon_lr_and_the_recipe_its_compensation():
-    bench = load_benchmark("lm_accuracy")
     assert bench.recipe_parts("muon10+wp") == ("muon10", ["weight_prediction"])
     job = {"arm": "petra", "recipe": "muon10+wp", "lr": 2e-3, "J": 4, "k": 4, "seed": 0, "steps": 1500}
     cmd = bench.command(_args(), ["t.txt", "v.txt"], job, "out")
@@ -47,7 +47,6 @@ def test_muon10_sets_its_own_muon_lr_and_the_recipe_its_compensation():
 
 
 def test_nc_turns_clipping_off_on_both_sides_and_pairs_petra_with_that_backprop(tmp_path):
-    bench = load_benchmark("lm_accuracy")
     assert bench.recipe_parts("muon10+wp+nc") == ("muon10", ["weight_prediction"])
     assert bench.backprop_recipe("muon10+wp+nc") == "muon10+nc" and bench.backprop_recipe("muon10+wp") == "muon10"
     run_dir = str(tmp_path / "runs")
@@ -75,7 +74,6 @@ def test_nc_turns_clipping_off_on_both_sides_and_pairs_petra_with_that_backprop(
 def test_a_run_validated_on_other_sequences_is_compared_by_its_revalidated_loss_or_not_at_all():
     """Rows carry the loss of the final weights on the protocol's sequences; a run that could not be revalidated
     (final_val_loss None) is in no cell."""
-    bench = load_benchmark("lm_accuracy")
     backprop = {"arm": "backprop", "recipe": "muon10", "lr": 2e-3, "J": None, "k": 4, "steps": 1500, "seed": 0,
                 "final_val_loss": 4.40, "revalidated_from": None}
     k8 = {"arm": "petra", "recipe": "muon10+wp", "lr": 2e-3, "J": 8, "k": 8, "steps": 1500, "seed": 0,
@@ -92,7 +90,6 @@ def test_a_run_validated_on_other_sequences_is_compared_by_its_revalidated_loss_
 
 def test_an_earlier_reports_runs_join_unless_the_report_has_them(tmp_path):
     """--earlier: a run read back from --run-dir wins over the earlier report's copy of the same run."""
-    bench = load_benchmark("lm_accuracy")
     job = {"arm": "petra", "recipe": "muon10+wp", "lr": 2e-3, "J": 8, "k": 4, "seed": 0, "steps": 1500}
     gone = {**job, "final_val_loss": 4.50, "val_curve": [[100, 6.0], [1500, 4.50]]}
     kept = {**job, "seed": 1, "final_val_loss": 4.49, "val_curve": [[100, 6.1], [1500, 4.49]]}

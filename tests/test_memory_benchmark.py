@@ -1,4 +1,4 @@
-"""The held-bytes instrument (petra_ds.diagnostics.held) and benchmarks/memory.py.
+"""The held-bytes instrument (petra_ds.diagnostics.held) and the held-memory benchmark (python -m benchmarks.memory).
 
 Oracles: exact byte counts on hand-built graphs; PETRA's reversible stages hold no activation at any clock
 end; the input-buffer ablation holds 2(J-1-j) inputs of known size at stage j (and agrees with the
@@ -7,18 +7,14 @@ min(k, J-j) micro-batches' activations, so its first stage holds min(k, J).
 """
 
 import os
-import sys
 
 import pytest
 import torch
 
 from petra_ds.diagnostics.held import HeldTracker, StepObserved, activations
 
-from subprocess_env import ROOT, load_benchmark
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import memory_worker  # noqa: E402
-from memory_worker import launch  # noqa: E402
+from benchmarks.lib import memory_held, memory_worker
+from benchmarks.lib.memory_worker import launch
 F64 = 8
 
 
@@ -172,14 +168,13 @@ def test_1f1b_stage_j_holds_min_k_and_J_minus_j_micro_batches(run):
 
 def test_benchmark_summary_table_and_plot(run, tmp_path):
     spec, results = run
-    bench = load_benchmark("memory")
     J, k = spec["J"], spec["k"]
-    summary = bench.summarize(J, k, results)
+    summary = memory_held.summarize(J, k, results)
     assert summary["methods"]["1f1b"][0]["activations_peak_mb"] == min(k, J)
     assert summary["methods"]["petra"][1]["activations_peak_mb"] == 0
-    assert "1f1b" in bench.table(summary)
-    assert "J=" in bench.growth([summary], 0)
-    assert os.path.getsize(bench.plot([summary], str(tmp_path / "m.png"), "test")) > 0
+    assert "1f1b" in memory_held.table(summary)
+    assert "J=" in memory_held.growth([summary], 0)
+    assert os.path.getsize(memory_held.plot([summary], str(tmp_path / "m.png"), "test")) > 0
 
 
 @pytest.mark.slow

@@ -1,15 +1,15 @@
-"""benchmarks/memory_capped.py: the choice under a cap, by hand, and (slow) a tiny run of the search."""
+"""``python -m benchmarks.memory capped``: the choice under a cap, by hand, and (slow) a tiny run of the search."""
 
 import json
 import math
 
 import pytest
 
-from subprocess_env import load_benchmark
+from benchmarks.lib import ckpt_split_backward
+from benchmarks.lib import memory_capped as bench
 
 
 def test_the_fastest_fitting_configuration_is_chosen():
-    bench = load_benchmark("memory_capped")
     configs = {bench.label(b, p): {"micro_batch_size": b, "partition": p, "median_samples_per_s": v, "peak": peak}
                for b, p, v, peak in [(4, "default", 10.0, 100), (8, "default", 15.0, 180), (16, "default", 20.0, 300),
                                      (8, "profile", 17.0, 190)]}
@@ -28,7 +28,6 @@ def test_the_fastest_fitting_configuration_is_chosen():
 
 
 def test_petras_compute_bound_is_its_slowest_stage_at_the_cut_and_the_best_fitting_one():
-    bench = load_benchmark("memory_capped")
     from petra_ds.pipeline.partition import LayerCost
 
     stem = LayerCost(forward=1.0, forward_grad=1.2, backward=2.0)  # not reversible: recomputed from its kept input
@@ -71,7 +70,6 @@ def test_petras_compute_bound_is_its_slowest_stage_at_the_cut_and_the_best_fitti
 
 
 def test_a_peer_configuration_above_every_cap_is_left_out_after_round_one_unless_its_fastest():
-    bench = load_benchmark("memory_capped")
     rounds = {"petra": {(4, "default", "block"): [{"peak": 100, "samples_per_s": 5.0}],
                         (8, "default", "block"): [{"peak": 180, "samples_per_s": 6.0}],
                         (8, "profile", "block"): [{"peak": 500, "samples_per_s": 7.0}]},
@@ -86,7 +84,6 @@ def test_a_peer_configuration_above_every_cap_is_left_out_after_round_one_unless
 
 
 def test_a_micro_batch_count_torch_refuses_is_not_run():
-    bench = load_benchmark("memory_capped")
     assert "DualPipeV" in bench.refusal("torch_dualpipev", 2, 2)  # it needs k >= 2 x ranks
     assert bench.refusal("torch_dualpipev", 2, 4) is None
     assert bench.refusal("torch_zbv", 2, 2) is None
@@ -94,7 +91,6 @@ def test_a_micro_batch_count_torch_refuses_is_not_run():
 
 
 def test_arguments_that_cannot_keep_the_global_batch_are_refused(capsys):
-    bench = load_benchmark("memory_capped")
     with pytest.raises(SystemExit):
         bench.parse_args(["--global-batch", "32", "--micro-batch-sizes", "4", "6"])
     assert "--micro-batch-sizes 6 must divide --global-batch 32" in capsys.readouterr().err
@@ -107,17 +103,16 @@ def test_arguments_that_cannot_keep_the_global_batch_are_refused(capsys):
 
 
 def test_a_split_backward_keeps_the_checkpointed_recomputation_until_the_weight_pass():
-    """benchmarks/ckpt_split_backward.py, tiny: checkpointing lowers what is live after the forward, but under torch's
-    split backward (zero-bubble schedules) the recomputed activations stay live until the weight pass, and the peak
-    is far above checkpointing's with one backward pass."""
+    """``python -m benchmarks.peers split-backward``, tiny: checkpointing lowers what is live after the forward, but
+    under torch's split backward (zero-bubble schedules) the recomputed activations stay live until the weight pass,
+    and the peak is far above checkpointing's with one backward pass."""
     import torch
     from torch import nn
 
-    bench = load_benchmark("ckpt_split_backward")
     torch.manual_seed(0)
     layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4))
     x = torch.randn(256, 32)
-    r = {(c, s): bench.measure(layers, x, c, s) for c in (False, True) for s in (False, True)}
+    r = {(c, s): ckpt_split_backward.measure(layers, x, c, s) for c in (False, True) for s in (False, True)}
     assert r[True, False]["after_forward_mib"] < 0.6 * r[False, False]["after_forward_mib"]
     assert r[True, False]["peak_mib"] < 0.9 * r[False, False]["peak_mib"]
     assert r[True, True]["between_passes_mib"] > 2 * r[True, True]["after_forward_mib"]
@@ -126,7 +121,6 @@ def test_a_split_backward_keeps_the_checkpointed_recomputation_until_the_weight_
 
 @pytest.mark.slow
 def test_a_tiny_search_reports_every_configuration_and_each_cap(tmp_path):
-    bench = load_benchmark("memory_capped")
     out = tmp_path / "capped.json"
     report = bench.main(["--stages", "2", "--global-batch", "8", "--micro-batch-sizes", "2", "4", "--schedules",
                          "petra", "1f1b_ckpt", "--partitions", "default", "profile", "--grains", "block", "half",

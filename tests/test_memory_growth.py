@@ -1,15 +1,14 @@
-"""benchmarks/memory_growth.py: its summary of a rank list, and (slow) a tiny run whose report holds every
+"""``python -m benchmarks.memory growth``: its summary of a rank list, and (slow) a tiny run whose report holds every
 rank's allocator peak for every (J, sequence length) and schedule."""
 
 import json
 
 import pytest
 
-from subprocess_env import load_benchmark
+from benchmarks.lib import memory_growth as bench
 
 
 def test_the_summary_is_the_largest_rank_and_the_middle_ranks_median():
-    bench = load_benchmark("memory_growth")
     mib = bench.MIB
     ranks = [{"peak": 5 * mib}, {"peak": 2 * mib}, {"peak": 4 * mib}, {"peak": 3 * mib}]
     assert bench.summarize(ranks) == {"max": 5.0, "middle": 3.0, "ranks": [5.0, 2.0, 4.0, 3.0]}
@@ -18,7 +17,6 @@ def test_the_summary_is_the_largest_rank_and_the_middle_ranks_median():
 
 @pytest.mark.slow
 def test_a_tiny_run_reports_every_rank_of_every_cell(tmp_path):
-    bench = load_benchmark("memory_growth")
     out = tmp_path / "growth.json"
     report = bench.main(["--stages", "2", "3", "--seq-lens", "16", "--variants", "petra", "1f1b",
                          "--d-model", "16", "--heads", "2", "--vocab-size", "64", "--output", str(out)])
@@ -37,7 +35,6 @@ def test_the_memory_model_recovers_its_own_numbers_and_predicts_deeper_pipelines
     """A report made by the model itself (1F1B and PETRA, J = 2, 4, 8): the fit finds its bytes per held micro-batch
     and its constants again, the deepest J predicted from the shallower ones alone is exact, and J = 18 is the
     model's own formula: 1F1B's first rank grows by 17 held micro-batches over J = 1, PETRA's reversible ranks not."""
-    bench = load_benchmark("memory_growth")
     mib = bench.MIB
     static = {"first": 7 * mib, "middle": 6 * mib, "last": 7 * mib}
     constant = {"first": 3 * mib, "middle": 5 * mib, "last": 9 * mib}

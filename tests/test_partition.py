@@ -145,19 +145,15 @@ def test_measured_costs_have_a_reconstruction_exactly_for_the_reversible_layers_
     assert all(p.grad is None for layer in layers for p in layer.parameters())
 
 
-def test_partition_grain_benchmark_reports_the_best_cut_of_its_own_costs(tmp_path, monkeypatch):
-    """benchmarks/partition_grain.py, tiny: every row's cuts are the optimal cuts of the costs it saved, the block
-    grain's costs are the sums of each block's two halves, and the clock ratio is the two slowest stages' ratio."""
-    import sys
+def test_partition_grain_benchmark_reports_the_best_cut_of_its_own_costs(tmp_path):
+    """``python -m benchmarks.peers grain``, tiny: every row's cuts are the optimal cuts of the costs it saved, the
+    block grain's costs are the sums of each block's two halves, and the clock ratio is the two slowest stages'
+    ratio."""
+    from benchmarks import peers
 
-    from subprocess_env import load_benchmark
-
-    bench = load_benchmark("partition_grain")
     out = tmp_path / "grain.json"
-    monkeypatch.setattr(sys, "argv", ["partition_grain.py", "--rounds", "1", "--layers", "2", "--d-model", "16",
-                                      "--heads", "2", "--seq-len", "8", "--vocab-size", "32", "--micro-batch-size", "2",
-                                      "--stages", "2", "4", "--output", str(out)])
-    bench.main()
+    peers.main(["grain", "--rounds", "1", "--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8",
+                "--vocab-size", "32", "--micro-batch-size", "2", "--stages", "2", "4", "--output", str(out)])
     report = json.loads(out.read_text())
     costs = {g: load_costs(c) for g, c in report["rounds"][0]["costs"].items()}
     assert len(costs["block"]) == 5 and len(costs["half"]) == 7

@@ -1,18 +1,15 @@
-"""Under load it keeps working: benchmarks/soak.py's 2-process J = 4 RevGPT, 2,000 clocks with a checkpoint
-every 50 steps. After the warm-up (100 steps) the engine's holdings do not grow at all, the resident
-memory grows by at most 16 MiB (allocator noise; a leak of one micro-batch per step would be ~25 MiB),
+"""Under load it keeps working: the soak benchmark's (python -m benchmarks.soak) 2-process J = 4 RevGPT, 2,000
+clocks with a checkpoint every 50 steps. After the warm-up (100 steps) the engine's holdings do not grow at all,
+the resident memory grows by at most 16 MiB (allocator noise; a leak of one micro-batch per step would be ~25 MiB),
 and no stage ever holds more messages between two clocks than the schedule allows."""
 
 import os
-import sys
 
 import pytest
 
 from petra_ds.tools.spawn import launch
-from subprocess_env import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import soak  # noqa: E402
+from benchmarks.lib import soak
 
 RSS_GROWTH_BOUND = 16 * 2**20
 

@@ -1,4 +1,4 @@
-"""benchmarks/throughput.py: the DeepSpeed baselines compute the same function as PETRA's layers, and
+"""``python -m benchmarks.peers`` (throughput): the DeepSpeed baselines compute the same function as PETRA's layers, and
 (slow) one tiny end-to-end run gives every variant the same partition and writes the report the timeline
 model validates against. Speed itself is measured by the benchmark, never asserted here."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from subprocess_env import load_benchmark
+from benchmarks.lib import throughput as bench
 
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--vocab-size", "32",
@@ -20,7 +20,6 @@ TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "-
 def test_packed_layers_compute_what_the_plain_layers_compute(model):
     """The stacked-streams wrapper given to DeepSpeed's pipeline changes transport, not the function:
     same loss and same parameter gradients as the plain layers with the same weights."""
-    bench = load_benchmark("throughput")
     args = bench.parse_args(["--model", model, "--width", "4", "--image-size", "8", *TINY])
     plain_specs, loss_fn, _ = bench.layers_and_loss(args)
     packed_specs, _, blocks = bench.layers_and_loss(args, packed=True)
@@ -55,7 +54,6 @@ def test_every_variant_runs_on_the_same_partition_and_the_report_validates(tmp_p
     petra_ds.perf.time_model.validate reads."""
     from petra_ds.perf.time_model import validate
 
-    bench = load_benchmark("throughput")
     out = tmp_path / "report.json"
     names = ["single", "naive_mp", "1f1b", "1f1b_ckpt", "petra", "torch_1f1b", "torch_zbv_ckpt"]
     bench.main(["--model", "revgpt", "--stages", "2", "--calls", "1", "--warmup", "1", *TINY, "--output", str(out),
@@ -92,7 +90,6 @@ def _torch_peer_step(spec: dict) -> dict:
     import petra_ds
 
     petra_ds.init_distributed(dist_backend="gloo")
-    bench = load_benchmark("throughput")
     args = bench.parse_args(["--model", "revgpt", *TINY, "--layers", "4"])
     specs, loss_fn, blocks = bench.layers_and_loss(args, packed=True)
     peer = bench.torch_pipe.build(spec["variant"], specs, loss_fn, args.micro_batches, torch.device("cpu"),
@@ -114,7 +111,6 @@ def test_torch_pipelining_peers_train_the_model_plain_backprop_trains(variant):
     correct run."""
     from harness import launch
 
-    bench = load_benchmark("throughput")
     results = launch({"variant": variant}, 2, target=_torch_peer_step)
     parts = results[0]["parts"]
     assert all(r["parts"] == parts for r in results)

@@ -1,5 +1,5 @@
-"""benchmarks/time_to_loss.py: the time a curve needs to reach a loss, the argument checks, and (slow) one
-tiny race under the deepspeed launcher whose report holds what the table reads. The race's speed is
+"""``python -m benchmarks.accuracy time-to-loss``: the time a curve needs to reach a loss, the argument checks, and
+(slow) one tiny race under the deepspeed launcher whose report holds what the table reads. The race's speed is
 measured by the benchmark, never asserted here."""
 
 from __future__ import annotations
@@ -8,11 +8,10 @@ import json
 
 import pytest
 
-from subprocess_env import load_benchmark
+from benchmarks.lib import time_to_loss as bench
 
 
 def test_time_to_a_loss_is_interpolated_between_evaluations():
-    bench = load_benchmark("time_to_loss")
     curve = [{"step": 20, "train_s": 10.0, "val_loss": 6.0}, {"step": 40, "train_s": 20.0, "val_loss": 5.0},
              {"step": 60, "train_s": 32.0, "val_loss": 4.0}]
     assert bench.time_to(curve, 4.5) == pytest.approx(26.0)  # halfway from 5.0 to 4.0
@@ -25,7 +24,6 @@ def test_time_to_a_loss_is_interpolated_between_evaluations():
 
 
 def test_arguments_that_cannot_give_a_target_are_refused(capsys):
-    bench = load_benchmark("time_to_loss")
     with pytest.raises(SystemExit):
         bench.parse_args(["--peer", "1f1b", "--eval-batches", "10"])
     assert "--eval-batches 10 must be a multiple of --micro-batches 4" in capsys.readouterr().err
@@ -43,7 +41,6 @@ def test_arguments_that_cannot_give_a_target_are_refused(capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("peer, splits", [("torch_zbv", []), ("1f1b", ["4", "16"])])
 def test_a_tiny_race_reports_both_curves_and_the_time_ratio(tmp_path, peer, splits):
-    bench = load_benchmark("time_to_loss")
     out = tmp_path / "ttl.json"
     report = bench.main(["--peer", peer, "--steps", "4", "--max-steps", "8", "--eval-every", "2", "--eval-batches", "4",
                          "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--vocab-size", "300",

@@ -13,8 +13,8 @@ PETRA clock (``engine.clock_observers``) or after every step of DeepSpeed's sche
 (:class:`StepObserved`). Both engines' buffers are read through views they offer: PETRA's
 ``engine.holdings(stage)``, the one its memory ledger counts, and :meth:`StepObserved.held_buffers`.
 
-``benchmarks/memory_worker.py`` runs PETRA, its two delayed-gradient ablations and DeepSpeed's 1F1B with
-it on the same RevGPT layers, one stage per process; ``benchmarks/memory.py`` turns the traces into the
+``benchmarks/lib/memory_worker.py`` runs PETRA, its two delayed-gradient ablations and DeepSpeed's 1F1B with
+it on the same RevGPT layers, one stage per process; ``python -m benchmarks.memory`` turns the traces into the
 table and the plot.
 """
 

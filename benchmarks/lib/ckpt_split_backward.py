@@ -1,10 +1,10 @@
 """Why torch's zero-bubble schedules hold as much with activation checkpointing as without it.
 
-    OMP_NUM_THREADS=1 python benchmarks/ckpt_split_backward.py
+    OMP_NUM_THREADS=1 python -m benchmarks.peers split-backward
 
 A zero-bubble schedule (interleaved ZB, ZBV, DualPipeV in ``torch.distributed.pipelining``) splits each
 micro-batch's backward into an input-gradient pass now (``stage_backward_input``) and a weight-gradient pass
-later (``stage_backward_weight``). This script runs a stack of MLP blocks, plain or under torch's non-reentrant
+later (``stage_backward_weight``). This benchmark runs a stack of MLP blocks, plain or under torch's non-reentrant
 checkpoint, with one backward or with that split (torch's own two functions), and counts every live tensor storage
 (``petra_ds.diagnostics.allocated``) above what was live before (the weights): after the forward (what a schedule
 holds per micro-batch between its forward and its backward), between the two passes (what it holds per
@@ -15,7 +15,6 @@ Saves JSON (``--output``) and prints the table.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -23,9 +22,7 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from example_runs import save_report  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+from .example_runs import save_report
 
 MIB = 2 ** 20
 
@@ -56,20 +53,21 @@ def measure(layers: nn.ModuleList, x: torch.Tensor, checkpointed: bool, split: b
             "between_passes_mib": between, "peak_mib": (counter.peak_bytes - before) / MIB}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=6)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--rows", type=int, default=512, help="tokens in the micro-batch")
     p.add_argument("--output", default="runs/benchmarks/ckpt_split_backward.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.manual_seed(0)
     d = args.width
     layers = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
                            for _ in range(args.blocks))
     x = torch.randn(args.rows, d)
     rows = [measure(layers, x, c, s) for c in (False, True) for s in (False, True)]
-    report = {"command": "python benchmarks/ckpt_split_backward.py " + " ".join(sys.argv[1:]),
+    report = {"command": "python -m benchmarks.peers split-backward " + " ".join(argv),
               "torch": torch.__version__, "model": vars(args), "rows": rows}
     save_report(args.output, report)
     print("| checkpointing | backward | live after forward (MiB) | live between input and weight passes | peak |")
@@ -79,6 +77,3 @@ def main() -> None:
         print(f"| {'on' if r['checkpointed'] else 'off'} | {'split' if r['split_backward'] else 'one pass'} | "
               f"{r['after_forward_mib']:.1f} | {between} | {r['peak_mib']:.1f} |")
 
-
-if __name__ == "__main__":
-    main()

@@ -3,9 +3,9 @@ delay compensation) at its own best learning rate, against backprop at the best 
 optimizer offered, over pipeline depths J and micro-batches per step k at a fixed global batch.
 
     # screening (about 500 steps), then confirming the winners at 1,500 steps with two seeds
-    OMP_NUM_THREADS=1 python benchmarks/lm_accuracy.py --steps 500 --lrs 5e-4 1e-3 2e-3 --stages 4 8 --k 4 \\
+    OMP_NUM_THREADS=1 python -m benchmarks.accuracy lm --steps 500 --lrs 5e-4 1e-3 2e-3 --stages 4 8 --k 4 \\
         --recipes adamw+wp nadam95 nadam95+wp muon muon+wp --jobs 2
-    OMP_NUM_THREADS=1 python benchmarks/lm_accuracy.py --steps 1500 --lrs 1e-3 --stages 4 --k 4 \\
+    OMP_NUM_THREADS=1 python -m benchmarks.accuracy lm --steps 1500 --lrs 1e-3 --stages 4 --k 4 \\
         --recipes muon+wp --seeds 0 1
 
 The text is offline and reproducible: the docstrings of this Python's standard library, one paragraph per
@@ -34,15 +34,12 @@ import json
 import os
 import re
 import statistics
-import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from petra_ds.util.files import write_text_atomic
 
-from example_runs import ROOT, launcher, read_run, run_example, save_report  # noqa: E402  (a folder of scripts)
-
-from petra_ds.util.files import write_text_atomic  # noqa: E402
+from .example_runs import ROOT, launcher, read_run, run_example, save_report
 
 #: steps from which a run counts as a confirming run rather than a screening one
 CONFIRM_STEPS = 1500
@@ -385,7 +382,7 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=["adamw+wp", "nadam95", "nadam95+wp", "muon", "muon+wp"],
                         help="PETRA methods: optimizer[+wp][+am][+lr]...[+nc] (weight prediction, adaptive momentum, "
@@ -421,7 +418,7 @@ def main() -> None:
                         help="an earlier report's JSON: its runs that are not under --run-dir join this report")
     parser.add_argument("--output", default="runs/lm_accuracy/report.json")
     parser.add_argument("--run-dir", default="runs/lm_accuracy")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for recipe in args.recipes:
         recipe_parts(recipe)
     for recipe in args.backprop_optimizers or []:
@@ -457,6 +454,3 @@ def main() -> None:
               f"{'  (lr at grid edge)' if r['lr_at_grid_edge'] else ''}{'  screening' if r['screening'] else ''}"
               f"{'  revalidated' if r['revalidated'] else ''}")
 
-
-if __name__ == "__main__":
-    main()

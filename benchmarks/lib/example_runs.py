@@ -1,5 +1,5 @@
-"""Shared by the benchmark scripts: run one example training under the deepspeed launcher, read back
-what it wrote, save a report."""
+"""Shared by the benchmarks: where the repository is, running one example training under the deepspeed launcher
+and reading back what it wrote, saving a report. One place, so every benchmark launches and writes alike."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import time
 
 from petra_ds.util.files import write_text_atomic
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the repository root: examples, configs and reports are named relative to it
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
 
@@ -48,6 +49,13 @@ def run_example(cmd: list[str], output_dir: str, env: dict | None = None) -> tup
     subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     wall = time.time() - start
     return (*read_run(output_dir), wall)
+
+
+def module_env(env: dict) -> dict:
+    """``env`` with the repository root first on PYTHONPATH, so that a process started as
+    ``python -m benchmarks.lib.<module>`` imports ``benchmarks`` wherever it starts."""
+    path = env.get("PYTHONPATH")
+    return {**env, "PYTHONPATH": ROOT if not path else ROOT + os.pathsep + path}
 
 
 def save_report(output: str, report: dict) -> str:

@@ -1,8 +1,8 @@
 """How close is PETRA's gradient to the delayed and to the end-to-end gradient, per stage, early and
 late in training (the paper's App. B, Fig. 5 / Fig. 6), on a small RevNet (digits) and a RevGPT.
 
-    OMP_NUM_THREADS=1 python benchmarks/gradient_quality.py --model revnet   # RevNet18 w16, digits, J=10
-    OMP_NUM_THREADS=1 python benchmarks/gradient_quality.py --model revgpt   # RevGPT, stdlib text, J=4
+    OMP_NUM_THREADS=1 python -m benchmarks.accuracy gradient-quality --model revnet   # RevNet18 w16, digits, J=10
+    OMP_NUM_THREADS=1 python -m benchmarks.accuracy gradient-quality --model revgpt   # RevGPT, stdlib text, J=4
 
 Runs the example with ``--gradient-quality N`` under the deepspeed launcher (PETRA config), reads the
 per-stage rows it logged to metrics.jsonl, prints per-stage means over the first, the middle and the
@@ -17,10 +17,10 @@ import json
 import os
 import shutil
 
-from example_runs import DEEPSPEED, ROOT, run_example, save_report
-from lm_accuracy import stdlib_corpus
-
 from petra_ds.diagnostics.gradient_quality import by_stage, plot
+
+from .example_runs import DEEPSPEED, ROOT, run_example, save_report
+from .lm_accuracy import stdlib_corpus
 
 COLUMNS = ("cos_petra_delayed", "cos_petra_e2e", "cos_delayed_e2e", "norm_petra_e2e", "reconstruction_error")
 
@@ -41,7 +41,7 @@ def command(args: argparse.Namespace, out: str) -> list[str]:
             "--delay-compensation", args.delay_compensation]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["revnet", "revgpt"], default="revnet")
     parser.add_argument("--every", type=int, default=10, help="optimizer steps between two followed micro-batches")
@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--output-dir", default=os.path.join("runs", "benchmarks"),
                         help="where the JSON report and the PNG go (relative to the repository root)")
     parser.add_argument("--rows-from", default=None, help="recompute the tables from this saved report (no run)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     name = args.model + ("" if args.delay_compensation == "none" else f"_{args.delay_compensation}")
     output = os.path.join(args.output_dir, f"gradient_quality_{name}.json")
@@ -90,6 +90,3 @@ def main() -> None:
             print(f"{r['stage']:5d} " + " ".join(f"{r[c]:20.4g}" for c in COLUMNS))
     print(f"\nplot: {os.path.join(args.output_dir, f'gradient_quality_{name}.png')}")
 
-
-if __name__ == "__main__":
-    main()

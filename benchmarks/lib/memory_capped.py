@@ -1,32 +1,32 @@
 """The user's real choice: under a per-rank memory cap, which schedule trains fastest?
 
-    OMP_NUM_THREADS=1 python benchmarks/memory_capped.py --model revgpt --stages 2 --global-batch 32 \\
+    OMP_NUM_THREADS=1 python -m benchmarks.memory capped --model revgpt --stages 2 --global-batch 32 \\
         --micro-batch-sizes 2 4 8 16 --rounds 5
 
 Every schedule (PETRA and its peers, checkpointed or not: a ``_ckpt`` variant is the same schedule with
-checkpointing on) runs ``benchmarks/throughput.py`` at every micro-batch size b of ``--micro-batch-sizes``,
-with k = global batch / b micro-batches per step, so every configuration trains the same samples per step.
-Each run gives samples/s and every rank's peak memory as the allocator sees it
-(``petra_ds.diagnostics.allocated``; ``torch.cuda.max_memory_allocated`` on a GPU). The caps are PETRA's
-own peak (its largest rank) at each micro-batch size. Under each cap, each schedule's best configuration is
-its fastest (median samples/s over the rounds) whose largest rank fits; a schedule with none "does not
-fit". List a size below the smallest cap you care about: under PETRA's peak at micro-batch b, a peer may fit
-at b / 2 and lose little speed (the default 2 4 8 16 lets it, for the caps at 4, 8 and 16). Rounds run every
-configuration once, in turn, so that a slow spell of a shared machine hits all of them.
-``--partitions default profile`` adds the partition to the search: every configuration again with each schedule
-cut by its own measured layer costs (throughput.py's ``--partition profile``). ``--grains block half`` (RevGPT)
-adds the grain: every configuration again with each block as its attention and MLP halves, which a
-profiled cut may separate (throughput.py's ``--grain``). The caps are PETRA's peaks with the first partition
-and the first grain listed. A peer's configuration whose first round peaks above every cap can be chosen under
-none, so later rounds skip it (its one round stays in the report, marked ``above_every_cap``; ``--time-all``
-times it in every round), unless it was its schedule's fastest in that round: the choice under no cap, at the
-report's end (each schedule's fastest configuration, PETRA's against the fastest peer's), gets every round of
-it. A torch schedule that refuses k micro-batches on this many ranks (DualPipeV needs k >= 2 x ranks) is not
-run at that size; the report lists it under ``refused``. PETRA, which never flushes, runs any k: searching a
-micro-batch size with k = 2 shows what that is worth.
+checkpointing on) runs the throughput benchmark (``python -m benchmarks.peers``) at every micro-batch size b of
+``--micro-batch-sizes``, with k = global batch / b micro-batches per step, so every configuration trains the same
+samples per step. Each run gives samples/s and every rank's peak memory as the allocator sees it
+(``petra_ds.diagnostics.allocated``; ``torch.cuda.max_memory_allocated`` on a GPU). The caps are PETRA's own peak
+(its largest rank) at each micro-batch size. Under each cap, each schedule's best configuration is its fastest
+(median samples/s over the rounds) whose largest rank fits; a schedule with none "does not fit". List a size below
+the smallest cap you care about: under PETRA's peak at micro-batch b, a peer may fit at b / 2 and lose little speed
+(the default 2 4 8 16 lets it, for the caps at 4, 8 and 16). Rounds run every configuration once, in turn, so that
+a slow spell of a shared machine hits all of them. ``--partitions default profile`` adds the partition to the
+search: every configuration again with each schedule cut by its own measured layer costs (the throughput
+benchmark's ``--partition profile``). ``--grains block half`` (RevGPT) adds the grain: every configuration again
+with each block as its attention and MLP halves, which a profiled cut may separate (the throughput benchmark's
+``--grain``). The caps are PETRA's peaks with the first partition and the first grain listed. A peer's
+configuration whose first round peaks above every cap can be chosen under none, so later rounds skip it (its one
+round stays in the report, marked ``above_every_cap``; ``--time-all`` times it in every round), unless it was its
+schedule's fastest in that round: the choice under no cap, at the report's end (each schedule's fastest
+configuration, PETRA's against the fastest peer's), gets every round of it. A torch schedule that refuses k
+micro-batches on this many ranks (DualPipeV needs k >= 2 x ranks) is not run at that size; the report lists it
+under ``refused``. PETRA, which never flushes, runs any k: searching a micro-batch size with k = 2 shows what that
+is worth.
 
 Beside each cap stands PETRA's compute bound there (``ceiling``). At each micro-batch size, every round, the
-driver measures the layers' costs (throughput.py's ``--partition profile`` measurement, in this process with
+driver measures the layers' costs (the throughput benchmark's ``--partition profile`` measurement, in this process with
 the workers' thread count); a cut's bound is b over its slowest stage's compute per clock
 (``petra_ds.pipeline.partition.stage_cost``, PETRA's rule: a stage before the last runs its forward, rebuilds
 its graph and runs its backward; the last runs forward and backward once), median over the rounds. It leaves
@@ -50,13 +50,11 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from petra_ds.perf.torch_programs import UnsupportedMicroBatches, rank_actions
+from petra_ds.pipeline.partition import LayerCost, balanced_parts, stage_costs
 
-import throughput  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-from example_runs import save_report  # noqa: E402
-import torch_pipe  # noqa: E402
-from petra_ds.perf.torch_programs import UnsupportedMicroBatches, rank_actions  # noqa: E402
-from petra_ds.pipeline.partition import LayerCost, balanced_parts, stage_costs  # noqa: E402
+from . import throughput, torch_pipe
+from .example_runs import save_report
 
 MIB = 2 ** 20
 SCHEDULES = ["petra", "1f1b", "1f1b_ckpt", "torch_zbv", "torch_zbv_ckpt", "torch_dualpipev", "torch_dualpipev_ckpt"]
@@ -79,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-all", action="store_true",
                    help="time every configuration in every round, also a peer's that peaked above every cap in round 1")
     p.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
-                   help="passed to throughput.py as they are (e.g. --seq-len 256 --layers 8)")
+                   help="passed to the throughput benchmark (python -m benchmarks.peers) as they are "
+                        "(e.g. --seq-len 256 --layers 8)")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     for b in args.micro_batch_sizes:
@@ -118,8 +117,8 @@ def compute_bound(costs: list[LayerCost], micro_batch_size: int, parts: list[int
 
 
 def layer_costs_at(args: argparse.Namespace, b: int, grain: str) -> list[LayerCost]:
-    """The layers' costs at micro-batch size ``b`` and ``grain``, measured now in this process (throughput.py's
-    measurement for ``--partition profile``)."""
+    """The layers' costs at micro-batch size ``b`` and ``grain``, measured now in this process (the throughput
+    benchmark's measurement for ``--partition profile``)."""
     layers = [] if grain == "block" else ["--grain", grain]
     model = throughput.parse_args(["--model", args.model, "--stages", str(args.stages), "--micro-batch-size", str(b),
                                    *layers, *args.model_args])
@@ -255,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     caps = {b: configs["petra"][label(*config)]["peak"] for b, config in zip(args.micro_batch_sizes, cap_configs)}
     table = [{"cap": cap, "petra_micro_batch": b, **choice(cap, configs, best_cuts)} for b, cap in caps.items()]
     unconstrained = choice(math.inf, configs, best_cuts)
-    report = {"command": "python benchmarks/memory_capped.py " + " ".join(argv), "device": throughput.device_name(),
+    report = {"command": "python -m benchmarks.memory capped " + " ".join(argv), "device": throughput.device_name(),
               "torch": torch.__version__, "args": vars(args), "configs": configs, "refused": refused,
               "best_cuts": best_cuts, "caps": table, "unconstrained": unconstrained}
     tag = "gpu" if torch.cuda.is_available() else "cpu"
@@ -271,7 +270,3 @@ def main(argv: list[str] | None = None) -> dict:
     print_choice(unconstrained, "fastest peer")
     print(f"saved {output}")
     return report
-
-
-if __name__ == "__main__":
-    main()

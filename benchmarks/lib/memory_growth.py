@@ -1,15 +1,15 @@
 """How each schedule's per-rank peak memory grows with the pipeline's depth J and the sequence length.
 
-    OMP_NUM_THREADS=1 python benchmarks/memory_growth.py --stages 2 4 8 --seq-lens 128 256 512
+    OMP_NUM_THREADS=1 python -m benchmarks.memory growth --stages 2 4 8 --seq-lens 128 256 512
 
-For every (J, sequence length) it runs ``benchmarks/throughput.py`` on J processes (one stage each) with a
-RevGPT of ``--blocks-per-stage`` x J blocks, so every stage holds the same blocks whatever J (stage 0 adds
-the embedding, the last the head), k = 2J micro-batches per step, and reads each rank's peak memory as the
-allocator sees it (``petra_ds.diagnostics.allocated``: parameters, gradients, optimizer state,
-activations, saved tensors, recompute graphs, messages; ``torch.cuda.max_memory_allocated`` on a GPU).
-The runs time one call only: this is a memory measurement, and J = 8 on a 2-core machine says nothing
-about speed. Writes ``runs/benchmarks/memory_growth_<device>.json`` and a PNG (``--output`` to choose) and
-prints the table: per schedule, the largest rank's peak and the middle ranks' peak, in MiB.
+For every (J, sequence length) it runs the throughput benchmark (``python -m benchmarks.peers``) on J processes
+(one stage each) with a RevGPT of ``--blocks-per-stage`` x J blocks, so every stage holds the same blocks whatever
+J (stage 0 adds the embedding, the last the head), k = 2J micro-batches per step, and reads each rank's peak memory
+as the allocator sees it (``petra_ds.diagnostics.allocated``: parameters, gradients, optimizer state, activations,
+saved tensors, recompute graphs, messages; ``torch.cuda.max_memory_allocated`` on a GPU). The runs time one call
+only: this is a memory measurement, and J = 8 on a 2-core machine says nothing about speed. Writes
+``runs/benchmarks/memory_growth_<device>.json`` and a PNG (``--output`` to choose) and prints the table: per
+schedule, the largest rank's peak and the middle ranks' peak, in MiB.
 
 Then it predicts deeper pipelines (``--predict 18``) with a memory model fitted to those measurements: a
 rank's peak is its parameters, gradients and optimizer state, plus a number of bytes per micro-batch whose
@@ -31,14 +31,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from petra_ds.perf import predict
+from petra_ds.perf.costs import Costs
+from petra_ds.perf.programs import simulate_schedule
 
-import throughput  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-from example_runs import save_report  # noqa: E402
-
-from petra_ds.perf import predict  # noqa: E402
-from petra_ds.perf.costs import Costs  # noqa: E402
-from petra_ds.perf.programs import simulate_schedule  # noqa: E402
+from . import throughput
+from .example_runs import save_report
 
 MIB = 2 ** 20
 ROLES = ("first", "middle", "last")
@@ -182,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.from_report) as f:
             report = json.load(f)
         report["args"].update(predict=args.predict)
-        report["predicted_by"] = "python benchmarks/memory_growth.py " + " ".join(argv)
+        report["predicted_by"] = "python -m benchmarks.memory growth " + " ".join(argv)
     else:
         rows = []
         for seq_len in args.seq_lens:
@@ -191,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
                 measured = measure(args, J, seq_len)
                 rows.append({"J": J, "seq_len": seq_len, "k": 2 * J, "per_rank": measured,
                              "variants": {v: summarize(ranks) for v, ranks in measured.items()}})
-        report = {"command": "python benchmarks/memory_growth.py " + " ".join(argv),
+        report = {"command": "python -m benchmarks.memory growth " + " ".join(argv),
                   "device": throughput.device_name(), "torch": torch.__version__, "args": vars(args), "rows": rows}
     if args.predict and len({row["J"] for row in report["rows"]}) > 1:
         report["predictions"] = predictions(report, args.predict)
@@ -213,7 +211,3 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"predicted {variant} seq {seq_len}: {at}{checked}")
     print(f"saved {output}")
     return report
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,8 @@
-"""benchmarks/memory.py's worker: PETRA, its two delayed-gradient ablations and DeepSpeed's 1F1B on one
-RevGPT, one stage per process, each stage measuring what it holds after every clock (PETRA) or schedule
-step (1F1B) with ``petra_ds.diagnostics.held``'s tracker; :func:`launch` returns every stage's trace."""
+"""The held-memory benchmark's worker (``python -m benchmarks.memory``): PETRA, its two delayed-gradient ablations
+and DeepSpeed's 1F1B on one RevGPT, one stage per process, each stage measuring what it holds after every clock
+(PETRA) or schedule step (1F1B) with ``petra_ds.diagnostics.held``'s tracker; :func:`launch` returns every stage's
+trace. The processes are started by reference to :func:`run_rank` (``petra_ds.tools.spawn``) and import this module
+through the caller's import path, which holds the repository root."""
 
 from __future__ import annotations
 

@@ -1,18 +1,17 @@
 """Time to quality: the wall time PETRA and the fastest pipeline peer need to reach the validation loss
 that backprop reaches at step N, on the same processes, model, text and optimizer.
 
-    OMP_NUM_THREADS=1 python benchmarks/time_to_loss.py --peer 1f1b --steps 320
+    OMP_NUM_THREADS=1 python -m benchmarks.accuracy time-to-loss --peer 1f1b --steps 320
 
-The peer is a backprop pipeline (DeepSpeed's ``1f1b``, ``1f1b_ckpt``, ``naive_mp`` or one of torch's
-``torch_*`` schedules, as in throughput.py); its gradients are backprop's, so the target is the peer's own
-validation loss at step N. PETRA (``--compensation``, default its best: weight prediction) then trains
-until its validation loss reaches that target, at most ``--max-steps``; with ``--petra-micro-batches K
-[K ...]``, once per K, the same global batch split into K micro-batches (what a smaller micro-batch costs
-in speed against what it buys in loss). Both use AdamW with DeepSpeed's warm-up + cosine schedule over
-``--max-steps``, so the peer's step N is not the end of its schedule and PETRA has the same learning rates
-to catch up with. A RevGPT with the LM example's defaults (8 blocks,
-d = 256, seq 128, dropout 0.1, BPE 4096, micro-batch 4, k = 4, lr 3e-4) on this Python's standard-library
-docstrings (``lm_accuracy.stdlib_corpus``).
+The peer is a backprop pipeline (DeepSpeed's ``1f1b``, ``1f1b_ckpt``, ``naive_mp`` or one of torch's ``torch_*``
+schedules, as in the throughput benchmark, ``python -m benchmarks.peers``); its gradients are backprop's, so the
+target is the peer's own validation loss at step N. PETRA (``--compensation``, default its best: weight prediction)
+then trains until its validation loss reaches that target, at most ``--max-steps``; with ``--petra-micro-batches K
+[K ...]``, once per K, the same global batch split into K micro-batches (what a smaller micro-batch costs in speed
+against what it buys in loss). Both use AdamW with DeepSpeed's warm-up + cosine schedule over ``--max-steps``, so
+the peer's step N is not the end of its schedule and PETRA has the same learning rates to catch up with. A RevGPT
+with the LM example's defaults (8 blocks, d = 256, seq 128, dropout 0.1, BPE 4096, micro-batch 4, k = 4, lr 3e-4)
+on this Python's standard-library docstrings (``lm_accuracy.stdlib_corpus``).
 
 Wall time counts the training calls only: every ``--eval-every`` steps the ranks meet, the slowest rank's
 training seconds so far are recorded, and the validation loss (the same ``--eval-batches`` held-out
@@ -22,12 +21,12 @@ and a PNG of both curves against wall time (``--output`` to choose). A run takes
 rank 0 of each race shows a progress bar on stderr and a line per evaluation (step, validation loss,
 training and elapsed seconds).
 
-Under a memory cap: after its race each run measures every rank's peak memory over one more step, off the
-clock, as the allocator sees it (``throughput.peak_allocated``), and each PETRA race says whether the peer's
-largest rank fits under its own (``peer_fits``). Race the fastest peer configuration that fits PETRA's
-peak (``memory_capped.py``'s table) to answer "which trains to this loss fastest in PETRA's memory?"; the
-peer may take a smaller micro-batch than PETRA at the same global batch (``--micro-batch-size 2
---micro-batches 8 --petra-micro-batches 4``: the peer at 2 x 8, PETRA at 4 x 4).
+Under a memory cap: after its race each run measures every rank's peak memory over one more step, off the clock, as
+the allocator sees it (``throughput.peak_allocated``), and each PETRA race says whether the peer's largest rank
+fits under its own (``peer_fits``). Race the fastest peer configuration that fits PETRA's peak (the table of
+``python -m benchmarks.memory capped``) to answer "which trains to this loss fastest in PETRA's memory?"; the peer
+may take a smaller micro-batch than PETRA at the same global batch (``--micro-batch-size 2 --micro-batches 8
+--petra-micro-batches 4``: the peer at 2 x 8, PETRA at 4 x 4).
 """
 
 from __future__ import annotations
@@ -44,11 +43,9 @@ from tqdm import tqdm
 
 from petra_ds.runtime.config import MUON_LR_RATIO
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import throughput  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-from example_runs import save_report  # noqa: E402
-from lm_accuracy import stdlib_corpus  # noqa: E402
+from . import throughput
+from .example_runs import save_report
+from .lm_accuracy import stdlib_corpus
 
 ROOT = throughput.ROOT
 PEERS = throughput.PEERS
@@ -57,7 +54,7 @@ PEERS = throughput.PEERS
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer", choices=PEERS, required=True,
-                   help="the backprop pipeline to race (the fastest in throughput.py's report)")
+                   help="the backprop pipeline to race (the fastest in the throughput benchmark's report)")
     p.add_argument("--compensation", default="weight_prediction",
                    help="PETRA's delay_compensation: a method name or a JSON list / object")
     p.add_argument("--petra-optimizer", default="adamw", choices=("adamw", "muon"),
@@ -103,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_args(args: argparse.Namespace, vocab: int) -> argparse.Namespace:
-    """throughput.py's arguments for the same RevGPT, so both scripts build it one way."""
+    """The throughput benchmark's arguments for the same RevGPT, so both benchmarks build it one way."""
     return throughput.parse_args([
         "--model", "revgpt", "--stages", str(args.stages), "--micro-batches", str(args.micro_batches),
         "--micro-batch-size", str(args.micro_batch_size), "--layers", str(args.layers),
@@ -286,8 +283,8 @@ def launch(args: argparse.Namespace, method: str, argv: list[str], data_dir: str
            split: int | None = None) -> dict:
     result = os.path.join(data_dir, f"{method}{split or ''}.json")
     extra = ([] if target is None else ["--target", repr(target)]) + ([] if split is None else ["--split", str(split)])
-    throughput.run_launched(__file__, args.stages, [*argv, "--worker", method, "--data-dir", data_dir,
-                                                    "--result", result, *extra],
+    throughput.run_launched(__spec__.name, args.stages, [*argv, "--worker", method, "--data-dir", data_dir,
+                                                         "--result", result, *extra],
                             dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1"))  # Muon's kernel eager
     with open(result) as f:
         return json.load(f)
@@ -356,7 +353,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         run["time_over_peer"] = None if mine is None else mine / peer
         if name != args.peer:  # the peer's largest rank under this race's: the race is under PETRA's cap
             run["peer_fits"] = runs[args.peer]["peak"] <= run["peak"]
-    report = {"command": "python benchmarks/time_to_loss.py " + " ".join(argv), "device": throughput.device_name(),
+    report = {"command": "python -m benchmarks.accuracy time-to-loss " + " ".join(argv),
+              "device": throughput.device_name(),
               "torch": torch.__version__, "args": vars(args), "target_val_loss": target, "runs": runs,
               "petra_time_over_peer": runs[petra_name(args, splits[0])]["time_over_peer"]}
     tag = "gpu" if torch.cuda.is_available() else "cpu"
@@ -374,5 +372,5 @@ def main(argv: list[str] | None = None) -> dict | None:
     return report
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the processes launch starts (python -m benchmarks.lib.time_to_loss --worker ...)
     main()

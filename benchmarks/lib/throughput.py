@@ -1,8 +1,8 @@
 """Training throughput of PETRA beside plain backprop and DeepSpeed's own pipeline, in one run.
 
-    OMP_NUM_THREADS=1 python benchmarks/throughput.py --model revgpt --stages 2     # CPU, 2 processes
-    OMP_NUM_THREADS=1 python benchmarks/throughput.py --model revnet --stages 2
-    python benchmarks/throughput.py --model revgpt --stages 8 --d-model 1024        # 8 GPUs
+    OMP_NUM_THREADS=1 python -m benchmarks.peers --model revgpt --stages 2     # CPU, 2 processes
+    OMP_NUM_THREADS=1 python -m benchmarks.peers --model revnet --stages 2
+    python -m benchmarks.peers --model revgpt --stages 8 --d-model 1024        # 8 GPUs
 
 Variants, each in fresh processes under the deepspeed launcher, same layers, micro-batch and optimizer
 (torch Adam), timed after a warm-up that fills PETRA's pipeline:
@@ -14,7 +14,7 @@ Variants, each in fresh processes under the deepspeed launcher, same layers, mic
     petra       petra_ds, no activation or weight buffer for reversible stages, no flush
     torch_*     torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B,
                 ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV, each also with
-                torch's activation checkpointing of every block (``_ckpt``); see torch_pipe.py
+                torch's activation checkpointing of every block (``_ckpt``); see ``torch_pipe``
 
 Every pipelined variant uses the same partition method (``--partition``; by default as many transformer
 blocks per stage for the RevGPT, DeepSpeed's ``uniform`` for the RevNet) and --stages processes; with
@@ -52,11 +52,8 @@ import time
 import torch
 from torch.nn import functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import torch_pipe  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-from example_runs import save_report  # noqa: E402
+from . import torch_pipe
+from .example_runs import ROOT, module_env, save_report
 
 VARIANTS = ("single", "naive_mp", "1f1b", "1f1b_ckpt", "petra", *torch_pipe.VARIANTS)
 #: the ratios the issue asks for: (numerator, denominator)
@@ -510,7 +507,7 @@ def launch(args: argparse.Namespace, variant: str, argv: list[str]) -> dict:
         env["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
-        run_launched(__file__, 1 if variant == "single" else args.stages,
+        run_launched(__spec__.name, 1 if variant == "single" else args.stages,
                      [*argv, "--worker", variant, "--result", result], env)
         with open(result) as f:
             return json.load(f)
@@ -526,16 +523,17 @@ def report_of(argv: list[str]) -> dict:
             return json.load(f)
 
 
-def run_launched(script: str, procs: int, argv: list[str], env: dict) -> None:
-    """``script argv`` on ``procs`` processes under the deepspeed launcher, from the repository root."""
+def run_launched(module: str, procs: int, argv: list[str], env: dict) -> None:
+    """``python -m module argv`` on ``procs`` processes under the deepspeed launcher, from the repository root
+    (and with it on PYTHONPATH, so that ``benchmarks`` imports)."""
     from petra_ds.runtime.distributed import free_port
     from petra_ds.tools.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
 
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [deepspeed, "--num_gpus", str(procs), "--master_port", str(free_port()), os.path.abspath(script), *argv]
+    cmd = [deepspeed, "--num_gpus", str(procs), "--master_port", str(free_port()), "--module", module, *argv]
     before = deepspeed_shm_buffers()
     try:
-        subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, cwd=ROOT, check=True, env=module_env(env), stdout=subprocess.DEVNULL)
     finally:
         remove_deepspeed_shm_buffers(before)  # DeepSpeed's CPU comm op never unlinks them
 
@@ -598,7 +596,7 @@ def main(argv: list[str] | None = None) -> None:
     median_ratios = {f"{a}/{b}": variants[a]["median_samples_per_s"] / variants[b]["median_samples_per_s"]
                      for a, b in RATIOS if a in variants and b in variants}
     report = {
-        "command": "python benchmarks/throughput.py " + " ".join(argv),
+        "command": "python -m benchmarks.peers " + " ".join(argv),
         "device": device_name(), "torch": torch.__version__, "threads_per_process": args.threads,
         "model": args.model, "stages": args.stages, "micro_batches": args.micro_batches,
         "micro_batch_size": args.micro_batch_size, "ds_streams": "pair" if args.ds_pairs else "stacked",
@@ -644,5 +642,5 @@ def main(argv: list[str] | None = None) -> None:
     print(f"saved {output}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the processes run_launched starts (python -m benchmarks.lib.throughput --worker ...)
     main()

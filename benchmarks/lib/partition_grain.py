@@ -1,30 +1,28 @@
 """What a finer partition grain buys: RevGPT's best cut from whole blocks against one from attention and MLP halves.
 
-    OMP_NUM_THREADS=1 python benchmarks/partition_grain.py --stages 2 4 8 --rounds 3
+    OMP_NUM_THREADS=1 python -m benchmarks.peers grain --stages 2 4 8 --rounds 3
 
 Each round measures every layer's costs at the half grain (``petra_ds.tools.run_partition.measure_specs``, the
-measurement of ``--partition profile``) on one micro-batch of throughput.py's RevGPT, in this process. The block
-grain's costs are the sums of each block's two halves: the same measurement cut two ways, so timing noise between
-two measurements does not enter the comparison (what the extra layer boundary costs at run time is
-throughput.py's to measure, with ``--grain half``). For each J and grain, PETRA's best cut (``balanced_parts``)
-gives a slowest stage, which sets PETRA's clock, and an imbalance (slowest stage over the mean stage, minus 1; 0:
-even). Reported per J: the medians over rounds of both grains' slowest stage and imbalance, and the clock ratio
-half / block (below 1: the finer grain is faster). Saves JSON (``--output``) and prints the table.
+measurement of ``--partition profile``) on one micro-batch of the throughput benchmark's RevGPT, in this process.
+The block grain's costs are the sums of each block's two halves: the same measurement cut two ways, so timing noise
+between two measurements does not enter the comparison (what the extra layer boundary costs at run time is the
+throughput benchmark's to measure, ``python -m benchmarks.peers --grain half``). For each J and grain, PETRA's best
+cut (``balanced_parts``) gives a slowest stage, which sets PETRA's clock, and an imbalance (slowest stage over the
+mean stage, minus 1; 0: even). Reported per J: the medians over rounds of both grains' slowest stage and imbalance,
+and the clock ratio half / block (below 1: the finer grain is faster). Saves JSON (``--output``) and prints the
+table.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from example_runs import save_report  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+from .example_runs import save_report
 
 
 def measure(args: argparse.Namespace, grain: str) -> list:
@@ -61,7 +59,8 @@ def cut(costs: list, num_stages: int) -> dict:
     return {"parts": parts, "stage_s": stages, "slowest_s": max(stages), "imbalance": imbalance(costs, parts)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8], help="PETRA depths J")
     p.add_argument("--rounds", type=int, default=3)
@@ -74,7 +73,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="runs/benchmarks/partition_grain.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if max(args.stages) > args.layers + 3:
         p.error(f"--stages {max(args.stages)}: the block grain has only {args.layers + 3} layers to cut")
     torch.set_num_threads(args.threads)
@@ -95,7 +94,7 @@ def main() -> None:
         row["clock_half_over_block"] = statistics.median(
             rd["cuts"][J]["half"]["slowest_s"] / rd["cuts"][J]["block"]["slowest_s"] for rd in rounds)
         table.append(row)
-    report = {"command": "python benchmarks/partition_grain.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+    report = {"command": "python -m benchmarks.peers grain " + " ".join(argv), "torch": torch.__version__,
               "model": {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq_len", "vocab_size",
                                                        "micro_batch_size")},
               "threads": args.threads, "table": table, "rounds": rounds}
@@ -108,6 +107,3 @@ def main() -> None:
         print(f"| {row['J']} | {row['block_slowest_s']:.4f}, {100 * row['block_imbalance']:.1f}% | "
               f"{row['half_slowest_s']:.4f}, {100 * row['half_imbalance']:.1f}% | {row['clock_half_over_block']:.3f} |")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """RevNet18 on 10 GPUs and RevGPT on 8, one stage per GPU: PETRA, DeepSpeed's 1F1B and torch's DualPipeV,
 predicted by the timeline model (``petra_ds.perf``) from what one GPU measured and what the host costs.
 
-    python benchmarks/predict_gpus.py          # from the first H100 run (benchmarks/results/gpu_h100_first_run_inputs.json)
-    python benchmarks/predict_gpus.py --inputs benchmarks/results/gpu_<device>.json   # from a run of benchmarks/gpu.py
+    python -m benchmarks.gpu predict     # from the first H100 run (benchmarks/results/gpu_h100_first_run_inputs.json)
+    python -m benchmarks.gpu predict --inputs benchmarks/results/gpu_<device>.json   # from python -m benchmarks.gpu
 
 Where each input comes from (the JSON repeats it per model):
 
@@ -13,9 +13,9 @@ Where each input comes from (the JSON repeats it per model):
   Assumed: the CPU's shape holds on a GPU.
 - **host seconds per stage and micro-batch** (measured, then assumed): PETRA's host seconds per micro-batch on
   the one GPU, all stages together, per op it dispatched; times the ops each stage dispatches (counted on CPU at
-  the model's depth, heads, stages and k by ``benchmarks/host_overhead.py``; counts do not depend on width,
+  the model's depth, heads, stages and k by ``python -m benchmarks.host_overhead``; counts do not depend on width,
   sequence or batch). A peer's host time: PETRA's over the ratio of the two on negligible layers in one process
-  (``host_overhead.py``'s time part, for the code that ran), spread over the stages as plain backprop's ops.
+  (the host-overhead benchmark's time part, for the code that ran), spread over the stages as plain backprop's ops.
   Assumed: a rank's host costs what its share of the one process did, and with no host synchronisation inside
   a ``train_batch`` each stage's micro-batch takes max(device, host).
 - **this commit's PETRA** on a run of older code, two ways: host time as the ops counted now (each op costing
@@ -36,13 +36,10 @@ from typing import Any
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from . import host_overhead
+from .example_runs import ROOT, save_report
 
-import host_overhead  # noqa: E402
-from example_runs import save_report  # noqa: E402
-
-RESULTS = os.path.join(HERE, "results")
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 TARGETS = {"revnet18": 10, "revgpt": 8}
 VARIANTS = ("petra", "1f1b", "torch_dualpipev")
 #: which of host_overhead's time variants measures each peer's host time (and plain backprop's)
@@ -56,7 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inputs", default=os.path.join(RESULTS, "gpu_h100_first_run_inputs.json"))
     parser.add_argument("--host-overhead", default=os.path.join(RESULTS, "host_overhead_cpu.json"),
-                        help="host_overhead.py's report of this commit: PETRA's host time against the peers'")
+                        help="the host-overhead benchmark's report of this commit: PETRA's host time against the "
+                             "peers'")
     parser.add_argument("--output", default=None)
     return parser.parse_args(argv)
 
@@ -171,7 +169,8 @@ def print_model(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(1)
     import petra_ds
@@ -182,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.inputs) as f:
         inputs = json.load(f)
     if inputs.get("tiny"):
-        raise SystemExit(f"{args.inputs} is a --tiny run of benchmarks/gpu.py: predict from a run at its default "
-                         "sizes (the op counts here are those of its 12-block RevGPT and RevNet18)")
+        raise SystemExit(f"{args.inputs} is a --tiny run of python -m benchmarks.gpu: predict from a run at its "
+                         "default sizes (the op counts here are those of its 12-block RevGPT and RevNet18)")
     with open(args.host_overhead) as f:
         now = {"ops": None, "ratios": host_ratios(json.load(f))}
     ran = now
@@ -192,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             before = json.load(f)
         ran = {"ops": {(r["model"], r["dtype"]): r["petra_ops"] for r in before["ops"] if r["check_finite"]},
                "ratios": host_ratios(before)}
-    report = {"command": "python benchmarks/predict_gpus.py " + " ".join(argv or sys.argv[1:]),
-              "inputs": os.path.relpath(args.inputs, os.path.dirname(HERE)), "device": inputs["device"],
+    report = {"command": "python -m benchmarks.gpu predict " + " ".join(argv),
+              "inputs": os.path.relpath(args.inputs, ROOT), "device": inputs["device"],
               "link_bytes_per_s": LINK_BYTES_PER_S, "models": {}}
     for row in inputs["time"]:
         if row["model"] not in TARGETS:
@@ -205,6 +204,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"saved {save_report(args.output or os.path.join(RESULTS, f'predict_gpus_{stem}.json'), report)}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

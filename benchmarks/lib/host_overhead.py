@@ -1,0 +1,407 @@
+"""What a PETRA clock costs the host, measured without a GPU: aten ops per micro-batch, host syncs per
+``train_batch``, and host time per clock on layers of negligible cost, against the schedules a user could pick.
+
+    python -m benchmarks.host_overhead             # everything below, CPU, one process (about 2 min)
+    python -m benchmarks.host_overhead --tiny      # the same on small sizes (what the tests check)
+    python -m benchmarks.host_overhead --parts ops syncs
+
+One process hosts all J stages (the paper's single-device setting, the same engine as on J ranks):
+
+- ``ops``: aten ops dispatched per micro-batch at steady state (``petra_ds.diagnostics.host_cost.OpCounter``),
+  PETRA against plain forward + backward of the same layers with the same optimizer (torch's fused AdamW,
+  the step's ops shared over its k micro-batches), fp32 and bf16 (plain: each layer under autocast, its
+  output back to fp32, as at a PETRA stage boundary), with ``check_finite`` on and off; per stage too,
+  first / FIFO (non-reversible middle) / reconstructing / last, against the plain forward + backward of that
+  stage's layers. The models have the depth, stages, heads, k and optimizer of ``python -m benchmarks.gpu`` (RevGPT:
+  12 blocks, J = 4; RevNet18: J = 10), narrowed in width, sequence and batch, which change no count
+  (``tests/test_host_overhead.py`` checks that). On a GPU each op is at least one kernel launch.
+- ``syncs``: host reads of device values inside one steady-state ``train_batch`` (``HostSyncs``), with
+  the line that made each.
+- ``time``: host seconds per ``train_batch`` of a RevGPT with negligible compute (d 8, seq 4), medians over
+  interleaved rounds: PETRA (J stages), DeepSpeed's ``PipelineEngine`` with one stage, torch's
+  ``Schedule1F1B`` with one stage and plain backprop, all with the same layers, micro-batches and optimizer;
+  PETRA's host microseconds per stage-clock (time / (k J)) beside DeepSpeed's per micro-batch per stage.
+
+Writes ``benchmarks/results/host_overhead_cpu.json`` (``--output`` to choose) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from .example_runs import save_report
+
+PARTS = ("ops", "syncs", "time")
+MODELS = ("revgpt", "revnet18")
+#: what changes an op count is kept from the GPU benchmark (blocks, stages, heads, k); the rest is narrowed
+FULL = {"k": 4, "revgpt_blocks": 12, "revgpt_heads": 12, "revgpt_d": 96, "revgpt_seq": 16, "revgpt_batch": 2,
+        "revgpt_stages": 4, "revnet_width": 8, "revnet_image": 8, "revnet_batch": 2, "revnet_stages": 10,
+        "time_blocks": 8, "time_stages": 4, "rounds": 30, "calls": 3}
+TINY = {"k": 4, "revgpt_blocks": 4, "revgpt_heads": 2, "revgpt_d": 16, "revgpt_seq": 8, "revgpt_batch": 2,
+        "revgpt_stages": 3, "revnet_width": 4, "revnet_image": 8, "revnet_batch": 2, "revnet_stages": 10,
+        "time_blocks": 4, "time_stages": 2, "rounds": 2, "calls": 4}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    tiny = "--tiny" in argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="small sizes (what the tests check)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    for name, value in (TINY if tiny else FULL).items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=value)
+    parser.add_argument("--output", default=None)
+    return parser.parse_args(argv)
+
+
+# --- models ---
+
+def model(name: str, args: argparse.Namespace, *, d: int | None = None, seq: int | None = None,
+          blocks: int | None = None, stages: int | None = None, heads: int | None = None) -> dict[str, Any]:
+    """Layer specs, loss, partition method, J, micro-batch size and a micro-batch maker for ``name``."""
+    from torch.nn import functional as F
+
+    if name == "revnet18":
+        from petra_ds.models.revnet import revnet_layers
+
+        size, image = args.revnet_batch, args.revnet_image
+
+        def batch(g: torch.Generator) -> tuple:
+            return torch.randn(size, 3, image, image, generator=g), torch.randint(10, (size,), generator=g)
+
+        return {"specs": revnet_layers(18, num_classes=10, cifar=True, base_width=args.revnet_width),
+                "loss": F.cross_entropy, "partition": "uniform", "J": stages or args.revnet_stages,
+                "size": size, "batch": batch}
+    from petra_ds.models.transformer import RevGPTConfig, lm_loss, revgpt_layers
+
+    config = RevGPTConfig(vocab_size=64, seq_len=seq or args.revgpt_seq, d_model=d or args.revgpt_d,
+                          n_layers=blocks or args.revgpt_blocks, n_heads=heads or args.revgpt_heads, dropout=0.0)
+    size = args.revgpt_batch
+
+    def batch(g: torch.Generator) -> tuple:
+        ids = torch.randint(config.vocab_size, (size, config.seq_len + 1), generator=g)
+        return ids[:, :-1], ids[:, 1:]
+
+    return {"specs": revgpt_layers(config), "loss": lm_loss, "partition": "type:RevGPTBlock",
+            "J": stages or args.revgpt_stages, "size": size, "batch": batch}
+
+
+def data(m: dict, count: int = 4) -> itertools.cycle:
+    g = torch.Generator().manual_seed(0)
+    return itertools.cycle([m["batch"](g) for _ in range(count)])
+
+
+OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True, "fused": True}}
+
+
+def torch_optimizer(params) -> torch.optim.Optimizer:
+    """The optimizer of every variant: what ``OPTIMIZER`` builds in DeepSpeed (torch's fused AdamW)."""
+    options = {k: v for k, v in OPTIMIZER["params"].items() if k != "torch_adam"}
+    return torch.optim.AdamW(params, **options)
+
+
+def petra_engine(m: dict, k: int, bf16: bool = False, petra: dict | None = None, pipe: int = 1):
+    """PETRA on ``m``'s J stages over ``pipe`` pipeline ranks (1: all of them in this process)."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    import petra_ds
+
+    per_rank = m["J"] // pipe
+    module = petra_ds.PetraPipelineModule(m["specs"], topology=PipeDataParallelTopology(num_pp=pipe, num_dp=1),
+                                          loss_fn=m["loss"], stages_per_rank=per_rank,
+                                          partition_method=m["partition"], base_seed=0)
+    config = {"train_micro_batch_size_per_gpu": m["size"], "gradient_accumulation_steps": k,
+              "optimizer": OPTIMIZER, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+              "petra": {"stages_per_rank": per_rank, **(petra or {})}}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    engine, *_ = petra_ds.initialize(model=module, config=config)
+    return engine
+
+
+def fill_calls(J: int, k: int) -> int:
+    """``train_batch`` calls after which every clock of a call is a steady-state clock, plus one."""
+    return math.ceil(2 * (J - 1) / k) + 1
+
+
+def plain_model(m: dict, bf16: bool) -> tuple[torch.nn.ModuleList, Callable]:
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([spec.build(log=False) for spec in m["specs"]])
+
+    def run(x: Any, chosen: Any = None) -> Any:
+        for layer in (layers if chosen is None else chosen):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                x = layer(x)
+            if bf16:  # back to fp32 streams, as at a PETRA stage boundary
+                x = tuple(t.float() for t in x) if isinstance(x, tuple) else x.float()
+        return x
+
+    return layers, run
+
+
+# --- ops ---
+
+def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: bool = True, **sizes: int) -> dict:
+    """Ops per micro-batch: PETRA's total and per stage, plain's total and per stage."""
+    from petra_ds.diagnostics.host_cost import InstructionScopes, OpCounter
+
+    m, k = model(name, args, **sizes), args.k
+    engine = petra_engine(m, k, bf16, {"check_finite": check_finite})
+    stream = data(m)
+    for _ in range(fill_calls(m["J"], k)):
+        engine.train_batch(stream)
+    counter = OpCounter()
+    scopes = engine.observe(InstructionScopes(counter))
+    with counter:
+        engine.train_batch(stream)
+    engine.unobserve(scopes)
+    per_stage: dict[int, float] = {j: 0.0 for j in range(m["J"])}
+    for scope, total in counter.scope_totals().items():
+        if scope is not None and scope[0] is not None:
+            per_stage[scope[0]] += total / k
+    kinds = {j: stage_kind(st) for j, st in engine.stages.items()}
+    parts = [int(p) for p in engine.module.petra_parts]
+    plain_total, plain_stages = count_plain(m, k, bf16, parts)
+    return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
+            "petra_ops": counter.total / k, "plain_ops": plain_total, "ratio": counter.total / k / plain_total,
+            "engine_ops": counter.scope_totals().get(None, 0) / k, "parts": parts,
+            "layers": [getattr(spec, "typename", type(spec)).__name__ for spec in m["specs"]],
+            "stages": [{"stage": j, "kind": kinds[j], "petra_ops": per_stage[j], "plain_ops": plain_stages[j],
+                        "ratio": per_stage[j] / plain_stages[j]} for j in range(m["J"])],
+            "petra_by_op": {op: n / k for op, n in counter.by_name.most_common()}}
+
+
+def stage_kind(stage: Any) -> str:
+    if stage.is_first:
+        return "first"
+    if stage.is_last:
+        return "last"
+    return "reconstructing" if stage.reconstructs else "fifo"
+
+
+def count_plain(m: dict, k: int, bf16: bool, parts: list[int]) -> tuple[float, list[float]]:
+    """Plain backprop's ops per micro-batch: the whole model (k forward + backward, clipping and one optimizer
+    step, shared over k), and per stage of ``parts`` (the stage's layers alone: forward and backward from a
+    detached input, and the stage's share of the step)."""
+    from petra_ds.diagnostics.host_cost import OpCounter
+
+    whole = count_plain_by_op(m, k, bf16)
+    layers, run = plain_model(m, bf16)
+    stream = data(m)
+    stages = []
+    x, labels = next(stream)
+    for j in range(len(parts) - 1):
+        chosen = layers[parts[j]:parts[j + 1]]
+        stage_optimizer = torch_optimizer(chosen.parameters())
+        leaf = _leaf(x)
+        with OpCounter() as counter:
+            out = run(leaf, chosen)
+            if j == len(parts) - 2:
+                (m["loss"](out, labels) / k).backward()
+            else:
+                torch.autograd.backward(list(_tuple(out)), [torch.ones_like(t) for t in _tuple(out)])
+        stage_optimizer.step()  # the step's first call creates its state: count the second
+        stage_optimizer.zero_grad(set_to_none=True)
+        for p in chosen.parameters():
+            p.grad = torch.zeros_like(p)
+        with OpCounter() as step:
+            torch.nn.utils.clip_grad_norm_(chosen.parameters(), 1.0)
+            stage_optimizer.step()
+        stage_optimizer.zero_grad(set_to_none=True)
+        stages.append(counter.total + step.total / k)
+        with torch.no_grad():
+            x = run(x, chosen)
+    return sum(whole.values()), stages
+
+
+def count_plain_by_op(m: dict, k: int, bf16: bool) -> dict[str, float]:
+    """Plain backprop's ops per micro-batch by name: k forward + backward passes, clipping and one optimizer
+    step (shared over the k), at the second call."""
+    from petra_ds.diagnostics.host_cost import OpCounter
+
+    train_batch = _plain_call(m, k, bf16)
+    train_batch()
+    with OpCounter() as counter:
+        train_batch()
+    return {op: n / k for op, n in counter.by_name.most_common()}
+
+
+def _tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _leaf(x: Any) -> Any:
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in _tuple(x)]
+    return tuple(leaves) if isinstance(x, (tuple, list)) else leaves[0]
+
+
+# --- syncs ---
+
+def count_syncs(name: str, args: argparse.Namespace, bf16: bool) -> dict:
+    """Host reads inside one steady-state ``train_batch`` (the returned loss is not read)."""
+    from petra_ds.diagnostics.host_cost import HostSyncs
+
+    m, k = model(name, args), args.k
+    engine = petra_engine(m, k, bf16)
+    stream = data(m)
+    for _ in range(fill_calls(m["J"], k)):
+        engine.train_batch(stream)
+    with HostSyncs() as syncs:
+        engine.train_batch(stream)
+    return {"model": name, "dtype": "bf16" if bf16 else "fp32", "syncs": syncs.count, "where": dict(syncs.where)}
+
+
+# --- host time on layers of negligible cost ---
+
+def time_variants(args: argparse.Namespace) -> dict:
+    """Seconds per ``train_batch`` of each variant on the same negligible layers, rounds interleaved."""
+    m = model("revgpt", args, d=8, seq=4, blocks=args.time_blocks, stages=args.time_stages, heads=2)
+    k = args.k
+    builders = {"petra": lambda: _petra_call(m, k), "deepspeed_1f1b_one_stage": lambda: _deepspeed_call(m, k),
+                "torch_1f1b_one_stage": lambda: _torch_call(m, k), "plain": lambda: _plain_call(m, k)}
+    calls = {name: build() for name, build in builders.items()}
+    for call in calls.values():
+        for _ in range(fill_calls(m["J"], k) + 1):
+            call()
+    rounds: dict[str, list[float]] = {name: [] for name in builders}
+    names = list(calls)
+    # a round times every variant in turn, a few calls each, starting at the next variant each round: a slow
+    # spell of the machine hits them all alike
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            seconds = []
+            for _ in range(args.calls):
+                start = time.process_time()
+                calls[name]()
+                seconds.append(time.process_time() - start)
+            rounds[name].append(statistics.median(seconds))
+    medians = {name: statistics.median(values) for name, values in rounds.items()}
+    J = m["J"]
+    return {"J": J, "k": k, "blocks": args.time_blocks, "rounds": rounds, "seconds_per_call": medians,
+            "petra_us_per_stage_clock": medians["petra"] / (k * J) * 1e6,
+            "deepspeed_us_per_micro_batch_per_stage": medians["deepspeed_1f1b_one_stage"] / k * 1e6,
+            "petra/deepspeed": medians["petra"] / medians["deepspeed_1f1b_one_stage"],
+            "petra/torch": medians["petra"] / medians["torch_1f1b_one_stage"],
+            "petra/plain": medians["petra"] / medians["plain"]}
+
+
+def _petra_call(m: dict, k: int) -> Callable[[], Any]:
+    engine, stream = petra_engine(m, k), data(m)
+    return lambda: engine.train_batch(stream)
+
+
+def _deepspeed_call(m: dict, k: int) -> Callable[[], Any]:
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    module = PipelineModule(layers=m["specs"], num_stages=1, loss_fn=m["loss"], partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": m["size"], "gradient_accumulation_steps": k,
+              "optimizer": OPTIMIZER, "steps_per_print": 10**9, "gradient_clipping": 1.0}
+    engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=module.parameters())
+    stream = data(m)
+    return lambda: engine.train_batch(stream)
+
+
+def _torch_call(m: dict, k: int) -> Callable[[], Any]:
+    from torch.distributed import pipelining
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[spec.build(log=False) for spec in m["specs"]])
+    stage = pipelining.PipelineStage(module, 0, 1, torch.device("cpu"))
+    schedule = pipelining.Schedule1F1B(stage, k, loss_fn=m["loss"])
+    optimizer = torch_optimizer(module.parameters())
+    batches = [next(data(m)) for _ in range(k)]
+    x, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+    def call() -> None:
+        schedule.step(x, target=labels)
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return call
+
+
+def _plain_call(m: dict, k: int, bf16: bool = False) -> Callable[[], Any]:
+    """A plain backprop ``train_batch``: k forward + backward passes, clipping, one optimizer step."""
+    layers, run = plain_model(m, bf16)
+    optimizer, stream = torch_optimizer(layers.parameters()), data(m)
+
+    def call() -> None:
+        for _ in range(k):
+            x, labels = next(stream)
+            (m["loss"](run(x), labels) / k).backward()
+        torch.nn.utils.clip_grad_norm_(layers.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return call
+
+
+# --- the report ---
+
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
+    """The report of the parts ``args`` names; ``argv``: the command line it records (default: this process's)."""
+    argv = sys.argv[1:] if argv is None else argv
+    report: dict[str, Any] = {"command": "python -m benchmarks.host_overhead " + " ".join(argv),
+                              "machine": f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                              "torch": torch.__version__, "sizes": {n: getattr(args, n) for n in FULL}}
+    if "time" in args.parts:  # first, in a process that has built nothing else: the counting parts' engines and
+        report["time"] = time_variants(args)  # garbage slowed PETRA's host by a fifth when it came after them
+    if "ops" in args.parts:
+        report["ops"] = [count_ops(name, args, bf16, check_finite)
+                         for name in args.models for bf16 in (False, True) for check_finite in (True, False)]
+        for row in report["ops"]:
+            off = next(r for r in report["ops"] if r["model"] == row["model"] and r["dtype"] == row["dtype"]
+                       and not r["check_finite"])
+            row["check_finite_cost"] = row["petra_ops"] / off["petra_ops"] - 1
+    if "syncs" in args.parts:
+        report["syncs"] = [count_syncs(name, args, bf16) for name in args.models for bf16 in (False, True)]
+    return report
+
+
+def print_report(report: dict) -> None:
+    for row in report.get("ops", []):
+        stages = ", ".join(f"{s['stage']} {s['kind']} {s['ratio']:.2f}x" for s in row["stages"])
+        print(f"ops/micro-batch {row['model']:8s} {row['dtype']} check_finite={row['check_finite']!s:5s}: "
+              f"PETRA {row['petra_ops']:.0f} vs plain {row['plain_ops']:.0f} = {row['ratio']:.3f}x "
+              f"(check_finite +{row['check_finite_cost']:.1%}); per stage: {stages}")
+    for row in report.get("syncs", []):
+        print(f"host syncs per train_batch {row['model']:8s} {row['dtype']}: {row['syncs']} {row['where']}")
+    if "time" in report:
+        t = report["time"]
+        print(f"host time per train_batch (negligible layers, J={t['J']}, k={t['k']}): "
+              + ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in t["seconds_per_call"].items())
+              + f"; PETRA/DeepSpeed {t['petra/deepspeed']:.2f}x, PETRA/torch {t['petra/torch']:.2f}x, "
+              f"PETRA/plain {t['petra/plain']:.2f}x; PETRA {t['petra_us_per_stage_clock']:.0f} us per stage-clock, "
+              f"DeepSpeed {t['deepspeed_us_per_micro_batch_per_stage']:.0f} us per micro-batch per stage")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    torch.set_num_threads(1)
+    import petra_ds
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        petra_ds.init_distributed(dist_backend="gloo")
+    report = run(args, argv)
+    print_report(report)
+    name = f"host_overhead_cpu{'_tiny' if args.tiny else ''}.json"
+    output = args.output or os.path.join("benchmarks", "results", name)
+    print(f"saved {save_report(output, report)}")
+    return 0
+

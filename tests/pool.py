@@ -127,11 +127,17 @@ def _serve(rank: int, world: int, conn: Any, parent: int) -> None:
 
 # --- the test process's side ---
 
+#: what the fork server imports once, beside ``petra_ds``: the examples' heavy imports (scikit-learn's digits,
+#: torchvision, matplotlib's pyplot, the Hugging Face decoders), about 6 s per rank of every example launch
+EXAMPLE_IMPORTS = ("sklearn.datasets", "torchvision", "matplotlib.pyplot", "petra_ds.models.decoder", "datasets")
+
+
 def _context() -> Any:
-    """Ranks forked from a server that imported ``petra_ds`` (torch and DeepSpeed) once: a world starts in
-    milliseconds, not the seconds each rank took to import them. The server itself runs no task."""
+    """Ranks forked from a server that imported ``petra_ds`` (torch and DeepSpeed) and the examples' heavy imports
+    once: a world starts in milliseconds, not the seconds each rank took to import them. The server itself runs
+    no task."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["petra_ds"])
+    ctx.set_forkserver_preload(["petra_ds", *EXAMPLE_IMPORTS])
     return ctx
 
 

@@ -143,10 +143,11 @@ def _run(spec_json):
 
 
 def test_lr0_four_stage_decoder_gradients_equal_autograd():
-    """J = 4 on 4 processes, attention dropout on: PETRA's gradients equal autograd's on the same weights (no
-    clipping: stage 0's norm passes DeepSpeed's default 1.0)."""
+    """J = 4 on 2 processes (2 stages each: placement changes nothing, tests/test_engine.py), attention dropout on:
+    PETRA's gradients equal autograd's on the same weights (no clipping: stage 0's norm passes DeepSpeed's
+    default 1.0)."""
     k, batches = 2, 3
-    spec = {"model": "decoder", "pipe": 4, "stages_per_rank": 1, "k": k, "train_batches": batches, "dropout": 0.1,
+    spec = {"model": "decoder", "pipe": 2, "stages_per_rank": 2, "k": k, "train_batches": batches, "dropout": 0.1,
             "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "config": {"gradient_clipping": 0.0}}
     results = _run(json.dumps(spec, sort_keys=True))
     assert {j: r for res in results for j, r in res["reconstructs"].items()} == {0: False, 1: True, 2: False, 3: False}

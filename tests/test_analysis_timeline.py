@@ -36,7 +36,7 @@ def gradients_received_before_backward() -> bool:
 def per_clock(costs: Costs, j: int) -> float:
     """What PETRA's stage j computes each clock in steady state (no step)."""
     s = costs.stages[j]
-    return s.forward_grad + s.backward if j == costs.num_stages - 1 else s.forward + s.forward_grad + s.backward
+    return s.forward_grad + s.backward if j == costs.stage_count - 1 else s.forward + s.forward_grad + s.backward
 
 
 # --- closed forms ---------------------------------------------------------------------------------
@@ -353,7 +353,7 @@ def test_measure_stage_costs_leaves_the_stage_untouched(one_thread):
 
 def test_revnet_costs_follow_the_papers_partition(one_thread):
     costs, reversible, names = revnet_costs(18, micro_batch=2, image=16, base_width=4, repeats=1)
-    assert costs.num_stages == 10 and len(names) == 10
+    assert costs.stage_count == 10 and len(names) == 10
     assert [j for j, r in enumerate(reversible) if not r] == [0, 3, 5, 7, 9]
     assert all(s.backward > 0 and s.step > 0 for s in costs.stages)
 

@@ -93,8 +93,8 @@ def device_costs(name: str, plain_device_s: float, ops: dict, J: int, sizes: dic
     if name == "revnet18":
         with open(os.path.join(RESULTS, "timeline_revnet.json")) as f:
             shape = Costs.from_dict(json.load(f)["models"]["revnet18"]["costs"])
-        if shape.num_stages != J:
-            raise ValueError(f"the RevNet18 shape has {shape.num_stages} stages, not {J}")
+        if shape.stage_count != J:
+            raise ValueError(f"the RevNet18 shape has {shape.stage_count} stages, not {J}")
         scale = plain_device_s / sum(s.forward_grad + s.backward for s in shape.stages)
         stages = [StageCosts(scale * s.forward, scale * s.forward_grad, scale * s.backward) for s in shape.stages]
         message = sizes["revnet_batch"] * sizes["revnet_width"] * sizes["image_size"] ** 2 * 4

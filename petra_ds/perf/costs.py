@@ -38,32 +38,32 @@ class Costs:
     message_s: float = 0.0
 
     @property
-    def num_stages(self) -> int:
+    def stage_count(self) -> int:
         return len(self.stages)
 
     @classmethod
-    def uniform(cls, num_stages: int, forward: float, forward_grad: float, backward: float,
+    def uniform(cls, stage_count: int, forward: float, forward_grad: float, backward: float,
                 step: float = 0.0, message_s: float = 0.0) -> "Costs":
-        return cls((StageCosts(forward, forward_grad, backward, step),) * num_stages, message_s)
+        return cls((StageCosts(forward, forward_grad, backward, step),) * stage_count, message_s)
 
-    def stretched(self, num_stages: int) -> "Costs":
-        """``num_stages`` stages made of the measured ones, each repeated in order (stage j of J takes
+    def stretched(self, stage_count: int) -> "Costs":
+        """``stage_count`` stages made of the measured ones, each repeated in order (stage j of J takes
         measured stage j * M // J): a deeper model cut like the measured one, to predict past the J a
         benchmark ran. The first stage keeps the input's costs, the last the loss's."""
-        M = self.num_stages
-        return Costs(tuple(self.stages[j * M // num_stages] for j in range(num_stages)), self.message_s)
+        M = self.stage_count
+        return Costs(tuple(self.stages[j * M // stage_count] for j in range(stage_count)), self.message_s)
 
     def host_bound(self, host_s: float | Sequence[float], unit_s: Callable[[StageCosts, int, int], float]) -> "Costs":
         """The costs of ranks whose host needs ``host_s`` (one value, or one per stage) to issue one unit of a
-        stage's work (``unit_s(costs, stage, num_stages)`` device seconds: what a schedule runs per stage and
+        stage's work (``unit_s(costs, stage, stage_count)`` device seconds: what a schedule runs per stage and
         micro-batch) while the device runs it asynchronously: the unit then lasts max(device, host), the host's
         seconds spread over the unit's primitives in proportion to the device's. The step keeps its own cost."""
-        hosts = [float(host_s)] * self.num_stages if isinstance(host_s, (int, float)) else list(host_s)
-        if len(hosts) != self.num_stages:
-            raise ValueError(f"host seconds for {len(hosts)} stages, costs for {self.num_stages}")
+        hosts = [float(host_s)] * self.stage_count if isinstance(host_s, (int, float)) else list(host_s)
+        if len(hosts) != self.stage_count:
+            raise ValueError(f"host seconds for {len(hosts)} stages, costs for {self.stage_count}")
         stages = []
         for j, s in enumerate(self.stages):
-            f = max(1.0, hosts[j] / unit_s(s, j, self.num_stages))
+            f = max(1.0, hosts[j] / unit_s(s, j, self.stage_count))
             stages.append(replace(s, forward=f * s.forward, forward_grad=f * s.forward_grad, backward=f * s.backward,
                                   backward_split=None if s.backward_split is None else f * s.backward_split))
         return Costs(tuple(stages), self.message_s)

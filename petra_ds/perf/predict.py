@@ -32,7 +32,7 @@ def seconds_per_micro_batch(variant: str, costs: Costs, micro_batches: int, *, s
     k = micro_batches
     if variant == "single":
         return sum(s.forward_grad + s.backward + s.step / k for s in costs.stages)
-    J = costs.num_stages
+    J = costs.stage_count
     if variant == "petra":
         warm = math.ceil((2 * J - 1) / k) + 1
         measured = max(4, math.ceil(4 * J / k))
@@ -90,8 +90,8 @@ def validate(report: Mapping[str, Any], tolerance: float = 0.15, costs: Costs | 
     this module does not model, or does not run at that k, are listed under ``"skipped"``."""
     costs = report_costs(report, costs)
     J, k, size = int(report["stages"]), int(report["micro_batches"]), int(report["micro_batch_size"])
-    if costs.num_stages != J:
-        raise ValueError(f"the report has {J} stages but costs for {costs.num_stages}")
+    if costs.stage_count != J:
+        raise ValueError(f"the report has {J} stages but costs for {costs.stage_count}")
     rows: dict[str, dict[str, float]] = {}
     skipped = []
     for name, measured in report["variants"].items():

@@ -148,7 +148,7 @@ def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_pe
     its batch is posted (``PostP2P``, ``CommitP2P``) and waited for at the clock's ``CommitP2P``; messages
     between two stages of one rank are free (the engine hands them over in memory). A gradient that
     carries x~ is two messages."""
-    J, S = costs.num_stages, stages_per_rank
+    J, S = costs.stage_count, stages_per_rank
     if J % S:
         raise ValueError(f"{J} stages do not split into ranks of {S}")
     ranks = J // S
@@ -214,7 +214,7 @@ def _ds_programs(schedule_cls: type, costs: Costs, micro_batches: int, batches: 
                  recompute: Sequence[bool], forward_keeps_graph: bool = False) -> dict[int, list[Op]]:
     """DeepSpeed schedules: one rank per stage; ``ForwardPass``/``BackwardPass`` carry buffer ids, so
     micro-batches are numbered by the order of the passes (both schedules run them in order)."""
-    J = costs.num_stages
+    J = costs.stage_count
     programs: dict[int, list[Op]] = {}
     for s in range(J):
         c = costs.stages[s]
@@ -283,7 +283,7 @@ def simulate_schedule(schedule: str, costs: Costs, micro_batches: int, batches: 
         programs = torch_programs(schedule, costs, micro_batches, batches)
         meta["stages_per_rank"] = SCHEDULES[schedule.removesuffix("_ckpt")][1]
     else:
-        J = costs.num_stages
+        J = costs.stage_count
         base, _, mode = schedule.rpartition("_") if schedule.endswith(("_ckpt", "_rev")) else (schedule, "", "")
         if base not in _PIPELINES:
             raise ValueError(f"unknown schedule {schedule!r}")
@@ -294,4 +294,4 @@ def simulate_schedule(schedule: str, costs: Costs, micro_batches: int, batches: 
         programs = _ds_programs(_PIPELINES[base], costs, micro_batches, batches, recompute,
                                 forward_keeps_graph=mode == "ckpt")
     events, rank_ends = simulate(programs)
-    return Simulation(events, rank_ends, costs.num_stages, micro_batches, schedule, meta)
+    return Simulation(events, rank_ends, costs.stage_count, micro_batches, schedule, meta)

@@ -74,7 +74,7 @@ class Simulation:
 
     events: list[Event]
     rank_ends: dict[int, list[float]]
-    num_stages: int
+    stage_count: int
     micro_batches: int
     name: str = ""
     meta: dict[str, Any] = field(default_factory=dict)

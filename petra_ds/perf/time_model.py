@@ -85,7 +85,7 @@ def plot_gantt(simulations: Sequence[Simulation], path: str, title: str = "", ti
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
     span = max(s.meta.get("span", s.makespan) for s in simulations) * scale or 1.0
     width_in = 13.0
-    rows = sum(s.num_stages for s in simulations)
+    rows = sum(s.stage_count for s in simulations)
     fig, axes = plt.subplots(len(simulations), 1, sharex=True, squeeze=False,
                              figsize=(width_in, 1.2 + 0.28 * rows + 0.5 * len(simulations)))
     char = span * 0.0065 * 13.0 / width_in  # the width of one digit of the labels, in time units
@@ -101,8 +101,8 @@ def plot_gantt(simulations: Sequence[Simulation], path: str, title: str = "", ti
             if e.micro_batch is not None and dur >= char * (len(str(e.micro_batch)) + 1):
                 ax.text(start + dur / 2, row, str(e.micro_batch), ha="center", va="center", fontsize=6,
                         color="white")
-        ax.set_ylim(sim.num_stages - 0.5, -0.5)
-        ticks = range(sim.num_stages) if sim.num_stages <= 10 else range(0, sim.num_stages, 2)
+        ax.set_ylim(sim.stage_count - 0.5, -0.5)
+        ticks = range(sim.stage_count) if sim.stage_count <= 10 else range(0, sim.stage_count, 2)
         ax.set_yticks(list(ticks))
         ax.set_ylabel("stage")
         ax.set_title(sim.name, fontsize=9, loc="left")
@@ -125,7 +125,7 @@ def gantt_panels(costs: Costs, micro_batches: int, *, reversible: Sequence[bool]
     """The same stretch of wall time for every schedule from a cold start: as long as PETRA takes to fill
     its pipeline and run ``steady_windows`` more windows; each panel is titled with its steady-state time
     per micro-batch and ``meta["span"]`` holds the stretch."""
-    J, k = costs.num_stages, micro_batches
+    J, k = costs.stage_count, micro_batches
     petra_windows = math.ceil((2 * J - 1) / k) + steady_windows
     span = simulate_schedule("petra", costs, k, petra_windows, reversible=reversible).batch_ends[-1]
     sims = []
@@ -197,7 +197,7 @@ def _revnet_report(args: argparse.Namespace) -> dict[str, Any]:
             mbs = args.micro_batch
             print(f"measured RevNet{depth} ({len(layer_names)} stages) in {time.perf_counter() - t0:.0f} s")
         costs = Costs(costs.stages, args.message_s)
-        J = costs.num_stages
+        J = costs.stage_count
         preds = {k: predict(costs, k, reversible=reversible) for k in args.k}
         per_stage = [s.forward + s.forward_grad + s.backward for s in costs.stages]
         print(f"\nRevNet{depth}, J = {J}, micro-batch {mbs}, message {1e3 * args.message_s:g} ms, "
@@ -255,7 +255,7 @@ def _extrapolate_report(args: argparse.Namespace) -> dict[str, Any]:
         costs = measured.stretched(J)
         ks = args.k or [J, 2 * J, 4 * J]
         preds = {k: predict(costs, k) for k in ks}
-        print(f"\n{os.path.basename(args.extrapolate)}: its {measured.num_stages} measured stages repeated to "
+        print(f"\n{os.path.basename(args.extrapolate)}: its {measured.stage_count} measured stages repeated to "
               f"J = {J}, micro-batch {mbs}, message {1e3 * costs.message_s:.3g} ms")
         print(_table(preds, mbs))
         result["ms_per_micro_batch"][str(J)] = {str(k): {v: 1e3 * t for v, t in p.items()} for k, p in preds.items()}

@@ -165,10 +165,10 @@ def _endpoint(kind: str, v: int, micro_batch: int, where: dict[int, int], messag
 
 
 def torch_programs(variant: str, costs: Costs, micro_batches: int, batches: int) -> dict[int, list[Op]]:
-    """``batches`` consecutive ``step()`` calls of ``variant`` on J = ``costs.num_stages`` ranks, each
+    """``batches`` consecutive ``step()`` calls of ``variant`` on J = ``costs.stage_count`` ranks, each
     followed by the optimizer step. A compute's ``stage`` is its rank (the Gantt row): a two-chunk rank
     runs halves of two measured stages."""
-    J, k = costs.num_stages, micro_batches
+    J, k = costs.stage_count, micro_batches
     _, per_rank, _, checkpointed = schedule_of(variant)
     actions = rank_actions(variant, J, k)
     where = placement(variant, J)

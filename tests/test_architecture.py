@@ -157,17 +157,21 @@ def test_module_sizes():
 
 
 def test_files_are_written_through_the_atomic_writer():
-    """No module opens a file for writing but ``util/files.py`` (whole or not at all); appending a line
-    ("a") stays allowed."""
+    """No module of the package, the benchmarks or the examples opens a file for writing or saves a figure but
+    ``util/files.py`` (whole or not at all); appending a line ("a") stays allowed."""
     writers = []
-    for path in python_files("petra_ds"):
+    for path in python_files("petra_ds") + python_files("benchmarks") + python_files("examples"):
         if path.endswith(os.path.join("util", "files.py")):
             continue
         for node in ast.walk(ast.parse(open(path).read())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+            if not isinstance(node, ast.Call):
+                continue
+            if isinstance(node.func, ast.Name) and node.func.id == "open":
                 modes = list(node.args[1:2]) + [k.value for k in node.keywords if k.arg == "mode"]
                 if any(isinstance(m, ast.Constant) and "w" in str(m.value) for m in modes):
                     writers.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+            if isinstance(node.func, ast.Attribute) and node.func.attr in ("savefig", "write_text", "write_bytes"):
+                writers.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
     assert writers == []
 
 

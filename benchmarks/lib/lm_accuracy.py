@@ -37,7 +37,7 @@ import statistics
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
-from petra_ds.util.files import write_text_atomic
+from petra_ds.util.files import save_figure, write_text_atomic
 
 from .example_runs import ROOT, launcher, read_run, run_example, save_report
 
@@ -146,8 +146,7 @@ def stdlib_corpus(out_dir: str, max_chars: int) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     files = [os.path.join(out_dir, "train.txt"), os.path.join(out_dir, "valid.txt")]
     for path, part in zip(files, (paragraphs[:split], paragraphs[split:])):
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("\n".join(part) + "\n")
+        write_text_atomic(path, "\n".join(part) + "\n")
     return files
 
 
@@ -379,7 +378,7 @@ def plot(report: dict, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,6 +34,7 @@ import torch
 from petra_ds.perf import predict
 from petra_ds.perf.costs import Costs
 from petra_ds.perf.programs import simulate_schedule
+from petra_ds.util.files import save_figure
 
 from . import throughput
 from .example_runs import save_report
@@ -170,7 +171,7 @@ def plot(report: dict, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import torch
 
 from petra_ds.diagnostics.held import CATEGORIES
+from petra_ds.util.files import save_figure, write_text_atomic
 
 from .example_runs import ROOT
 from .memory_worker import METHODS, launch
@@ -165,7 +166,7 @@ def plot(summaries: list[dict[str, Any]], path: str, title: str) -> str:
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -228,8 +229,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     output = args.output or os.path.join("runs", "benchmarks", f"memory_{device}.json")
     path = os.path.join(ROOT, output) if not os.path.isabs(output) else output
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(dumps(report))
+    write_text_atomic(path, dumps(report))
     figure = plot(summaries, os.path.splitext(path)[0] + ".png",
                   f"RevGPT d={args.d_model}, T={args.seq_len}, micro-batch {args.micro_batch}, "
                   f"{args.layers_per_stage} layers/stage, fp32, {device}: bytes held across clocks per stage")

@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 import torch
 
+from petra_ds.util.files import write_text_atomic
+
 from .example_runs import ROOT
 
 MODELS = ("revnet18", "revgpt")
@@ -322,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"gpu_{slug}{'_tiny' if args.tiny else ''}.json"
     output = args.output or os.path.join(ROOT, "benchmarks", "results", name)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    with open(output, "w") as f:
-        json.dump(report, f, indent=1)
+    write_text_atomic(output, json.dumps(report, indent=1))
     print(f"saved {output}")
     return 0
 

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from petra_ds.util.files import save_figure
+
 from .example_runs import save_report
 
 #: the messages a PETRA stage may hold between two clocks: the activation and the gradient it received
@@ -124,7 +126,7 @@ def plot(ranks: list[dict], warmup: int, path: str) -> None:
     bottom.set_xlabel("clock")
     fig.suptitle("Soak: J = 4 RevGPT on 2 processes, checkpoints every 50 steps")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> None:

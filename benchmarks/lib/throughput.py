@@ -52,6 +52,8 @@ import time
 import torch
 from torch.nn import functional as F
 
+from petra_ds.util.files import write_text_atomic
+
 from . import torch_pipe
 from .example_runs import ROOT, module_env, save_report
 
@@ -494,8 +496,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         result = run_pipeline(args, args.worker, device)
     if int(os.environ.get("RANK", 0)) == 0:
-        with open(args.result, "w") as f:
-            json.dump(result, f)
+        write_text_atomic(args.result, json.dumps(result))
     shutdown()  # the engine went with run_*'s frame: every group ends here, not in the interpreter's teardown
 
 

@@ -42,6 +42,7 @@ import torch
 from tqdm import tqdm
 
 from petra_ds.runtime.config import MUON_LR_RATIO
+from petra_ds.util.files import save_figure, write_text_atomic
 
 from . import throughput
 from .example_runs import save_report
@@ -253,8 +254,7 @@ def worker(args: argparse.Namespace) -> None:
     bar.close()
     peaks = peak()  # off the clock, after the race: one more step under the allocator's counter
     if rank0:
-        with open(args.result, "w") as f:
-            json.dump({"curve": curve, "peak_allocated": peaks}, f)
+        write_text_atomic(args.result, json.dumps({"curve": curve, "peak_allocated": peaks}))
     del step, evaluate, peak  # they hold the engine, and the engine its process groups
     shutdown()
 
@@ -320,7 +320,7 @@ def plot(report: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> dict | None:

@@ -24,6 +24,7 @@ import petra_ds
 from petra_ds.tools.runs import run_layout, run_main
 from petra_ds.schedule import delay
 from petra_ds.tools.toy import toy_data, toy_layer_specs
+from petra_ds.util.files import write_text_atomic
 
 
 def main() -> None:
@@ -69,8 +70,7 @@ def main() -> None:
                    "eval_loss": eval_loss, "settings": engine.run_settings}
         print(json.dumps({k: v for k, v in summary.items() if k not in ("losses", "settings")}))
         if args.output:
-            with open(args.output, "w") as f:
-                json.dump(summary, f, indent=1)
+            write_text_atomic(args.output, json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from torch import Tensor
 from ..nn.reversible import Activation, as_tuple
 from ..runtime.observe import Observer
 from ..schedule import Window, backward_micro_batch, channels, delay
+from ..util.files import save_figure
 
 if TYPE_CHECKING:
     from ..runtime.engine import PetraEngine
@@ -355,6 +356,6 @@ def plot(rows: list[dict[str, Any]], path: str, title: str = "") -> str:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path

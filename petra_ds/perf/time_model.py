@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..util.files import write_text_atomic
+from ..util.files import save_figure, write_text_atomic
 from .costs import Costs, StageCosts
 from .measure import measure_message_seconds, measure_stage_costs, revnet_costs
 from .predict import VARIANTS, predict, report_costs, seconds_per_micro_batch, validate
@@ -114,7 +114,7 @@ def plot_gantt(simulations: Sequence[Simulation], path: str, title: str = "", ti
         fig.suptitle(title, x=0.01, ha="left", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 

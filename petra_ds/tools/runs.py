@@ -19,7 +19,7 @@ from ..runtime.distributed import is_rank0
 from ..runtime.shutdown import shutdown
 from ..schedule import delay
 from ..util.checks import positive_int
-from ..util.files import write_text_atomic
+from ..util.files import save_figure, write_text_atomic
 from .run_checkpoints import checkpoint_dir
 
 
@@ -341,5 +341,5 @@ class RunFiles:
         if right_log:
             panel.set_yscale("log")
         fig.tight_layout()
-        fig.savefig(self.path("curves.png"), dpi=100)
+        save_figure(fig, self.path("curves.png"), dpi=100)
         plt.close(fig)

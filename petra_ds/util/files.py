@@ -27,3 +27,9 @@ def write_text_atomic(path: str, text: str) -> None:
 def atomic_save(obj: Any, path: str) -> None:
     """``torch.save`` through a temporary file and a rename."""
     replace_atomically(path, lambda f: torch.save(obj, f), binary=True)
+
+
+def save_figure(fig: Any, path: str, **options: Any) -> None:
+    """``fig.savefig(path, **options)`` through a temporary file and a rename (the format from ``path``)."""
+    fmt = os.path.splitext(path)[1].lstrip(".") or "png"
+    replace_atomically(path, lambda f: fig.savefig(f, format=fmt, **options), binary=True)

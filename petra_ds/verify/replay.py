@@ -9,8 +9,8 @@ checks the PETRA semantics: one forward and one backward per micro-batch and sta
 ``2(J-1-j)``, messages that travel exactly one clock, input FIFOs only where a stage cannot
 reconstruct, and an optimizer step after every k-th backward of a stage, after its compute of that
 clock. It re-derives, on purpose, what each compute instruction must consume and produce (from the stage's
-position and whether it reconstructs) and fails where the instruction says otherwise: an independent check
-of the schedule's one derivation, not a second source of it.
+position and whether it reconstructs) and the tied messages of each step, and fails where the streams say
+otherwise: an independent check of the schedule's one derivation, not a second source of it.
 """
 
 from __future__ import annotations

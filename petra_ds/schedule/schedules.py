@@ -115,6 +115,7 @@ class PetraSchedule(PipeSchedule):
             raise ValueError(f"reversible has {len(reversible)} entries for {self.num_petra_stages} stages")
         self.reversible = reversible
         self.input_buffer = input_buffer
+        self._computed: dict[tuple[int, int], tuple[list[Compute], list[Compute]]] = {}
 
     @classmethod
     def for_window(cls, window: "Window", stages: int, stage_id: int, **kwargs) -> "PetraSchedule":
@@ -166,7 +167,16 @@ class PetraSchedule(PipeSchedule):
 
     def compute(self, clock: int, stage: int) -> tuple[list[Compute], list[Compute]]:
         """``stage``'s compute at ``clock`` as (forward phase, backward phase), each instruction with what it
-        consumes and produces: the one place that says where a stage's input and its gradient come from."""
+        consumes and produces: the one place that says where a stage's input and its gradient come from.
+        Kept for the next clock, which asks again (a clock's receives are the next clock's inputs)."""
+        found = self._computed.get((clock, stage))
+        if found is None:
+            if len(self._computed) > 4 * self.num_petra_stages:
+                self._computed = {k: v for k, v in self._computed.items() if k[0] >= clock}
+            found = self._computed[(clock, stage)] = self._compute(clock, stage)
+        return found
+
+    def _compute(self, clock: int, stage: int) -> tuple[list[Compute], list[Compute]]:
         last = self.num_petra_stages - 1
         forward: list[Compute] = []
         backward: list[Compute] = []

@@ -43,6 +43,7 @@ class PetraEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         if not hasattr(self, "ties"):  # no optimizer configured: _configure_optimizer did not run
             self.ties = TiedWeights(self.module, self._local_range())
+            self.stage_optimizers = self.stage_schedulers = [None] * len(self._local_range())
         module = self.module
         self.stages_per_rank = stages_per_rank_of(module)
         check_stages_per_rank(petra_config, self.stages_per_rank)

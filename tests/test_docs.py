@@ -7,6 +7,7 @@ Pure file reads: no torch.distributed, no model, fast.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -136,3 +137,20 @@ def test_the_ci_finds_the_test_command():
     after = lines[lines.index("<!-- test-command -->") + 1:][:2]
     command = next((line for line in after if not line.startswith("```") and "<!--" not in line), "")
     assert "pip install" in command and "pytest" in command, f"the CI's test command is {command!r}"
+
+
+def test_every_documented_default_is_the_configs():
+    """The reference table's default of each plain key is what ``PetraConfig()`` holds."""
+    reference = (ROOT / "docs" / "reference" / "config.md").read_text()
+    defaults = {}
+    for line in reference.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`") and cells[1].startswith("`"):
+            defaults[cells[0].strip("`")] = cells[1].strip("`")
+    config = PetraConfig()
+    plain = [f.name for f in dataclasses.fields(PetraConfig)
+             if isinstance(getattr(config, f.name), (bool, int, float, str))]
+    assert plain and all(name in defaults for name in plain), sorted(set(plain) - set(defaults))
+    wrong = {name: (defaults[name], getattr(config, name)) for name in plain
+             if json.loads(defaults[name]) != getattr(config, name)}
+    assert wrong == {}

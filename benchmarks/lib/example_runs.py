@@ -65,3 +65,16 @@ def save_report(output: str, report: dict) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_text_atomic(path, json.dumps(report, indent=1))
     return path
+
+
+def one_cpu_process() -> None:
+    """This process as a one-rank CPU world with one thread (what a host-cost measurement runs in)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
+    import torch
+    from deepspeed import comm
+
+    import petra_ds
+
+    torch.set_num_threads(1)
+    if not comm.is_initialized():
+        petra_ds.init_distributed(dist_backend="gloo")

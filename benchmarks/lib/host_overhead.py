@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from .example_runs import save_report
+from .example_runs import one_cpu_process, save_report
 
 PARTS = ("ops", "syncs", "time")
 MODELS = ("revgpt", "revnet18")
@@ -391,13 +391,7 @@ def print_report(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    torch.set_num_threads(1)
-    import petra_ds
-    from deepspeed import comm
-
-    if not comm.is_initialized():
-        petra_ds.init_distributed(dist_backend="gloo")
+    one_cpu_process()
     report = run(args, argv)
     print_report(report)
     name = f"host_overhead_cpu{'_tiny' if args.tiny else ''}.json"

@@ -34,10 +34,8 @@ import os
 import sys
 from typing import Any
 
-import torch
-
 from . import host_overhead
-from .example_runs import ROOT, save_report
+from .example_runs import ROOT, one_cpu_process, save_report
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 TARGETS = {"revnet18": 10, "revgpt": 8}
@@ -171,13 +169,7 @@ def print_model(result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    torch.set_num_threads(1)
-    import petra_ds
-    from deepspeed import comm
-
-    if not comm.is_initialized():
-        petra_ds.init_distributed(dist_backend="gloo")
+    one_cpu_process()
     with open(args.inputs) as f:
         inputs = json.load(f)
     if inputs.get("tiny"):

@@ -24,8 +24,8 @@ from . import channels
 from .channels import Key
 from .clock import backward_micro_batch, delay, forward_micro_batch, reconstructs
 from .instructions import (AccumulateAndStep, CommitP2P, Compute, DelayedBackward, EvalForward, ForwardPass,
-                           LoadMicroBatch, PostP2P, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight, ReverseReconstruct,
-                           SendActivation, SendGrad, SendTiedGrad, SendTiedWeight)
+                           LoadMicroBatch, PostP2P, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight,
+                           ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad, SendTiedWeight)
 from .progress import FedMicroBatches, Window
 
 

@@ -56,7 +56,7 @@ class PetraInstruction(Instruction):
         super().__init__(stage=stage, micro_batch=micro_batch, **kwargs)
 
 
-class Compute(PetraInstruction):
+class ComputeInstruction(PetraInstruction):
     """A compute instruction: ``consumes`` is the key of what it takes from its stage's inbox (a message
     received at the previous clock, or stage 0's loaded micro-batch), ``produces`` the key of what it makes
     for another stage; None for nothing."""
@@ -66,7 +66,7 @@ class Compute(PetraInstruction):
         super().__init__(stage, micro_batch, consumes=consumes, produces=produces)
 
 
-class LoadMicroBatch(Compute):
+class LoadMicroBatch(ComputeInstruction):
     """Stage 0 reads the next (inputs, labels) from the data iterator into its inbox (``produces``: its
     ``channels.data_key``), for its forward in the same clock.
 
@@ -79,7 +79,7 @@ class LoadMicroBatch(Compute):
     phase = LOAD
 
 
-class ForwardPass(Compute):
+class ForwardPass(ComputeInstruction):
     """x_j = F_j(x_{j-1}; theta_j), x_{j-1} from ``consumes``; x_j with the labels to ``produces`` (None at
     the last stage). Non-reversible stages push their exact input on their FIFO; the last stage computes the
     loss and keeps its graph for the backward in the same clock."""
@@ -87,21 +87,21 @@ class ForwardPass(Compute):
     phase = FORWARD
 
 
-class EvalForward(Compute):
+class EvalForward(ComputeInstruction):
     """F_j(x) with the current parameters, no graph and no training state touched (``eval_batch``);
     the last stage computes the loss and keeps the outputs when asked."""
 
     phase = FORWARD
 
 
-class ReverseReconstruct(Compute):
+class ReverseReconstruct(ComputeInstruction):
     """x~_{j-1} = F_j^{-1}(x~_j; theta_j) with the current parameters, building the graph of F_j on the
     way (reversible stages only); ``consumes`` (delta_{j+1}, x~_j) from the next stage."""
 
     phase = BACKWARD
 
 
-class DelayedBackward(Compute):
+class DelayedBackward(ComputeInstruction):
     """delta_j = d_x F_j^T delta_{j+1} and Delta_j += d_theta F_j^T delta_{j+1}; (delta_j, x~_{j-1}) to
     ``produces`` (None at stage 0). It ``consumes`` delta_{j+1} exactly when it recomputes F_j from an
     exact input (the FIFO of a non-reversible stage, stage 0's raw micro-batch); a reconstructing stage

@@ -23,14 +23,14 @@ from ..util.checks import positive_int
 from . import channels
 from .channels import Key
 from .clock import backward_micro_batch, delay, forward_micro_batch, reconstructs
-from .instructions import (AccumulateAndStep, CommitP2P, Compute, DelayedBackward, EvalForward, ForwardPass,
-                           LoadMicroBatch, PostP2P, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight,
+from .instructions import (AccumulateAndStep, CommitP2P, ComputeInstruction, DelayedBackward, EvalForward,
+                           ForwardPass, LoadMicroBatch, PostP2P, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight,
                            ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad, SendTiedWeight)
 from .progress import FedMicroBatches, Window
 
 
-def with_messages(compute: Sequence[Compute], consumers_next: Sequence[Compute],
-                  consumers_of: Callable[[Key], Sequence[Compute]]) -> list[PipeInstruction]:
+def with_messages(compute: Sequence[ComputeInstruction], consumers_next: Sequence[ComputeInstruction],
+                  consumers_of: Callable[[Key], Sequence[ComputeInstruction]]) -> list[PipeInstruction]:
     """``compute`` with its messages, derived from what each instruction produces and consumes (one pass, as
     torch.distributed.pipelining adds its sends and receives): a send after each instruction that produces
     a message, then a receive for each message ``consumers_next`` (this rank's compute of the same phase at
@@ -115,7 +115,7 @@ class PetraSchedule(PipeSchedule):
             raise ValueError(f"reversible has {len(reversible)} entries for {self.num_petra_stages} stages")
         self.reversible = reversible
         self.input_buffer = input_buffer
-        self._computed: dict[tuple[int, int], tuple[list[Compute], list[Compute]]] = {}
+        self._computed: dict[tuple[int, int], tuple[list[ComputeInstruction], list[ComputeInstruction]]] = {}
 
     @classmethod
     def for_window(cls, window: "Window", stages: int, stage_id: int, **kwargs) -> "PetraSchedule":
@@ -165,7 +165,7 @@ class PetraSchedule(PipeSchedule):
                     recvs.append(RecvTiedWeight(stage=reader, owner=owner, tie=key, step=step))
         return sends + recvs
 
-    def compute(self, clock: int, stage: int) -> tuple[list[Compute], list[Compute]]:
+    def compute(self, clock: int, stage: int) -> tuple[list[ComputeInstruction], list[ComputeInstruction]]:
         """``stage``'s compute at ``clock`` as (forward phase, backward phase), each instruction with what it
         consumes and produces: the one place that says where a stage's input and its gradient come from.
         Kept for the next clock, which asks again (a clock's receives are the next clock's inputs)."""
@@ -176,10 +176,10 @@ class PetraSchedule(PipeSchedule):
             found = self._computed[(clock, stage)] = self._compute(clock, stage)
         return found
 
-    def _compute(self, clock: int, stage: int) -> tuple[list[Compute], list[Compute]]:
+    def _compute(self, clock: int, stage: int) -> tuple[list[ComputeInstruction], list[ComputeInstruction]]:
         last = self.num_petra_stages - 1
-        forward: list[Compute] = []
-        backward: list[Compute] = []
+        forward: list[ComputeInstruction] = []
+        backward: list[ComputeInstruction] = []
         m = self.forward_at(clock, stage)
         if m is not None:
             if stage == 0:
@@ -251,7 +251,7 @@ class EvalSchedule(PipeSchedule):
         m = forward_micro_batch(clock, stage)
         return m if 0 <= m < self.micro_batches else None
 
-    def compute(self, clock: int, stage: int) -> list[Compute]:
+    def compute(self, clock: int, stage: int) -> list[ComputeInstruction]:
         m = self._micro_batch(clock, stage)
         if m is None:
             return []

@@ -37,7 +37,6 @@ class StageStep:
         self.stage, self.optimizer, self.scheduler = stage, optimizer, scheduler
         self.clipping, self.finite, self.non_finite, self.ties = clipping, finite, non_finite, ties
         self.average, self.take, self.notify = average, take, notify
-        self.trainable = [p for p in stage.params if p.requires_grad]
         self.skips_on_device = optimizer is not None and skips_on_device(optimizer)
         #: optimizer steps taken (skipped ones included), the schedule's count
         self.steps = 0
@@ -45,13 +44,14 @@ class StageStep:
     def __call__(self, step: int) -> Messages:
         """Take the stage's ``step``-th step (1-based); returns the messages it produced."""
         st, j = self.stage, self.stage.index
-        for p in self.trainable:
+        trainable = [p for p in st.params if p.requires_grad]  # asked at each step: a layer may be frozen later
+        for p in trainable:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.average is not None or self.ties:  # they rewrite the gradients the backwards reported
             self.finite.flush_gradients()
         if self.average is not None:
-            self.average([p.grad for p in self.trainable] + running_stat_tensors(st.norms),
+            self.average([p.grad for p in trainable] + running_stat_tensors(st.norms),
                          f"the data-parallel reduction of stage {j}")
         produced: Messages = dict(self.ties.gradients(j, step, self.take))
         norm = None
@@ -68,7 +68,7 @@ class StageStep:
                 self.optimizer.found_inf = found_inf
             st.compensation.step(self.optimizer.step, self.optimizer, step)
         self.notify("after_step", j, step)
-        for p in self.trainable:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
+        for p in trainable:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
             p.grad = None
         produced.update(self.ties.weights(j, step))
         if self.scheduler is not None:

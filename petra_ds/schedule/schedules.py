@@ -58,6 +58,17 @@ def with_messages(compute: Sequence[ComputeInstruction], consumers_next: Sequenc
     return cmds
 
 
+def forward_compute(forward: type[ComputeInstruction], stage: int, m: int, petra_stages: int,
+                    kind: str) -> list[ComputeInstruction]:
+    """A forward of micro-batch ``m`` at ``stage`` (``ForwardPass`` or ``EvalForward``) with what it consumes and
+    produces: stage 0 loads its micro-batch first and consumes it, any other stage the previous stage's
+    ``kind`` activation; every stage but the last produces its own."""
+    load = [LoadMicroBatch(0, m, produces=channels.data_key(m))] if stage == 0 else []
+    x = channels.data_key(m) if stage == 0 else channels.forward_key(stage - 1, m, kind)
+    out = None if stage == petra_stages - 1 else channels.forward_key(stage, m, kind)
+    return load + [forward(stage, m, consumes=x, produces=out)]
+
+
 def _kind(kind: str) -> dict[str, str]:
     """An activation message's ``kind`` keyword (none for training's, the instructions' default)."""
     return {} if kind == channels.ACT else {"kind": kind}
@@ -182,11 +193,7 @@ class PetraSchedule(PipeSchedule):
         backward: list[ComputeInstruction] = []
         m = self.forward_at(clock, stage)
         if m is not None:
-            if stage == 0:
-                forward.append(LoadMicroBatch(0, m, produces=channels.data_key(m)))
-            x = channels.data_key(m) if stage == 0 else channels.forward_key(stage - 1, m)
-            forward.append(ForwardPass(stage, m, consumes=x, produces=None if stage == last else
-                                       channels.forward_key(stage, m)))
+            forward = forward_compute(ForwardPass, stage, m, self.num_petra_stages, channels.ACT)
         m = self.backward_at(clock, stage)
         if m is not None:
             delta = None if stage == last else channels.backward_key(stage + 1, m)
@@ -255,11 +262,7 @@ class EvalSchedule(PipeSchedule):
         m = self._micro_batch(clock, stage)
         if m is None:
             return []
-        last = self.num_petra_stages - 1
-        load = [LoadMicroBatch(0, m, produces=channels.data_key(m))] if stage == 0 else []
-        x = channels.data_key(m) if stage == 0 else channels.forward_key(stage - 1, m, channels.EVAL)
-        return load + [EvalForward(stage, m, consumes=x, produces=None if stage == last else
-                                   channels.forward_key(stage, m, channels.EVAL))]
+        return forward_compute(EvalForward, stage, m, self.num_petra_stages, channels.EVAL)
 
     def steps(self) -> Iterator[list[PipeInstruction]]:
         for clock in range(self.micro_batches + self.num_petra_stages - 1):

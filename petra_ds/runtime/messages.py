@@ -147,10 +147,10 @@ def to_device(value: Any, device: Any) -> Any:
     """Tensors (inside tuples and lists) moved to ``device``; anything else as it is. From host memory to a GPU
     the copy goes through pinned memory without blocking: a copy from pageable memory would wait for the
     device's queued work, a host sync at every micro-batch stage 0 reads."""
-    pinned = torch.device(device).type == "cuda"
+    to_cuda = torch.device(device).type == "cuda"
 
     def move(t: Tensor) -> Tensor:
-        if pinned and t.device.type == "cpu":
+        if to_cuda and t.device.type == "cpu":
             return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
         return t.to(device)
 

@@ -135,7 +135,8 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
     clipping) follow their papers' rules written out here, not petra_ds.runtime.compensation: weight prediction
     runs the forward through ``functional_call`` on w + scale * tau_j / k * d (d: the last update, or its
     average with ``beta``); the LR rescaling multiplies SGD's lr by max(1, tau_j / k) ** -max(0, 1 - (t - 1)
-    / anneal); the adaptive momentum hands ``optimizer`` the coefficient b1 + (beta1_max - b1) * s_j /
+    / anneal); error feedback adds scale * tau_j / k * (u_t - u_{t-1}) to the weights after each step (u_t: the
+    step's update, u_0 = 0); the adaptive momentum hands ``optimizer`` the coefficient b1 + (beta1_max - b1) * s_j /
     (s_0 + 1), s_j = tau_j / k; clipping scales the stage's gradient by C / (norm + 1e-6) when that is below
     1. ``optimizer(params, j, beta1_moved)`` builds stage j's optimizer (default: SGD with ``momentum``);
     ``beta1_moved(b1)`` is stage j's adaptive coefficient (b1 itself without that method)."""
@@ -146,6 +147,8 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
         comp.update(part)
     methods = {part["method"] for part in parts}
     updates = [None] * J  # weight prediction's d per stage
+    feedback = next((part for part in parts if part["method"] == "error_feedback"), None)
+    last_updates = [None] * J  # error feedback's u_{t-1} per stage
     params = [named_params(s) for s in stages]
 
     def moved(j):
@@ -246,6 +249,13 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
                 opts[j].step()
                 opts[j].param_groups[0]["lr"] = lr
                 opts[j].zero_grad(set_to_none=True)
+                if feedback is not None:
+                    ahead = feedback.get("scale", 1.0) * 2 * (J - 1 - j) / k
+                    raw = {n: p.detach() - before[n] for n, p in params[j].items()}
+                    with torch.no_grad():
+                        for n, p in params[j].items():
+                            p += ahead * (raw[n] - (0 if last_updates[j] is None else last_updates[j][n]))
+                    last_updates[j] = raw
                 update = {n: p.detach() - before[n] for n, p in params[j].items()}
                 beta = comp.get("beta", 0.0)
                 updates[j] = update if updates[j] is None else {

@@ -17,6 +17,8 @@ METHODS = [
     {"method": "weight_prediction"},
     {"method": "weight_prediction", "scale": 2.0, "beta": 0.5},
     {"method": "lr_rescale", "anneal_steps": 3},
+    {"method": "error_feedback"},
+    {"method": "error_feedback", "scale": 0.5},
 ]
 
 
@@ -68,7 +70,7 @@ def test_weight_prediction_at_lr0_leaves_every_gradient_equal_to_autograd():
             assert max_diff(results[0]["grads"][j][step], ref[j]) < TOL
 
 
-@pytest.mark.parametrize("compensation", ["weight_prediction", "lr_rescale"])
+@pytest.mark.parametrize("compensation", ["weight_prediction", "lr_rescale", "error_feedback"])
 def test_a_single_stage_is_still_backprop(compensation):
     """J = 1 has no delay: any compensation is the identity there."""
     plain = merged_params(run(1, 1, k=3, train_batches=4, optimizer=SGD, dropout=0.1))
@@ -77,10 +79,11 @@ def test_a_single_stage_is_still_backprop(compensation):
     assert max_diff(plain, compensated) == 0.0
 
 
-def test_weight_prediction_resumes_exactly(tmp_path):
-    """The averaged update d is checkpointed with the stage: a resumed run continues bit for bit."""
-    common = dict(k=K, train_batches=4, optimizer=SGD, dropout=0.1,
-                  petra={"delay_compensation": {"method": "weight_prediction", "beta": 0.5}})
+@pytest.mark.parametrize("compensation", [{"method": "weight_prediction", "beta": 0.5}, "error_feedback"])
+def test_a_buffered_method_resumes_exactly(tmp_path, compensation):
+    """Weight prediction's averaged update d and error feedback's last update are checkpointed with the
+    stage: a resumed run continues bit for bit."""
+    common = dict(k=K, train_batches=4, optimizer=SGD, dropout=0.1, petra={"delay_compensation": compensation})
     whole = merged_params(run(2, 2, **common))
     ckpt = str(tmp_path / "ckpt")
     launch({"pipe": 2, "stages_per_rank": 2, **common, "save_dir": ckpt, "save_after": 2, "save_tag": "mid"})
@@ -185,10 +188,12 @@ def test_a_single_stage_with_adamw_and_warmup_cosine_is_backprop():
     assert max_diff(results[0]["params"], oracle.named_params(oracle.build_stages(1, dropout=0.1)[0])) > 1e-3
 
 
-def test_the_memory_report_counts_the_averaged_update_weight_prediction_keeps():
-    """One parameter-sized buffer per predicting stage (the last stage predicts nothing): the documented cost."""
+@pytest.mark.parametrize("compensation", ["weight_prediction", "error_feedback"])
+def test_the_memory_report_counts_the_update_a_buffered_method_keeps(compensation):
+    """One parameter-sized buffer per delayed stage (the last stage has no delay and keeps nothing): the
+    documented cost."""
     res = run(1, 4, k=K, train_batches=2, optimizer=SGD, dropout=0.1, memory_trace=True,
-              petra={"delay_compensation": "weight_prediction"})
+              petra={"delay_compensation": compensation})
     _, report = res[0]["memory"][-1]
     for j, entry in report.items():
         assert entry["delay_compensation"] == (entry["params"] if j < 3 else 0), (j, entry)

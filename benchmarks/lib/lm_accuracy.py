@@ -82,7 +82,7 @@ OPTIMIZERS = {"adamw": adamw, "nadam95": lambda lr: nadam(0.95), "nadam99": lamb
               # the most delayed, holds the embedding, which the AdamW part steps
               "muon10b95": muon_at(10.0, beta1=0.95)}
 #: what a recipe's suffix turns on in "petra.delay_compensation"
-COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale",
+COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr_rescale", "ef": "error_feedback",
                  # weight prediction along an average of the last updates (decay 0.5) instead of the last one
                  "wpa": {"method": "weight_prediction", "beta": 0.5},
                  # half the extrapolation: w + 0.5 s_j d; and beyond it: 1.5 and 2 s_j d

@@ -22,6 +22,14 @@ micro-batch in flight (no weight stash), at most one extra parameter-sized buffe
   SGD's momentum) becomes ``b + (beta1_max - b) * s_j / (s_0 + 1)``, ``b`` the configured one; the most
   delayed stage averages over the longest horizon. Meant for a Nesterov optimizer such as NAdam, whose
   gradient weight ``1 - beta1`` then shrinks where the gradient is stalest. No buffer at all.
+- ``"error_feedback"`` (the error-feedback correction of Zmushko et al., ICML 2026, for a delay of s_j steps):
+  after the optimizer moves the weights by ``u_t``, the stage adds ``c (u_t - u_{t-1})``, ``c = scale * s_j``,
+  ``u_0 = 0``. The error of a delayed step is the displacement the stage has not caught up, about ``s_j u``;
+  feeding its change back keeps the weights ``c u_t`` ahead of the trajectory the updates alone trace, so each
+  gradient, computed s_j steps ago at the shifted weights, was computed near the unshifted weights it updates.
+  Unlike weight prediction it moves the weights themselves, so forward, backward and reconstruction all
+  use them. One persistent buffer ``u_{t-1}`` per stage and one temporary during a step. The paper gives the
+  principle (update-level, optimizer-agnostic, one gradient-sized buffer); this rule is our derivation of it.
 
 Methods combine as a list, ``["weight_prediction", "adaptive_momentum"]``: the first one's forward weights
 and step wrap the next one's. The last stage has s_j = 0: every method leaves it as it is.
@@ -39,7 +47,7 @@ from torch import Tensor
 from ..schedule import delay
 from ..util.checks import positive_int
 
-METHODS = ("none", "weight_prediction", "lr_rescale", "adaptive_momentum")
+METHODS = ("none", "weight_prediction", "lr_rescale", "adaptive_momentum", "error_feedback")
 
 
 class DelayCompensationError(ValueError):
@@ -51,7 +59,8 @@ class DelayCompensation:
     """Parsed ``"petra": {"delay_compensation": ...}``: a method name, or ``{"method": ..., params}``."""
 
     method: str = "none"
-    #: weight_prediction: the extrapolation is ``scale * s_j`` updates ahead
+    #: weight_prediction: the extrapolation is ``scale * s_j`` updates ahead; error_feedback: the weights are
+    #: kept ``scale * s_j`` updates ahead
     scale: float = 1.0
     #: weight_prediction: d is an exponential average of the updates with this decay (0: the last update)
     beta: float = 0.0
@@ -112,6 +121,8 @@ class DelayCompensation:
             return LrRescale(steps_behind, self.anneal_steps)
         if self.method == "adaptive_momentum" and steps_behind > 0:
             return AdaptiveMomentum(steps_behind / (most_behind + 1), self.beta1_max)
+        if self.method == "error_feedback" and steps_behind > 0 and self.scale > 0:
+            return ErrorFeedback(params, self.scale * steps_behind)
         return NoCompensation()
 
 
@@ -169,6 +180,14 @@ class NoCompensation(StageCompensation):
     """``"none"``, plain PETRA: the forward uses the current weights, the optimizer steps as configured."""
 
 
+def _step_and_update(params: Sequence[Tensor], optimizer_step: Callable[[], Any]) -> tuple[list[Tensor], list[Tensor]]:
+    """Take the optimizer step; returns the weights (as tensors the step wrote) and what it added to them."""
+    weights = [p.detach() for p in params]
+    before = torch._foreach_mul(weights, 1.0)
+    optimizer_step()
+    return weights, torch._foreach_sub(weights, before)
+
+
 class WeightPrediction(StageCompensation):
     """Forward with ``w_hat = w + ahead * d``; ``d`` is the stage's (averaged) last update (a step a fused
     optimizer skipped on the device for a non-finite gradient is an update of zero)."""
@@ -197,10 +216,7 @@ class WeightPrediction(StageCompensation):
 
     def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
         with torch.no_grad():  # multi-tensor ops: a few ops per step for the stage, not a few per tensor
-            weights = [p.detach() for p in self.params]
-            before = torch._foreach_mul(weights, 1.0)
-            optimizer_step()
-            update = torch._foreach_sub(weights, before)
+            _, update = _step_and_update(self.params, optimizer_step)
             if self.d is None or self.beta == 0:
                 self.d = update
             else:
@@ -215,6 +231,31 @@ class WeightPrediction(StageCompensation):
     def load_state_dict(self, state: dict) -> None:
         d = state.get("d")
         self.d = None if d is None else [t.to(p.device).clone() for t, p in zip(d, self.params)]
+
+
+class ErrorFeedback(StageCompensation):
+    """After each step, ``w += ahead * (u_t - u_{t-1})`` with ``u_t`` the step's update (``u_0 = 0``); a step a
+    fused optimizer skipped on the device is an update of zero."""
+
+    def __init__(self, params: Sequence[Tensor], ahead: float) -> None:
+        self.params = list(params)
+        self.ahead = ahead
+        self.last: list[Tensor] | None = None  # u_{t-1}; None before the first step (zero)
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        with torch.no_grad():  # a few multi-tensor ops for the stage
+            weights, update = _step_and_update(self.params, optimizer_step)
+            change = update if self.last is None else torch._foreach_sub(update, self.last)
+            torch._foreach_add_(weights, change, alpha=self.ahead)
+            self.last = update
+
+    def state_dict(self) -> dict:
+        """The last update itself, not a copy (as :meth:`WeightPrediction.state_dict`)."""
+        return {"last": self.last}
+
+    def load_state_dict(self, state: dict) -> None:
+        last = state.get("last")
+        self.last = None if last is None else [t.to(p.device).clone() for t, p in zip(last, self.params)]
 
 
 class LrRescale(StageCompensation):

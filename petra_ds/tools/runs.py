@@ -194,8 +194,8 @@ def add_run_arguments(parser: Any) -> None:
                              "and the end-to-end one (metrics.jsonl, gradient_quality.png); 0: off")
     parser.add_argument("--delay-compensation", default=None, metavar="METHOD",
                         help='PETRA: sets "petra": {"delay_compensation": ...}: none, weight_prediction, '
-                             'lr_rescale, adaptive_momentum, a JSON object such as \'{"method": "weight_prediction", '
-                             '"beta": 0.5}\' or a JSON list of them')
+                             'lr_rescale, adaptive_momentum, error_feedback, a JSON object such as '
+                             '\'{"method": "weight_prediction", "beta": 0.5}\' or a JSON list of them')
     parser.add_argument("--global-batch", type=int, default=None, metavar="N",
                         help="samples per optimizer step over all replicas; the micro-batch size and k are chosen from "
                              "it (k: the fewest micro-batches that keep PETRA's first stage at most one optimizer "

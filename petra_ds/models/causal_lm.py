@@ -28,6 +28,9 @@ from .layer_states import State, load_layer_files
 from .transformer import RevGPTConfig, lm_loss, revgpt_layers
 
 
+#: the output field holding the cache: ``cache`` from transformers 5.24 (``past_key_values`` warns there)
+OUTPUT_CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 class RevGPTLMConfig(PretrainedConfig):
     """:class:`~petra_ds.models.transformer.RevGPTConfig` as a Hugging Face config."""
 
@@ -133,7 +136,7 @@ class ReversibleCausalLM(PreTrainedModel, GenerationMixin):
         h = self.norm(x)
         logits = self.embed.logits(h) if self.tied else self.head(h)
         loss = None if labels is None else lm_loss(logits[:, :-1], labels[:, 1:])
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{OUTPUT_CACHE: past_key_values if use_cache else None})
 
     @classmethod
     def from_layer_states(cls, config: PretrainedConfig, layer_states: Sequence[State]) -> "ReversibleCausalLM":

@@ -49,11 +49,19 @@ SMALL = ["--seq-len", "16", "--max-steps", "4", "--eval-every", "2", "--d-model"
 def test_reformer_one_process_trains_and_exports_a_hugging_face_model(tmp_path):
     from transformers import AutoTokenizer, ReformerModelWithLMHead
 
-    out, export = tmp_path / "run", tmp_path / "hf"
+    out, export, baseline = tmp_path / "run", tmp_path / "hf", tmp_path / "backprop"
+    with open(os.path.join(ROOT, "ds_configs", "backprop_lm.json")) as f:  # a backprop run's summary, as written
+        baseline.mkdir()
+        (baseline / "summary.json").write_text(json.dumps({"method": "backprop", "final_val_loss": 5.0,
+                                                          "config": json.load(f)}))
     ran = _example(["--deepspeed_config", os.path.join(ROOT, "ds_configs", "petra_lm.json"), "--model", "reformer",
-                    "--data-files", *_files(tmp_path), *SMALL, "--output-dir", str(out), "--export-hf", str(export)])
+                    "--data-files", *_files(tmp_path), *SMALL, "--output-dir", str(out), "--export-hf", str(export),
+                    "--baseline", str(baseline)])
     assert ran["error"] is None, ran["error"]
     summary, rows = _outputs(out)
+    compared = summary["against_baseline"]
+    assert compared["same_optimizer"] and compared["gap"] == pytest.approx((summary["final_val_loss"] - 5.0) / 5.0)
+    assert compared["label"] in ran["stdout"]
     assert summary["method"] == "petra" and summary["model"] == "reformer" and summary["stages"] == 4
     assert [r["step"] for r in rows] == [2, 4]
     assert all(abs(r["val_perplexity"] - torch.tensor(r["val_loss"]).exp().item()) < 1e-3 * r["val_perplexity"]

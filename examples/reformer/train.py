@@ -61,8 +61,8 @@ from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text,
 from petra_ds.models.transformer import RevGPTConfig, lm_loss
 from petra_ds.tools.run_partition import agreed_partition, baseline_module, shared_layer_costs
 from petra_ds.tools.run_checkpoints import resume, save
-from petra_ds.tools.runs import (RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments, run_layout,
-                                 run_main)
+from petra_ds.tools.runs import (RunFiles, add_run_arguments, against_baseline, apply_global_batch, apply_run_arguments,
+                                 run_layout, run_main)
 
 
 #: held-out sequences per evaluation when the command line names none
@@ -404,6 +404,9 @@ def main() -> None:
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
                    "partition": partition, "settings": engine.run_settings, "memory_rank0": memory,
                    "sample": generated, "args": vars(args), "config": config}
+        if args.baseline:
+            summary["against_baseline"] = against_baseline(summary, args.baseline, "final_val_loss")
+            print(summary["against_baseline"]["label"], flush=True)
         files.summary(summary)
         files.gradient_quality_plot(f"{method} {args.model}: gradient quality per stage")
         files.curves(losses, metrics, eval_key="val_loss", eval_label="validation", loss_label="loss (nats/token)",

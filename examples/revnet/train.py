@@ -49,8 +49,8 @@ from petra_ds.models.revnet import resnet_layers, revnet_layers
 from petra_ds.tools.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
 from petra_ds.tools.run_partition import agreed_partition, baseline_module, shared_layer_costs
 from petra_ds.tools.run_checkpoints import resume, save
-from petra_ds.tools.runs import (Layout, RunFiles, add_run_arguments, apply_global_batch, apply_run_arguments,
-                                 run_layout, run_main)
+from petra_ds.tools.runs import (Layout, RunFiles, add_run_arguments, against_baseline, apply_global_batch,
+                                 apply_run_arguments, run_layout, run_main)
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
 
@@ -238,6 +238,10 @@ def main() -> None:
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
                    "partition": partition, "settings": engine.run_settings, "args": vars(args), "config": config,
                    "recipe": vars(recipe) if extra else None}
+        if args.baseline:
+            summary["against_baseline"] = against_baseline(summary, args.baseline, "final_eval_acc",
+                                                           higher_is_better=True)
+            print(summary["against_baseline"]["label"], flush=True)
         files.summary(summary)
         files.gradient_quality_plot(f"{method} {args.arch}: gradient quality per stage")
         files.curves(losses, metrics, eval_key="eval_loss", eval_label="eval", loss_label="loss",

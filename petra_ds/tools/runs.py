@@ -202,6 +202,9 @@ def add_run_arguments(parser: Any) -> None:
                              "step behind) instead of read from the config")
     parser.add_argument("--micro-batches", type=int, default=None, metavar="K",
                         help="with --global-batch: exactly K micro-batches per step")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="the output directory of a finished run to compare with (e.g. the backprop run): the "
+                             "summary states this run's gap to it, and whether both trained with the same optimizer")
     parser.add_argument("--partition", default="auto", choices=("auto", "profile"),
                         help="how the layers are cut into stages, for PETRA and the backprop baseline alike: auto, "
                              "the script's own rule; profile, the cut that balances the stages' measured costs "
@@ -229,6 +232,9 @@ def apply_run_arguments(args: Any, config: dict) -> str:
     if args.resume == "latest" and not os.path.exists(os.path.join(checkpoint_dir(args.output_dir), "latest")):
         raise SystemExit(f"--resume: no checkpoint to resume from in {checkpoint_dir(args.output_dir)} (no 'latest' "
                          "file); check --output-dir, or use --resume auto to start fresh when there is none")
+    if args.baseline and not os.path.exists(os.path.join(args.baseline, "summary.json")):
+        raise SystemExit(f"--baseline {args.baseline}: no summary.json there; give the output directory of a finished "
+                         "run")
     if args.stop_after is not None and not args.save_every and is_rank0():
         print(f"warning: --stop-after {args.stop_after} without --save-every writes no checkpoint: a later --resume "
               "will have nothing to continue from", flush=True)
@@ -242,6 +248,41 @@ def apply_run_arguments(args: Any, config: dict) -> str:
             raise SystemExit(f"--delay-compensation {value!r} is not valid JSON ({error}); give a method name "
                              "or an object such as '{\"method\": \"weight_prediction\"}'") from None
     return method
+
+
+#: optimizer parameters that do not say which optimizer it is: the learning rates a search sets, and which
+#: implementation of the same update runs (torch's AdamW or DeepSpeed's fused one)
+_NOT_THE_OPTIMIZER = ("lr", "muon_lr", "torch_adam")
+
+
+def optimizer_identity(config: dict) -> dict | None:
+    """A DeepSpeed config's optimizer without its learning rates and implementation (None: the examples'
+    default AdamW)."""
+    section = config.get("optimizer")
+    if section is None:
+        return None
+    params = {k: v for k, v in section.get("params", {}).items() if k not in _NOT_THE_OPTIMIZER}
+    return {"type": section["type"].lower(), "params": params}
+
+
+def against_baseline(summary: dict, baseline_dir: str, metric: str, higher_is_better: bool = False) -> dict:
+    """This run's ``metric`` against the baseline run's (its summary.json): the gap (lower is better: relative,
+    positive when this run is worse; higher is better: in points, positive when this run is worse) and whether
+    both trained with the same optimizer, learning rates aside, so that a gap is the method's and not the
+    optimizer's."""
+    with open(os.path.join(baseline_dir, "summary.json")) as f:
+        baseline = json.load(f)
+    mine, theirs = summary[metric], baseline[metric]
+    gap = (theirs - mine) * 100 if higher_is_better else (mine - theirs) / theirs
+    same = optimizer_identity(summary["config"]) == optimizer_identity(baseline["config"])
+    other = optimizer_identity(baseline["config"])
+    named = "the default AdamW" if other is None else other["type"]
+    gap_text = f"{gap:+.2f} points" if higher_is_better else f"{gap:+.2%}"
+    label = (f"{summary['method']} {metric} {mine:.4f} against {baseline['method']} {theirs:.4f}: {gap_text}, "
+             + (f"the same optimizer ({named})" if same else f"another optimizer ({named} for {baseline['method']})"))
+    return {"baseline": baseline_dir, "metric": metric, "baseline_method": baseline["method"], "value": mine,
+            "baseline_value": theirs, "gap": gap, "gap_unit": "points" if higher_is_better else "relative",
+            "same_optimizer": same, "label": label}
 
 
 def run_main(main: Callable[[], None]) -> None:

@@ -2,6 +2,7 @@
 
     python -m benchmarks.accuracy [flags]                      vision (default)
     python -m benchmarks.accuracy lm [flags]
+    python -m benchmarks.accuracy depth --reports R1.json R2.json ...
     python -m benchmarks.accuracy time-to-loss [flags]
     python -m benchmarks.accuracy gradient-quality [flags]
 
@@ -11,6 +12,8 @@
 - lm: RevGPT on text, best against best: each PETRA recipe (optimizer + delay compensation) at its best learning
   rate against backprop at its best, over J and k. Writes runs/lm_accuracy/report.json and a PNG. 2 cores: about
   75 min (estimate: 24 runs of 500 steps, two at a time).
+- depth: how deep can a pipeline go? The gap against J at the recommended k = 2(J-1) and at half of it, from lm
+  reports (one per depth). Reads JSON only: seconds (the lm runs behind it: see docs/benchmarks.md).
 - time-to-loss: how much wall time do PETRA and a backprop pipeline need to reach the loss backprop reaches at
   step N? Writes runs/benchmarks/time_to_loss_<device>.json and a PNG. 2 cores: tens of minutes (estimate from
   benchmarks/results/time_to_loss_cpu.json).
@@ -26,10 +29,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .lib import gradient_quality, lm_accuracy, time_to_loss, vision_accuracy
+from .lib import gradient_quality, lm_accuracy, lm_depth, time_to_loss, vision_accuracy
 from .lib.commands import dispatch
 
-COMMANDS = {"lm": lm_accuracy.main, "time-to-loss": time_to_loss.main, "gradient-quality": gradient_quality.main}
+COMMANDS = {"lm": lm_accuracy.main, "depth": lm_depth.main, "time-to-loss": time_to_loss.main, "gradient-quality": gradient_quality.main}
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

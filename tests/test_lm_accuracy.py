@@ -97,3 +97,34 @@ def test_an_earlier_reports_runs_join_unless_the_report_has_them(tmp_path):
     report.write_text(json.dumps({"runs": [gone, kept]}))
     (carried,) = bench.earlier_runs(str(report), {bench.run_name(kept)})
     assert carried == gone
+
+
+def _run(arm, recipe, lr, J, k, loss, seed=0, steps=1500):
+    return {"arm": arm, "recipe": recipe, "lr": lr, "J": J, "k": k, "seed": seed, "steps": steps,
+            "final_val_loss": loss, "val_curve": [(steps // 2, loss + 1), (steps, loss)], "revalidated_from": None}
+
+
+def test_the_depth_table_reads_the_recommended_and_the_half_k_of_each_depth(tmp_path):
+    """J = 16: the recommended k is 30, half of it 15. The shipped recipe is compared with backprop of its own
+    optimizer, the best recipe with the best backprop of any optimizer; a screening length is not read."""
+    from benchmarks.lib import lm_depth
+
+    runs = [_run("backprop", "muon10", 2e-3, None, 2, 4.00), _run("backprop", "muon10", 2e-3, None, 2, 4.02, seed=1),
+            _run("backprop", "adamw", 2e-3, None, 2, 3.90),
+            _run("petra", "muon10+wp", 2e-3, 16, 30, 4.04), _run("petra", "muon10+wp", 2e-3, 16, 30, 4.06, seed=1),
+            _run("petra", "muon10+ef", 2e-3, 16, 30, 4.03), _run("petra", "muon10+wp", 2e-3, 16, 15, 4.12),
+            _run("petra", "muon10+wp", 2e-3, 16, 8, 4.50), _run("petra", "muon10+wp", 2e-3, 16, 30, 3.0, steps=100)]
+    report = {"args": {"layers": 13, "d_model": 64, "backprop_k": 2}, "runs": runs,
+              "best": bench.best_against_best(runs), "source": "r16.json"}
+    rows = lm_depth.depth_rows(report)
+    assert [(r["J"], r["k"], r["k_is"], r["steps"]) for r in rows] == [(16, 30, "recommended", 1500),
+                                                                        (16, 15, "half", 1500)]
+    recommended, half = rows
+    assert recommended["shipped_gap"] == pytest.approx(4.05 / 4.01 - 1) and recommended["shipped_seeds"] == 2
+    assert recommended["best_recipe"] == "muon10+ef" and recommended["best_gap"] == pytest.approx(4.03 / 3.90 - 1)
+    assert half["shipped_gap"] == pytest.approx(4.12 / 4.01 - 1) and half["best_recipe"] == "muon10+wp"
+    path = tmp_path / "r16.json"
+    path.write_text(json.dumps({k: v for k, v in report.items() if k != "source"}))
+    lm_depth.main(["--reports", str(path), "--output", str(tmp_path / "depth.json")])
+    saved = json.loads((tmp_path / "depth.json").read_text())
+    assert [r["k"] for r in saved["rows"]] == [30, 15] and (tmp_path / "depth.png").stat().st_size > 1000

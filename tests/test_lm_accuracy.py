@@ -128,3 +128,14 @@ def test_the_depth_table_reads_the_recommended_and_the_half_k_of_each_depth(tmp_
     lm_depth.main(["--reports", str(path), "--output", str(tmp_path / "depth.json")])
     saved = json.loads((tmp_path / "depth.json").read_text())
     assert [r["k"] for r in saved["rows"]] == [30, 15] and (tmp_path / "depth.png").stat().st_size > 1000
+
+
+def test_backprop_runs_follow_the_recipes_unless_named_and_none_when_the_flag_is_alone():
+    def arms(named):
+        args = _args(recipes=["muon10+ef", "adamw+wp"], backprop_optimizers=named, lrs=[2e-3], stages=[8], k=[4],
+                     seeds=[0], steps=1500)
+        return sorted((j["arm"], j["recipe"]) for j in bench.jobs(args))
+    petra = [("petra", "adamw+wp"), ("petra", "muon10+ef")]
+    assert arms(None) == sorted([("backprop", "adamw"), ("backprop", "muon10"), *petra])
+    assert arms(["muon10"]) == sorted([("backprop", "muon10"), *petra])
+    assert arms([]) == petra

@@ -301,10 +301,11 @@ def run_one(args: argparse.Namespace, files: list[str], job: dict) -> dict:
 
 
 def jobs(args: argparse.Namespace) -> list[dict]:
-    """Backprop once per optimizer the recipes use (and --backprop-optimizers), lr and seed, at --backprop-k
+    """Backprop once per optimizer the recipes use (or --backprop-optimizers), lr and seed, at --backprop-k
     (its arithmetic does not depend on k); PETRA per recipe, lr, J, k and seed."""
     base = {"steps": args.steps}
-    optimizers = list(dict.fromkeys(args.backprop_optimizers or [backprop_recipe(r) for r in args.recipes]))
+    named = args.backprop_optimizers
+    optimizers = list(dict.fromkeys([backprop_recipe(r) for r in args.recipes] if named is None else named))
     out = [dict(base, arm="backprop", recipe=o, lr=lr, J=None, k=args.backprop_k, seed=s)
            for o in optimizers for lr in args.lrs for s in args.seeds]
     out += [dict(base, arm="petra", recipe=r, lr=lr, J=J, k=k, seed=s)
@@ -387,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="PETRA methods: optimizer[+wp][+am][+lr]...[+nc] (weight prediction, adaptive momentum, "
                              "lr rescaling, ...; nc: no gradient clipping)")
     parser.add_argument("--backprop-optimizers", nargs="*", default=None,
-                        help="backprop's optimizers, optimizer[+nc] (default: those the recipes use)")
+                        help="backprop's optimizers, optimizer[+nc] (default: those the recipes use; the flag alone: "
+                             "no backprop run, the --earlier report's serve)")
     parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3])
     parser.add_argument("--stages", type=int, nargs="+", default=[4], help="PETRA depths J")
     parser.add_argument("--k", type=int, nargs="+", default=[4], help="micro-batches per step (global batch fixed)")

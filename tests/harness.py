@@ -42,9 +42,21 @@ class WrongInverse(Additive):
         return y1 - self.F(y2), y2
 
 
+def image_data(num: int, micro_batch: int, seed: int = 0, dtype=torch.float64) -> list[tuple]:
+    """``num`` micro-batches of random 3 x 8 x 8 images with labels in 10 classes (what RevNet's CIFAR stem takes)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(micro_batch, 3, 8, 8, generator=g, dtype=dtype),
+             torch.randint(0, 10, (micro_batch,), generator=g)) for _ in range(num)]
+
+
 def model_for(spec: dict[str, Any]) -> tuple[list, Any, Any]:
-    """(layer specs, loss_fn, data function) of the test model ``spec["model"]``: "toy", "revgpt" or "decoder"
-    (a tiny reversible Llama)."""
+    """(layer specs, loss_fn, data function) of the test model ``spec["model"]``: "toy", "revgpt", "decoder"
+    (a tiny reversible Llama) or "revnet" (RevNet18 with the CIFAR stem, base width ``spec["width"]``, default 4)."""
+    if spec.get("model", "toy") == "revnet":
+        from petra_ds.models.revnet import revnet_layers
+
+        return revnet_layers(18, num_classes=10, cifar=True, base_width=spec.get("width", 4)), nn.CrossEntropyLoss(), \
+            image_data
     if spec.get("model", "toy") == "decoder":
         from petra_ds.models.decoder import decoder_layers
         from petra_ds.models.transformer import lm_loss

@@ -32,6 +32,7 @@ THIRD_PARTY = {
     "_foreach_add": "torch's multi-tensor add into new tensors, see _foreach_abs (weight prediction)",
     "_foreach_sub": "torch's multi-tensor subtraction into new tensors, see _foreach_abs (weight prediction)",
     "_foreach_norm": "torch's multi-tensor norm, see _foreach_abs",
+    "_foreach_copy_": "torch's multi-tensor copy, see _foreach_abs (a FIFO entry's storages to host memory and back)",
     "_inductor": "torch._inductor.config.fallback_random: compiled random ops draw as eager ones do, so keyed "
                  "RNG scopes give a compiled forward and reconstruction the same masks (no public switch)",
     "_profiler_enabled": "torch.autograd._profiler_enabled(): whether a torch.profiler is recording, so that the "

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 LATEST = "latest"
 #: ``petra`` keys that do not change training: a checkpoint resumes under other values
-DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible", "reconstruct_overlap", "compile")
+DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible", "reconstruct_overlap", "compile", "fifo_offload")
 
 
 def partial_dir(save_dir: str, tag: str) -> str:

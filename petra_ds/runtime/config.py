@@ -9,6 +9,7 @@ from typing import Any, Mapping
 
 from ..util.checks import positive_int
 from .compensation import Combined, DelayCompensation, DelayCompensationError
+from .fifo import FIFO_OFFLOADS
 
 INPUT_BUFFERS = ("non_reversible", "all")
 BN_RUNNING_STATS = ("backward", "forward")
@@ -58,6 +59,10 @@ class PetraConfig:
     #: "weight_prediction", "lr_rescale" or "adaptive_momentum", an object {"method": ..., its parameters},
     #: or a list of them applied together
     delay_compensation: DelayCompensation | Combined = DelayCompensation()
+    #: where a non-reversible stage's FIFO entries wait for their backward (``runtime/fifo.py``): "none" (on the
+    #: device) or "cpu" (host memory; each entry is copied out as it is stored, and back one clock before its
+    #: backward reads it). The same bits either way: a memory setting, not a training one
+    fifo_offload: str = "none"
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "PetraConfig":
@@ -103,6 +108,10 @@ class PetraConfig:
         if not isinstance(self.reconstruct_overlap, bool):
             raise PetraConfigError(
                 f'"petra.reconstruct_overlap" must be true or false, got {self.reconstruct_overlap!r}')
+        if self.fifo_offload not in FIFO_OFFLOADS:
+            raise PetraConfigError(
+                f'"petra.fifo_offload" must be one of {FIFO_OFFLOADS} ("cpu": a non-reversible stage keeps its input '
+                f'FIFO in host memory), got {self.fifo_offload!r}')
         if self.param_buffer and self.delay_compensation.method != "none":
             raise PetraConfigError(
                 '"petra.param_buffer" (weight stashing) already runs each backward with its forward\'s weights; '

@@ -58,7 +58,7 @@ class PetraEngine(PipelineEngine):
             param_buffer=petra_config.param_buffer, bn_policy=BatchNormPolicy(petra_config.bn_running_stats),
             autocast_dtype=torch.bfloat16 if bf16 else None, device_type=self.device.type,
             check_reversible=petra_config.check_reversible, reconstruct_overlap=petra_config.reconstruct_overlap,
-            compile=petra_config.compile)
+            compile=petra_config.compile, fifo_offload=petra_config.fifo_offload)
         self.stages: dict[int, Stage] = {}
         #: what the stages read and make, checked for NaN / Inf on the device, read once per window
         self.finite = FiniteWatch(lambda: self._running_clock, self.local_stage_ids, self.num_petra_stages,
@@ -137,7 +137,8 @@ class PetraEngine(PipelineEngine):
         loaded = tuple(v for data, v in inbox if data)  # stage 0's micro-batches read, not yet run
         mine = tuple(v for data, v in inbox if not data) + tuple(self._outbox[stage].values())
         return Holdings(data=(*own["data"], *loaded), inputs=own["inputs"], outputs=own["outputs"],
-                        param_stash=own["param_stash"], messages=(*mine, *own["messages"]))
+                        param_stash=own["param_stash"], messages=(*mine, *own["messages"]),
+                        offloaded=own["offloaded"])
 
     # --- optimizers and schedulers, one per local stage (DeepSpeed's constructor calls these) ---
 

@@ -47,9 +47,10 @@ def storage_keys(tensors: Iterable[Tensor]) -> set[StorageKey]:
 
 
 def memory_report(engine: PetraEngine) -> dict[int, dict[str, int]]:
-    """Per local stage, bytes held now: parameters, gradients, optimizer state, input buffer (now and
-    peak), parameter buffer (now and peak), stage 0's raw micro-batches, messages held, the delay
-    compensation's state (weight prediction's averaged update)."""
+    """Per local stage, bytes held now: parameters, gradients, optimizer state, input buffer on the device
+    (now and peak), the host copies of its offloaded entries (``fifo_host``, ``fifo_offload: "cpu"``), parameter
+    buffer (now and peak), stage 0's raw micro-batches, messages held, the delay compensation's state (weight
+    prediction's averaged update)."""
     report = {}
     for j, st in engine.stages.items():
         optimizer = engine.stage_optimizers[j - engine.local_stage_ids[0]]
@@ -62,6 +63,8 @@ def memory_report(engine: PetraEngine) -> dict[int, dict[str, int]]:
             "input_buffer": tensor_bytes(held.inputs),
             "input_buffer_peak": st.peak_input_bytes,
             "input_buffer_micro_batches": len(held.inputs),
+            "fifo_host": tensor_bytes(held.offloaded),
+            "fifo_host_micro_batches": len(held.offloaded),
             "param_buffer": tensor_bytes(held.param_stash),
             "param_buffer_peak": st.peak_param_buffer_bytes,
             "raw_micro_batches": tensor_bytes(held.data),

@@ -101,11 +101,13 @@ class Holdings:
     one view.
 
     - ``data``: stage 0's raw micro-batches, and those loaded but not yet run;
-    - ``inputs``: a non-reversible stage's exact inputs (its FIFO);
+    - ``inputs``: a non-reversible stage's exact inputs (its FIFO) on the device;
     - ``outputs``: what a clock keeps inside itself (the last stage's graph, a reconstruction's tape);
       empty between clocks;
     - ``param_stash``: the weight-stashing ablation's parameters;
-    - ``messages``: messages received for, or produced by, this stage and not yet consumed.
+    - ``messages``: messages received for, or produced by, this stage and not yet consumed;
+    - ``offloaded``: the host copies of the FIFO entries offloaded (``fifo_offload``). Host memory, not the
+      stage's device: outside :meth:`categories`, which lists what the stage keeps where it computes.
     """
 
     data: tuple
@@ -113,6 +115,7 @@ class Holdings:
     outputs: tuple
     param_stash: tuple
     messages: tuple
+    offloaded: tuple = ()
 
     def categories(self) -> dict[str, Any]:
         return {"data": self.data, "inputs": self.inputs, "outputs": self.outputs,

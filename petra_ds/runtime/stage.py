@@ -7,7 +7,8 @@ reversible) and, clocks later, a backward with its parameters as they are *then*
 - a reversible stage rebuilds x~_{j-1} from x~_j, building the graph on the way, then runs the VJPs
   (with ``reconstruct_overlap``, block by block, overlapping on CUDA: ``nn.reversible.reconstruct_and_backward``);
 - any other stage recomputes F_j with grad from its exact input: the FIFO for a non-reversible
-  stage, the raw micro-batch (data, not an activation buffer) for stage 0.
+  stage (``runtime/fifo.py``: on the device, or in host memory with ``fifo_offload``), the raw micro-batch
+  (data, not an activation buffer) for stage 0.
 
 ``Delta_j`` accumulates into the parameters' ``.grad``; the loss is divided by k at the last stage so
 that after k backwards ``.grad`` is the mean over the k micro-batches, as DeepSpeed does.
@@ -15,7 +16,6 @@ that after k backwards ``.grad`` is the mean over the k micro-batches, as DeepSp
 
 from __future__ import annotations
 
-from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, Sequence
@@ -33,6 +33,7 @@ from ..pipeline.module import layer_module
 from ..schedule import reconstructs
 from .compensation import NoCompensation
 from .compiled import compile_layers
+from .fifo import InputFifo, StreamCopies
 from .finite import FiniteWatch
 from .ledger import tensor_bytes
 
@@ -64,6 +65,9 @@ class StageOptions:
     #: the stage's layers run through ``torch.compile`` (``petra_ds.runtime.compiled``): False, True (inductor) or
     #: a backend's name
     compile: bool | str = False
+    #: where a stage's FIFO entries wait for their backward: "none" (on the device) or "cpu" (host memory but the
+    #: head, ``petra_ds.runtime.fifo``)
+    fifo_offload: str = "none"
 
 
 @dataclass
@@ -127,7 +131,8 @@ class Stage:
         self.stepped = [p for p in self.params if p.requires_grad and id(p) not in not_stepped]
         self.norms = [bn for module in self.modules for bn in batch_norms(module)]
 
-        self.fifo: deque[tuple[int, Activation]] = deque()  # exact inputs of a non-reversible stage
+        #: exact inputs of a non-reversible stage, on the device or offloaded to host memory
+        self.fifo = InputFifo(StreamCopies() if options.fifo_offload == "cpu" else None)
         self.raw: dict[int, Activation] = {}  # stage 0's micro-batches (data)
         self.stash: dict[int, list[Tensor]] = {}  # param_buffer ablation
         self.live: tuple[int, Activation, Activation, Tensor] | None = None  # last stage: (m, x, leaf, loss)
@@ -233,7 +238,7 @@ class Stage:
         if self.is_first:
             self.raw[m] = x
         elif self.keeps_input:
-            self.fifo.append((m, x))
+            self.fifo.append(m, x)
         elif self.reconstructs and self.options.track_reconstruction:
             self._truth[m] = x
         if self.options.param_buffer:
@@ -393,9 +398,9 @@ class Stage:
             if m not in self.raw:
                 raise RuntimeError(f"stage 0 lost micro-batch {m}")
             return self.raw.pop(m)
-        if not self.fifo or self.fifo[0][0] != m:
+        if self.fifo.head != m:
             raise RuntimeError(f"stage {self.index}: FIFO head is not micro-batch {m}")
-        return self.fifo.popleft()[1]
+        return self.fifo.pop(m)
 
     # --- weight stashing (ablation) ---
 
@@ -420,7 +425,7 @@ class Stage:
             raise RuntimeError(f"stage {self.index} is in the middle of a clock")
         return {
             "grads": [None if p.grad is None else p.grad.detach().clone() for p in self.params],
-            "fifo": list(self.fifo),
+            "fifo": self.fifo.state(),
             "raw": dict(self.raw),
             "stash": dict(self.stash),
             "backwards": self.backwards,
@@ -432,7 +437,7 @@ class Stage:
     def load_state_dict(self, state: dict) -> None:
         for p, g in zip(self.params, state["grads"]):
             p.grad = None if g is None else g.to(p.device).clone()
-        self.fifo = deque(state["fifo"])
+        self.fifo.load(state["fifo"])
         self.raw = dict(state["raw"])
         self.stash = dict(state["stash"])
         self.backwards = state["backwards"]
@@ -443,21 +448,28 @@ class Stage:
     # --- accounting ---
 
     def held(self) -> dict[str, tuple]:
-        """What this stage keeps alive now, by ``petra_ds.runtime.observe.Holdings`` category (references)."""
+        """What this stage keeps alive now, by ``petra_ds.runtime.observe.Holdings`` field (references)."""
         return {
             "data": tuple(self.raw.values()),
-            "inputs": tuple(x for _, x in self.fifo),
+            "inputs": self.fifo.on_device(),
+            "offloaded": self.fifo.on_host(),
             "outputs": tuple(x for x in (self.live, self._rebuilt_input()) if x is not None),
             "messages": (self.reconstruction.delta,) if self.reconstruction is not None else (),
             "param_stash": tuple(self.stash.values()),
         }
+
+    @property
+    def offloads_inputs(self) -> bool:
+        """Whether this stage keeps a FIFO and offloads it to host memory (``fifo_offload: "cpu"``)."""
+        return self.keeps_input and self.fifo.offloads
 
     def _rebuilt_input(self) -> Activation | None:
         rebuilt = self.reconstruction
         return rebuilt.x if rebuilt is not None and rebuilt.tape is not None else None
 
     def input_buffer_bytes(self) -> int:
-        return tensor_bytes([x for _, x in self.fifo])
+        """The FIFO's bytes on the device (an offloaded entry's host copy is not the device's)."""
+        return tensor_bytes(self.fifo.on_device())
 
     def param_buffer_bytes(self) -> int:
         return tensor_bytes(list(self.stash.values()))

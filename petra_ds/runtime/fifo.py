@@ -1,0 +1,231 @@
+"""A stage's input FIFO: the exact inputs a non-reversible stage keeps from its forward to its delayed backward,
+and, with ``"petra": {"fifo_offload": "cpu"}``, where each one waits in between.
+
+The schedule says when an entry is read: the one stored at clock t is read by the stage's ``DelayedBackward`` at
+clock t + 2(J-1-j), and entries leave in the order they came. So an entry need not wait on the device. With an
+offload, it is copied to host memory as it is stored and its device copy is dropped; after each read, the new
+head starts back to the device, one clock before its own read in steady state. An entry stored into an empty FIFO
+is the next one read and keeps its device copy, so the head is always on the device or on its way there: a read
+waits on that copy's event on the compute stream, never on the host.
+
+How bytes move is a :class:`Copies`, injectable so that a test can hold copies back and check the order.
+:class:`StreamCopies` copies on a second CUDA stream through pinned host memory, ordered by events; on CPU its copy
+is a plain copy. An entry moves storage by storage: each distinct storage behind its tensors is copied once, whole,
+and the tensors are rebuilt as the same views of the copy (sizes, strides, offsets), so the backward reads the
+layout the forward stored and computes the same bits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+from torch import Tensor
+
+from ..util.nested import map_tensors, tensors_in
+
+#: the values ``"petra.fifo_offload"`` takes: "none" keeps every entry on the device, "cpu" offloads to host memory
+FIFO_OFFLOADS = ("none", "cpu")
+
+
+class Copies(Protocol):
+    """How an entry's bytes move between the device and the host. Each copy takes flat byte buffers (one per
+    storage) and returns their copies, maybe still being written, with an event that marks them written (None:
+    written already)."""
+
+    def to_host(self, buffers: list[Tensor]) -> tuple[list[Tensor], Any]:
+        """Host copies of ``buffers``, started."""
+
+    def to_device(self, buffers: list[Tensor], device: torch.device) -> tuple[list[Tensor], Any]:
+        """Copies of the host ``buffers`` on ``device``, started."""
+
+    def wait(self, event: Any) -> None:
+        """What the compute stream runs next runs after ``event``; the host goes on."""
+
+    def finish(self, event: Any) -> None:
+        """The host waits for ``event`` (a checkpoint reads host copies; never inside a window)."""
+
+
+class StreamCopies:
+    """Copies on a second CUDA stream per device, through pinned host memory, ordered by events; tensors on the
+    CPU are copied plainly (the same bits, nothing to wait for)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def to_host(self, buffers: list[Tensor]) -> tuple[list[Tensor], Any]:
+        """Device to pinned host memory on the side stream, after what the compute stream queued (which made
+        them); each device buffer is marked used by the side stream, so that dropping it cannot hand its
+        memory to new work before the copy has read it."""
+        if not buffers or not buffers[0].is_cuda:
+            return _copied(buffers, "cpu"), None
+        device = buffers[0].device
+        side = self._side(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            host = [torch.empty(b.shape, dtype=b.dtype, pin_memory=True) for b in buffers]
+            torch._foreach_copy_(host, buffers, non_blocking=True)
+            for b in buffers:
+                b.record_stream(side)
+            return host, side.record_event()
+
+    def to_device(self, buffers: list[Tensor], device: torch.device) -> tuple[list[Tensor], Any]:
+        """Host to device on the side stream. The device memory is taken on the compute stream, which reads it;
+        the side stream first waits for what the compute stream queued, which may still use that memory."""
+        if device.type != "cuda":
+            return _copied(buffers, device), None
+        current = torch.cuda.current_stream(device)
+        out = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in buffers]
+        side = self._side(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            torch._foreach_copy_(out, buffers, non_blocking=True)
+            return out, side.record_event()
+
+    def wait(self, event: Any) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def finish(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
+
+def _copied(buffers: list[Tensor], device: torch.device | str) -> list[Tensor]:
+    """Plain copies of ``buffers`` on ``device``, in one multi-tensor op."""
+    out = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in buffers]
+    if out:
+        torch._foreach_copy_(out, buffers)
+    return out
+
+
+def moved(value: Any, copy: Callable[[list[Tensor]], tuple[list[Tensor], Any]]) -> tuple[Any, Any]:
+    """``value`` with each distinct storage behind its tensors copied once, whole, by ``copy``, and each tensor
+    rebuilt as the same view of its storage's copy; and the copy's event."""
+    index: dict[tuple[str, int], int] = {}
+    buffers: list[Tensor] = []
+    with torch.no_grad():
+        for t in tensors_in(value):
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if key not in index:
+                index[key] = len(buffers)
+                buffers.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage))
+        copies, event = copy(buffers)
+
+        def view(t: Tensor) -> Tensor:
+            target = copies[index[(str(t.device), t.untyped_storage().data_ptr())]]
+            return torch.empty(0, dtype=t.dtype, device=target.device).set_(
+                target.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+        return map_tensors(view, value), event
+
+
+@dataclass
+class Entry:
+    """One micro-batch's input: on the device (``value``, readable once ``ready`` has passed) or in host memory
+    only (``host``, written once ``stored`` has passed); ``device`` is where it is read."""
+
+    micro_batch: int
+    value: Any
+    device: torch.device | None = None
+    host: Any = None
+    stored: Any = None
+    ready: Any = None
+
+
+class InputFifo:
+    """The inputs a stage keeps for its delayed backwards, read in the order they were stored; with ``copies``,
+    every entry but the head waits in host memory."""
+
+    def __init__(self, copies: Copies | None = None) -> None:
+        """``copies``: how entries move to host memory and back (None: they stay on the device)."""
+        self.copies = copies
+        self._entries: deque[Entry] = deque()
+
+    @property
+    def offloads(self) -> bool:
+        """Whether entries wait in host memory."""
+        return self.copies is not None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def head(self) -> int | None:
+        """The micro-batch read next (None when empty)."""
+        return self._entries[0].micro_batch if self._entries else None
+
+    def micro_batches(self) -> list[int]:
+        return [e.micro_batch for e in self._entries]
+
+    def append(self, m: int, x: Any) -> None:
+        """Keep ``x``, micro-batch ``m``'s input. Offloaded unless it is the next one read: the device copy is
+        dropped here, its memory free once the copy has read it."""
+        if self.copies is None or not self._entries:
+            self._entries.append(Entry(m, x))
+            return
+        host, stored = moved(x, self.copies.to_host)
+        self._entries.append(Entry(m, None, next(tensors_in(x)).device, host, stored))
+
+    def pop(self, m: int) -> Any:
+        """The head, micro-batch ``m``'s input, on the device with the compute stream ordered after its copy;
+        then the new head starts back to the device."""
+        if self.head != m:
+            raise RuntimeError(f"the FIFO's head is micro-batch {self.head}, not {m}")
+        entry = self._entries.popleft()
+        if entry.value is None:
+            raise RuntimeError(f"micro-batch {m}'s input is read while it is in host memory only: its prefetch "
+                               "was never started")
+        if entry.ready is not None:
+            self.copies.wait(entry.ready)
+        self._prefetch_head()
+        return entry.value
+
+    def _prefetch_head(self) -> None:
+        """Start the head back to the device (a no-op when it is there); its host copy is dropped, its memory
+        free once the copy has read it."""
+        if not self._entries or self._entries[0].value is not None:
+            return
+        head = self._entries[0]
+        head.value, head.ready = moved(head.host, lambda buffers: self.copies.to_device(buffers, head.device))
+        head.host = head.stored = None
+
+    def on_device(self) -> tuple:
+        """The entries held on the device (the head, and every entry without an offload)."""
+        return tuple(e.value for e in self._entries if e.value is not None)
+
+    def on_host(self) -> tuple:
+        """The host copies of the offloaded entries."""
+        return tuple(e.host for e in self._entries if e.host is not None)
+
+    def state(self) -> list[tuple[int, Any]]:
+        """Every entry as (micro-batch, input) for a checkpoint, an offloaded one as its host copy. Waits for
+        the copies (the host, for a host copy): only between windows."""
+        out = []
+        for e in self._entries:
+            if e.value is not None:
+                if e.ready is not None:
+                    self.copies.wait(e.ready)
+                out.append((e.micro_batch, e.value))
+            else:
+                self.copies.finish(e.stored)
+                out.append((e.micro_batch, e.host))
+        return out
+
+    def load(self, entries: Iterable[tuple[int, Any]]) -> None:
+        """Replace the entries by ``entries`` (a checkpoint's, on the device), kept as if stored in this order."""
+        for e in self._entries:
+            if e.ready is not None:  # the memory a prefetch writes goes back only after the write
+                self.copies.wait(e.ready)
+        self._entries.clear()
+        for m, x in entries:
+            self.append(m, x)

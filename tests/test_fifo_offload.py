@@ -258,11 +258,18 @@ def assert_same_training(spec: dict) -> list[dict]:
     return offloaded
 
 
+def settings_probe(engine: Any) -> str:
+    """What rank 0 printed at start-up."""
+    from petra_ds.diagnostics.settings import format_settings
+
+    return format_settings(engine.run_settings)
+
+
 TOY = {"pipe": 2, "stages_per_rank": 2, "k": 2, "train_batches": 4, "optimizer": SGD, "dropout": 0.1}
 
 
 def test_toy_on_two_ranks_trains_the_same_bits_and_reports_device_and_host_bytes():
-    results = assert_same_training(TOY)
+    results = assert_same_training({**TOY, "probe": "test_fifo_offload:settings_probe"})
     J, M, entry_bytes = 4, 8, 4 * 8 * 8  # a pair of (4, 4) float64
     for res in results:
         for clock, report in res["memory"]:
@@ -276,6 +283,8 @@ def test_toy_on_two_ranks_trains_the_same_bits_and_reports_device_and_host_bytes
                 assert entry["input_buffer"] == on_device * entry_bytes, (clock, j)
                 assert entry["fifo_host_micro_batches"] == in_flight - on_device, (clock, j)
                 assert entry["fifo_host"] == (in_flight - on_device) * entry_bytes, (clock, j)
+    printed = results[0]["probe"]
+    assert "input FIFO: stage 2 offloads it to host memory" in printed, printed
 
 
 def test_toy_resumes_bit_for_bit_from_a_checkpoint_with_offloaded_entries(tmp_path):

@@ -1,7 +1,8 @@
 """What a run really does, said once at start-up: the method, the layout, the partition, every stage's
-optimizer and learning-rate schedule, gradient clipping with where its value came from, and PETRA's delay
-compensation. DeepSpeed fills in what a config leaves out (0.19 clips gradients at norm 1.0 unless
-``"gradient_clipping"`` says otherwise), so the values are read from the engine, not from the config."""
+optimizer and learning-rate schedule, gradient clipping with where its value came from, PETRA's delay
+compensation and where each stage's input FIFO waits (on the device, or offloaded to host memory). DeepSpeed
+fills in what a config leaves out (0.19 clips gradients at norm 1.0 unless ``"gradient_clipping"`` says
+otherwise), so the values are read from the engine, not from the config."""
 
 from __future__ import annotations
 
@@ -23,16 +24,23 @@ def _groups(optimizer: Any) -> list[dict]:
     return [{**{k: g[k] for k in GROUP_KEYS if k in g}, "tensors": len(g["params"])} for g in groups]
 
 
-def _stage(stage: int, layers: list[int], optimizer: Any, scheduler: Any) -> dict:
+def _stage(stage: int, layers: list[int], optimizer: Any, scheduler: Any, fifo: str | None = None) -> dict:
     return {"stage": stage, "layers": layers,
             "optimizer": None if optimizer is None else type(optimizer).__name__, "param_groups": _groups(optimizer),
-            "lr_schedule": None if scheduler is None else type(scheduler).__name__}
+            "lr_schedule": None if scheduler is None else type(scheduler).__name__, "input_fifo": fifo}
+
+
+def _fifo(stage: Any) -> str | None:
+    """Where a PETRA stage's input FIFO waits: "host" (offloaded), "device", or None (it keeps none)."""
+    if not stage.keeps_input:
+        return None
+    return "host" if stage.offloads_inputs else "device"
 
 
 def _local_stages(engine: DeepSpeedEngine, petra: bool) -> list[dict]:
     if petra:
         parts = petra_parts(engine.module)  # a plain PipelineModule's own partition when it is not ours
-        return [_stage(j, parts[j:j + 2], opt, sched) for j, opt, sched in
+        return [_stage(j, parts[j:j + 2], opt, sched, _fifo(engine.stages[j])) for j, opt, sched in
                 zip(engine.local_stage_ids, engine.stage_optimizers, engine.stage_schedulers)]
     parts = getattr(engine.module, "parts", None)
     stage = getattr(engine, "stage_id", 0)
@@ -130,4 +138,17 @@ def format_settings(settings: dict) -> str:
         lines.append(f"  gradient clipping: off, from {clip['from']}")
     if s["method"] == "petra":
         lines.append(f"  delay compensation: {_describe_compensation(s['delay_compensation'])}")
+        lines.append(f"  input FIFO: {_describe_fifos(s['per_stage'])}")
     return "\n".join(lines)
+
+
+def _describe_fifos(stages: list[dict]) -> str:
+    """"stage 2 offloads it to host memory; stage 5 keeps it on the device": per stage that keeps its inputs."""
+    where = {"host": "offload{s} it to host memory", "device": "keep{s} it on the device"}
+    parts = []
+    for kind, text in where.items():
+        ids = [str(st["stage"]) for st in stages if st.get("input_fifo") == kind]
+        if ids:
+            one = len(ids) == 1
+            parts.append(("stage " if one else "stages ") + ", ".join(ids) + " " + text.format(s="s" if one else ""))
+    return "; ".join(parts) or "none"

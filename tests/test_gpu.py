@@ -261,3 +261,49 @@ def test_a_steady_state_train_batch_synchronises_once():
     (found,) = launch({}, world_size=1, target=_steady_state_syncs, timeout=600, fresh=True)
     for name, syncs in found.items():
         assert len(syncs) <= 1, (name, syncs)
+
+
+#: the toy model at J = 4 in one process, every stage but the ends keeping its inputs (stage 1: 5 entries deep)
+OFFLOAD = {"pipe": 1, "stages_per_rank": 4, "k": 2, "train_batches": 5, "dtype": "float32", "dropout": 0.1,
+           "optimizer": SGD, "memory_trace": True}
+
+
+def _offload_runs(_spec: dict) -> dict:
+    """The same training with ``fifo_offload`` "none" and "cpu" on CUDA, and the synchronising CUDA calls
+    ``torch.cuda.set_sync_debug_mode("warn")`` reports during each whole run."""
+    import warnings
+
+    import petra_ds
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.cuda.set_device(0)
+    petra_ds.init_distributed(dist_backend="nccl")
+    found = {}
+    for offload in ("none", "cpu"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                result = run_rank({**OFFLOAD, "petra": {"input_buffer": "all", "fifo_offload": offload}})
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        result["syncs"] = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        found[offload] = _cpu(result)
+    return found
+
+
+def test_fifo_offload_on_cuda_changes_no_bit_and_adds_no_host_sync():
+    """Entries copied to pinned host memory on a side stream and back one clock before their backward, ordered
+    by events: the same parameters and gradients bit for bit, no synchronising call more than without the offload,
+    and between clocks only each FIFO's head on the device."""
+    (found,) = launch({}, world_size=1, target=_offload_runs, timeout=600, fresh=True)
+    plain, offloaded = found["none"], found["cpu"]
+    for n in plain["params"]:
+        assert torch.equal(offloaded["params"][n], plain["params"][n]), n
+    for j, steps in plain["grads"].items():
+        for a, b in zip(steps, offloaded["grads"][j], strict=True):
+            assert all(torch.equal(a[n], b[n]) for n in a), j
+    assert len(offloaded["syncs"]) == len(plain["syncs"]), (offloaded["syncs"], plain["syncs"])
+    entries = [entry for _, report in offloaded["memory"] for entry in report.values()]
+    assert max(entry["fifo_host"] for entry in entries) > 0
+    assert all(entry["input_buffer_micro_batches"] <= 1 for entry in entries)

@@ -56,8 +56,8 @@ class PetraConfig:
     #: costs compile time at the first clocks, and no GPU run has yet shown what it saves
     compile: bool | str = False
     #: what each stage does about its delay tau_j (``petra_ds.runtime.compensation``): "none" (the paper's PETRA),
-    #: "weight_prediction", "lr_rescale", "adaptive_momentum" or "error_feedback", an object {"method": ..., its parameters},
-    #: or a list of them applied together
+    #: "weight_prediction", "lr_rescale", "adaptive_momentum" or "error_feedback", an object {"method": ...,
+    #: its parameters}, or a list of them applied together
     delay_compensation: DelayCompensation | Combined = DelayCompensation()
     #: where a non-reversible stage's FIFO entries wait for their backward (``runtime/fifo.py``): "none" (on the
     #: device) or "cpu" (host memory; each entry is copied out as it is stored, and back one clock before its

@@ -32,7 +32,8 @@ from typing import Any, Sequence
 from .lib import gradient_quality, lm_accuracy, lm_depth, time_to_loss, vision_accuracy
 from .lib.commands import dispatch
 
-COMMANDS = {"lm": lm_accuracy.main, "depth": lm_depth.main, "time-to-loss": time_to_loss.main, "gradient-quality": gradient_quality.main}
+COMMANDS = {"lm": lm_accuracy.main, "depth": lm_depth.main, "time-to-loss": time_to_loss.main,
+            "gradient-quality": gradient_quality.main}
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

@@ -136,7 +136,8 @@ class ReversibleCausalLM(PreTrainedModel, GenerationMixin):
         h = self.norm(x)
         logits = self.embed.logits(h) if self.tied else self.head(h)
         loss = None if labels is None else lm_loss(logits[:, :-1], labels[:, 1:])
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{OUTPUT_CACHE: past_key_values if use_cache else None})
+        cache_out = {OUTPUT_CACHE: past_key_values if use_cache else None}
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_out)
 
     @classmethod
     def from_layer_states(cls, config: PretrainedConfig, layer_states: Sequence[State]) -> "ReversibleCausalLM":

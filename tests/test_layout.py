@@ -164,3 +164,39 @@ def test_a_global_batch_that_cannot_be_split_names_the_fix(args, message):
 
     with pytest.raises(ValueError, match=message):
         split_global_batch(*args)
+
+
+@pytest.mark.parametrize("stages, micro_batches, split_for_depth, expected, says", [
+    (4, None, True, (2, 8), "k = 4 would leave stage 0 1.5 optimizer steps behind at J = 4"),
+    (2, None, True, (4, 4), None),           # k = 4 >= 2(J-1) = 2: the config's split stands
+    (4, 4, True, (4, 4), "--micro-batches"),  # the config's split, asked for
+    (4, 16, True, (1, 16), "--micro-batches"),
+    (4, None, False, (4, 4), None),          # the vision example and backprop keep the config's split
+])
+def test_the_lm_examples_petra_splits_the_configs_global_batch_for_the_depth(capsys, stages, micro_batches,
+                                                                              split_for_depth, expected, says):
+    import argparse
+
+    from petra_ds.tools.runs import Layout, apply_global_batch
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}
+    args = argparse.Namespace(global_batch=None, micro_batches=micro_batches)
+    apply_global_batch(args, config, Layout(1, 1, stages, stages, 11), split_for_depth=split_for_depth)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == expected
+    printed = capsys.readouterr().out
+    if says is None:
+        assert printed == ""
+    else:
+        assert f"the config's global batch of 16 (micro-batch 4 x k = 4) is split as micro-batch {expected[0]} x k = " \
+               f"{expected[1]} ({says}; --micro-batches 4 keeps the config's split)" in printed
+
+
+def test_micro_batches_alone_is_refused_where_it_splits_nothing():
+    import argparse
+
+    from petra_ds.tools.runs import Layout, apply_global_batch
+
+    with pytest.raises(SystemExit, match="give --global-batch too"):
+        apply_global_batch(argparse.Namespace(global_batch=None, micro_batches=8),
+                           {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4},
+                           Layout(1, 1, 4, 4, 11))

@@ -63,6 +63,9 @@ def test_reformer_one_process_trains_and_exports_a_hugging_face_model(tmp_path):
     assert compared["same_optimizer"] and compared["gap"] == pytest.approx((summary["final_val_loss"] - 5.0) / 5.0)
     assert compared["label"] in ran["stdout"]
     assert summary["method"] == "petra" and summary["model"] == "reformer" and summary["stages"] == 4
+    # petra_lm.json's 16 sequences per step, split for J = 4: k = 8 >= 2(J-1)
+    assert (summary["config"]["train_micro_batch_size_per_gpu"], summary["config"]["gradient_accumulation_steps"]) \
+        == (2, 8)
     assert [r["step"] for r in rows] == [2, 4]
     assert all(abs(r["val_perplexity"] - torch.tensor(r["val_loss"]).exp().item()) < 1e-3 * r["val_perplexity"]
                for r in rows)

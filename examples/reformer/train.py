@@ -11,6 +11,9 @@ decoder) with PETRA or DeepSpeed's 1F1B, then generate a sample from it.
     ... --dataset wikitext --dataset-config wikitext-103-raw-v1 --tokenizer gpt2        # online
 
 A config with a "petra" section trains with PETRA; one without with DeepSpeed's synchronous 1F1B.
+With PETRA, the config's global batch (micro-batch x k) is split into k >= 2(J-1) micro-batches when its own k is
+smaller (petra_lm.json's 4 x 4 at J = 4: 2 x 8), so that stage 0 is at most one optimizer step behind; the run
+says so, and ``--micro-batches 4`` keeps the config's split.
 The layout fits the processes launched (petra_ds.tools.runs.choose_layout; rank 0 prints it): without --stages
 and --data-parallel, the fewest data-parallel replicas that leave at most one pipeline rank per layer and
 as many PETRA stages per rank as the layers allow (the default RevGPT's 11 layers on 4 processes: J = 8,
@@ -309,7 +312,7 @@ def main() -> None:
 
     layers, hf_config = build_layers(args, vocab_size)
     layout = run_layout(len(layers), args.stages, args.data_parallel, petra="petra" in config, name=args.model)
-    apply_global_batch(args, config, layout)
+    apply_global_batch(args, config, layout, split_for_depth=method == "petra")
     replicas = layout.data_parallel
     micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
     eval_batches = validation_batches(args, micro)  # a bad --eval-sequences stops the run before it trains

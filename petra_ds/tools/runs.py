@@ -158,20 +158,39 @@ def split_global_batch(global_batch: int, replicas: int, stages: int,
     return per_replica // k, k
 
 
-def apply_global_batch(args: Any, config: dict, layout: Layout) -> None:
-    """--global-batch / --micro-batches: write the micro-batch size and k into ``config`` (rank 0 says which)."""
-    if args.global_batch is None:
-        if args.micro_batches is not None:
-            raise SystemExit("--micro-batches splits --global-batch: give --global-batch too")
-        return
+def apply_global_batch(args: Any, config: dict, layout: Layout, *, split_for_depth: bool = False) -> None:
+    """--global-batch / --micro-batches: write the micro-batch size and k into ``config`` (rank 0 says which).
+
+    ``split_for_depth`` (a PETRA run of the LM example): without --global-batch, the config's own global batch is
+    split the same way when its k would leave stage 0 more than one optimizer step behind (k < 2(J-1)), since the
+    delay then costs quality that more, smaller micro-batches of the same global batch buy back;
+    ``--micro-batches K`` alone splits it into K."""
+    global_batch = args.global_batch
+    if global_batch is None:
+        micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
+        if not split_for_depth:
+            if args.micro_batches is not None:
+                raise SystemExit("--micro-batches splits --global-batch: give --global-batch too")
+            return
+        if args.micro_batches is None and k >= delay(0, layout.stages):
+            return
+        global_batch = micro * k * layout.data_parallel
     try:
-        micro, k = split_global_batch(args.global_batch, layout.data_parallel, layout.stages, args.micro_batches)
+        micro, k = split_global_batch(global_batch, layout.data_parallel, layout.stages, args.micro_batches)
     except ValueError as error:
         raise SystemExit(str(error)) from None
+    if args.global_batch is None and is_rank0():
+        before = (config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1))
+        reason = ("--micro-batches" if args.micro_batches is not None else
+                  f"k = {before[1]} would leave stage 0 {delay(0, layout.stages) / before[1]:g} optimizer steps behind "
+                  f"at J = {layout.stages}")
+        print(f"the config's global batch of {global_batch} (micro-batch {before[0]} x k = {before[1]}) is split as "
+              f"micro-batch {micro} x k = {k} ({reason}; --micro-batches {before[1]} keeps the config's split)",
+              flush=True)
     config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"] = micro, k
     config.pop("train_batch_size", None)
-    if dist.get_rank() == 0:
-        print(f"global batch {args.global_batch} = {layout.data_parallel} replica(s) x micro-batch {micro} x k = {k} "
+    if args.global_batch is not None and is_rank0():
+        print(f"global batch {global_batch} = {layout.data_parallel} replica(s) x micro-batch {micro} x k = {k} "
               f"micro-batches per step", flush=True)
 
 
@@ -201,7 +220,8 @@ def add_run_arguments(parser: Any) -> None:
                              "it (k: the fewest micro-batches that keep PETRA's first stage at most one optimizer "
                              "step behind) instead of read from the config")
     parser.add_argument("--micro-batches", type=int, default=None, metavar="K",
-                        help="with --global-batch: exactly K micro-batches per step")
+                        help="with --global-batch: exactly K micro-batches per step (the LM example with PETRA: also "
+                             "without it, K micro-batches of the config's global batch)")
     parser.add_argument("--baseline", default=None, metavar="DIR",
                         help="the output directory of a finished run to compare with (e.g. the backprop run): the "
                              "summary states this run's gap to it, and whether both trained with the same optimizer")

@@ -373,13 +373,18 @@ def plot(report: dict, path: str) -> None:
             other_text = "" if run.get("revalidated_from") is None else f" (curve: {run['val_sequences']} other seqs)"
             ax.plot(steps_, losses, marker=".", color="black" if arm == "backprop" else None,
                     label=f"{'backprop ' if arm == 'backprop' else ''}{recipe} lr {lr:g}{other_text}")
-        ax.set_title(f"J = {J}, k = {k}, {steps} steps")
-        ax.set_xlabel("optimizer steps")
-        ax.set_ylabel("validation loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        loss_panel(ax, f"J = {J}, k = {k}, {steps} steps")
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
+
+
+def loss_panel(ax, title: str) -> None:
+    """A validation-loss panel's title, axes, grid and legend."""
+    ax.set_title(title)
+    ax.set_xlabel("optimizer steps")
+    ax.set_ylabel("validation loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ import os
 from petra_ds.util.files import save_figure
 
 from .example_runs import ROOT, save_report
+from .lm_accuracy import loss_panel
 
 #: the recipe ``ds_configs/petra_lm.json`` ships (``benchmarks/lib/lm_accuracy.py``'s names)
 SHIPPED = "muon10+wp"
@@ -90,11 +91,7 @@ def plot(reports: list[dict], rows: list[dict], path: str) -> None:
             if points:
                 x, y = zip(*points)
                 ax.plot(x, y, marker=".", color=color, label=label)
-        ax.set_title(f"J = {J} ({mine[0]['blocks']} blocks, d {mine[0]['d_model']})")
-        ax.set_xlabel("optimizer steps")
-        ax.set_ylabel("validation loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        loss_panel(ax, f"J = {J} ({mine[0]['blocks']} blocks, d {mine[0]['d_model']})")
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
 

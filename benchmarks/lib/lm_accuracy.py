@@ -367,8 +367,7 @@ def plot(report: dict, path: str) -> None:
         best = rows[0]["backprop_best"]
         picks.append(("backprop", best["optimizer"], best["lr"], None, report["args"]["backprop_k"]))
         for arm, recipe, lr, depth, kk in picks:
-            run = next(r for r in report["runs"] if (r["arm"], r["recipe"], r["lr"], r["J"], r["k"], r["steps"])
-                       == (arm, recipe, lr, depth, kk, steps))
+            run = run_of(report, arm, recipe, lr, depth, kk, steps)
             steps_, losses = zip(*run["val_curve"])
             other_text = "" if run.get("revalidated_from") is None else f" (curve: {run['val_sequences']} other seqs)"
             ax.plot(steps_, losses, marker=".", color="black" if arm == "backprop" else None,
@@ -376,6 +375,13 @@ def plot(report: dict, path: str) -> None:
         loss_panel(ax, f"J = {J}, k = {k}, {steps} steps")
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
+
+
+def run_of(report: dict, arm: str, recipe: str, lr: float, J: int | None, k: int, steps: int) -> dict | None:
+    """The report's first run (the first seed) of that arm, recipe, lr, J, k and length; None when it has none."""
+    key = (arm, recipe, lr, J, k, steps)
+    return next((r for r in report["runs"] if (r["arm"], r["recipe"], r["lr"], r["J"], r["k"], r["steps"]) == key),
+                None)
 
 
 def loss_panel(ax, title: str) -> None:

@@ -19,7 +19,7 @@ import os
 from petra_ds.util.files import save_figure
 
 from .example_runs import ROOT, save_report
-from .lm_accuracy import loss_panel
+from .lm_accuracy import loss_panel, run_of
 
 #: the recipe ``ds_configs/petra_lm.json`` ships (``benchmarks/lib/lm_accuracy.py``'s names)
 SHIPPED = "muon10+wp"
@@ -62,10 +62,8 @@ def depth_rows(report: dict) -> list[dict]:
 
 def curve(report: dict, arm: str, recipe: str, lr: float, J: int | None, k: int, steps: int) -> list | None:
     """The first seed's validation curve of one run of the report, None when it has none."""
-    for r in report["runs"]:
-        if (r["arm"], r["recipe"], r["lr"], r["J"], r["k"], r["steps"]) == (arm, recipe, lr, J, k, steps):
-            return r["val_curve"] or None
-    return None
+    run = run_of(report, arm, recipe, lr, J, k, steps)
+    return (run["val_curve"] or None) if run is not None else None
 
 
 def plot(reports: list[dict], rows: list[dict], path: str) -> None:

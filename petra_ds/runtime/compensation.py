@@ -180,6 +180,11 @@ class NoCompensation(StageCompensation):
     """``"none"``, plain PETRA: the forward uses the current weights, the optimizer steps as configured."""
 
 
+def _restored(saved: Sequence[Tensor] | None, params: Sequence[Tensor]) -> list[Tensor] | None:
+    """A checkpoint's per-parameter buffer, copied onto its parameters' devices (None stays None)."""
+    return None if saved is None else [t.to(p.device).clone() for t, p in zip(saved, params)]
+
+
 def _step_and_update(params: Sequence[Tensor], optimizer_step: Callable[[], Any]) -> tuple[list[Tensor], list[Tensor]]:
     """Take the optimizer step; returns the weights (as tensors the step wrote) and what it added to them."""
     weights = [p.detach() for p in params]
@@ -229,8 +234,7 @@ class WeightPrediction(StageCompensation):
         return {"d": self.d}
 
     def load_state_dict(self, state: dict) -> None:
-        d = state.get("d")
-        self.d = None if d is None else [t.to(p.device).clone() for t, p in zip(d, self.params)]
+        self.d = _restored(state.get("d"), self.params)
 
 
 class ErrorFeedback(StageCompensation):
@@ -254,8 +258,7 @@ class ErrorFeedback(StageCompensation):
         return {"last": self.last}
 
     def load_state_dict(self, state: dict) -> None:
-        last = state.get("last")
-        self.last = None if last is None else [t.to(p.device).clone() for t, p in zip(last, self.params)]
+        self.last = _restored(state.get("last"), self.params)
 
 
 class LrRescale(StageCompensation):

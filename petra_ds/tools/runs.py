@@ -166,26 +166,25 @@ def apply_global_batch(args: Any, config: dict, layout: Layout, *, split_for_dep
     delay then costs quality that more, smaller micro-batches of the same global batch buy back;
     ``--micro-batches K`` alone splits it into K."""
     global_batch = args.global_batch
+    config_micro, config_k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
     if global_batch is None:
-        micro, k = config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1)
         if not split_for_depth:
             if args.micro_batches is not None:
                 raise SystemExit("--micro-batches splits --global-batch: give --global-batch too")
             return
-        if args.micro_batches is None and k >= delay(0, layout.stages):
+        if args.micro_batches is None and config_k >= delay(0, layout.stages):
             return
-        global_batch = micro * k * layout.data_parallel
+        global_batch = config_micro * config_k * layout.data_parallel
     try:
         micro, k = split_global_batch(global_batch, layout.data_parallel, layout.stages, args.micro_batches)
     except ValueError as error:
         raise SystemExit(str(error)) from None
     if args.global_batch is None and is_rank0():
-        before = (config["train_micro_batch_size_per_gpu"], config.get("gradient_accumulation_steps", 1))
         reason = ("--micro-batches" if args.micro_batches is not None else
-                  f"k = {before[1]} would leave stage 0 {delay(0, layout.stages) / before[1]:g} optimizer steps behind "
+                  f"k = {config_k} would leave stage 0 {delay(0, layout.stages) / config_k:g} optimizer steps behind "
                   f"at J = {layout.stages}")
-        print(f"the config's global batch of {global_batch} (micro-batch {before[0]} x k = {before[1]}) is split as "
-              f"micro-batch {micro} x k = {k} ({reason}; --micro-batches {before[1]} keeps the config's split)",
+        print(f"the config's global batch of {global_batch} (micro-batch {config_micro} x k = {config_k}) is split as "
+              f"micro-batch {micro} x k = {k} ({reason}; --micro-batches {config_k} keeps the config's split)",
               flush=True)
     config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"] = micro, k
     config.pop("train_batch_size", None)

@@ -64,7 +64,8 @@ def replica_view(engine):
 
 def modules_a_window_runs(engine):
     """The petra_ds modules whose Python code runs during one ``train_batch`` window (the pipeline already
-    filled by the harness's run), seen by ``sys.setprofile``: every Python function call of this thread."""
+    filled by the harness's run), seen by ``sys.setprofile``: every Python function call of this thread;
+    and, under ``"engine_calls"``, the modules whose code the engine's own code calls directly."""
     import itertools
     import sys
 
@@ -73,17 +74,21 @@ def modules_a_window_runs(engine):
     from petra_ds.tools.toy import toy_data
 
     data = itertools.cycle(toy_data(4, engine.train_micro_batch_size_per_gpu(), 0, torch.get_default_dtype()))
-    seen = set()
+    seen, called = set(), set()
+    engine_module = type(engine).__module__
 
     def record(frame, event, arg):
         if event == "call":
             name = frame.f_globals.get("__name__", "")
             if name.startswith("petra_ds."):
                 seen.add(name)
+                caller = frame.f_back.f_globals.get("__name__") if frame.f_back is not None else None
+                if caller == engine_module and name != engine_module:
+                    called.add(name)
 
     sys.setprofile(record)
     try:
         engine.train_batch(data)
     finally:
         sys.setprofile(None)
-    return sorted(seen)
+    return {"modules": sorted(seen), "engine_calls": sorted(called)}

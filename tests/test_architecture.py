@@ -226,20 +226,52 @@ def documented_clock_modules() -> tuple[int, set[str]]:
     return count, names
 
 
-def test_one_window_runs_the_modules_the_architecture_names():
-    """The modules a training window runs once the pipeline is full (each stage's first-forward check of its
-    layers is behind it), seen by a profiler on every rank of a pipeline whose middle stages reconstruct, are
-    the ones ARCHITECTURE.md lists, and as many as it says; the toy model's own layers
-    (tools/toy.py, built on nn/coupling.py) come on top, as a user's model would."""
+@pytest.fixture(scope="module")
+def one_window():
+    """What a profiler sees on every rank of a two-rank pipeline whose middle stages reconstruct, during one
+    training window once the pipeline is full (``probes.modules_a_window_runs``)."""
     from harness import launch
 
     results = launch({"pipe": 2, "stages_per_rank": 2, "train_batches": 3, "drain": False, "capture_grads": False,
                       "probe": "probes:modules_a_window_runs"})
     assert any(reconstructs for r in results for reconstructs in r["reconstructs"].values())
-    ran = set().union(*(r["probe"] for r in results)) - {"petra_ds.tools.toy", "petra_ds.nn.coupling"}
+    return [r["probe"] for r in results]
+
+
+def test_one_window_runs_the_modules_the_architecture_names(one_window):
+    """The modules a training window runs once the pipeline is full (each stage's first-forward check of its
+    layers is behind it) are the ones ARCHITECTURE.md lists, and as many as it says; the toy model's own layers
+    (tools/toy.py, built on nn/coupling.py) come on top, as a user's model would."""
+    ran = set().union(*(set(r["modules"]) for r in one_window)) - {"petra_ds.tools.toy", "petra_ds.nn.coupling"}
     count, listed = documented_clock_modules()
     assert ran == listed
     assert count == len(listed)
+
+
+def documented_collaborators() -> tuple[int, set[str]]:
+    """ARCHITECTURE.md's count of the engine's collaborators and the module (or package) of each."""
+    text = open(os.path.join(ROOT, "ARCHITECTURE.md")).read()
+    paragraph = text.split("**Who the engine talks to.**")[1].split("\n\n")[0]
+    words = {"five": 5, "six": 6, "seven": 7}
+    count = words[re.search(r"talks to (\w+) collaborators", paragraph).group(1)]
+    return count, set(re.findall(r"`((?:schedule|runtime)/(?:[a-z_]+\.py)?)`", paragraph))
+
+
+def collaborator_of(module: str) -> str:
+    """``petra_ds.schedule.clock`` -> ``schedule/``; ``petra_ds.runtime.stage`` -> ``runtime/stage.py``."""
+    parts = module.split(".")[1:]
+    return parts[0] + "/" if parts[0] == "schedule" else "/".join(parts) + ".py"
+
+
+def test_the_engine_talks_to_the_collaborators_the_architecture_names(one_window):
+    """Whose code the engine's own code calls during a training window, on every rank: at most six
+    collaborators, each named in ARCHITECTURE.md (which adds the checkpoint, called between windows)."""
+    called = {collaborator_of(m) for r in one_window for m in r["engine_calls"]}
+    count, named = documented_collaborators()
+    assert count <= 6 and len(named) == count
+    assert called == named - {"runtime/checkpoint.py"}
+    engine_source = open(os.path.join(PACKAGE, "runtime", "engine.py")).read()
+    assert "import checkpoint" in engine_source and "checkpoint.save_engine(" in engine_source
 
 
 def test_every_message_instruction_names_its_channel_and_key():

@@ -209,7 +209,7 @@ def test_check_finite_false_lets_the_run_go_on(world_of_one):
     losses = train(engine, data())
     assert all(loss == loss for loss in losses[1:])  # the first window only filled the pipeline
     assert all(bool(p.isfinite().all()) for p in engine.module.parameters())
-    assert engine.finite.first() is None  # nothing was recorded
+    assert engine.stages.finite.first() is None  # nothing was recorded
 
 
 def test_under_non_finite_skip_the_first_non_finite_value_is_logged_and_training_goes_on(world_of_one):

@@ -24,14 +24,13 @@ from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, EvalForwa
                         ForwardPass, LoadMicroBatch, PetraSchedule, PostP2P, RecvActivation, RecvGrad, RecvTiedGrad,
                         RecvTiedWeight, ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad, SendTiedWeight,
                         Timeline, Window, channels)
-from . import checkpoint, messages
+from . import checkpoint
 from .config import PetraConfig, check_stages_per_rank
-from .finite import FiniteWatch
 from .ledger import memory_report
+from .local_stages import LocalStages
 from .observe import Callbacks, Holdings, Observer, hook_table
 from .optimizers import StageOptimizers, StageSchedulers, single_or_combined, stage_optimizers, stage_schedulers
-from .stage import Stage, StageOptions
-from .step import StageStep
+from .stage import StageOptions
 from .transport import Transport
 
 
@@ -59,28 +58,16 @@ class PetraEngine(PipelineEngine):
             autocast_dtype=torch.bfloat16 if bf16 else None, device_type=self.device.type,
             check_reversible=petra_config.check_reversible, reconstruct_overlap=petra_config.reconstruct_overlap,
             compile=petra_config.compile, fifo_offload=petra_config.fifo_offload)
-        self.stages: dict[int, Stage] = {}
-        #: what the stages read and make, checked for NaN / Inf on the device, read once per window
-        self.finite = FiniteWatch(lambda: self._running_clock, self.local_stage_ids, self.num_petra_stages,
-                                  check_finite=petra_config.check_finite, non_finite=petra_config.non_finite)
-        #: (stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``), as the windows'
-        #: reads found them (the watch's own list)
-        self.skipped_steps: list[tuple[int, int]] = self.finite.skipped_steps
-        for j in self.local_stage_ids:
-            last = j == self.num_petra_stages - 1
-            stage = Stage(j, self.num_petra_stages, stage_layers(module, j), options,
-                          loss_fn=module.loss_fn if last else None, finite=self.finite,
-                          compensation=petra_config.delay_compensation, not_stepped=self.ties.reader_ids(j))
-            if stage.reversible != self.reversible[j]:
-                raise TypeError(f"stage {j}: its built layers and their specs disagree on reversibility")
-            self.stages[j] = stage
         replicas = self.grid.data_parallel_size > 1
-        #: each local stage's optimizer step (``runtime/step.py``)
-        self.steppers = {j: StageStep(
-            st, self.stage_optimizers[i], self.stage_schedulers[i], clipping=self.gradient_clipping(),
-            finite=self.finite, non_finite=petra_config.non_finite, ties=self.ties,
+        #: this rank's stages by index, with their step units (``runtime/step.py``), ties and NaN watch
+        self.stages = LocalStages(
+            module, self.local_stage_ids, self.num_petra_stages, options, petra_config, self.ties,
+            self.stage_optimizers, self.stage_schedulers, reversible=self.reversible,
+            clipping=self.gradient_clipping(), clock=lambda: self._running_clock,
             average=self._average_over_replicas if replicas else None, take=self._take_message, notify=self._notify)
-            for i, (j, st) in enumerate(self.stages.items())}
+        #: (stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``), as the windows'
+        #: reads found them (DeepSpeed's count of skipped steps becomes this list)
+        self.skipped_steps: list[tuple[int, int]] = self.stages.skipped_steps
         self.timeline = Timeline(self.num_petra_stages)
         #: messages received for the next clock, by ``channels.Key`` (the receiving stage first)
         self.inbox: dict[channels.Key, tuple] = {}
@@ -89,7 +76,6 @@ class PetraEngine(PipelineEngine):
         #: every message and collective of this rank (``PETRA_DS_COMM_TRACE=<dir>`` records them)
         self.transport = Transport(rank=self.global_rank, device=self.device, local_stages=self.local_stage_ids,
                                    stage_rank=self.stage_rank, clock=lambda: self._running_clock)
-        self._first_inputs_layout: messages.Layout | None = None
         self._eval: dict[str, Any] | None = None  # an eval_batch call's options and results
         self._callbacks = Callbacks()
         #: what watches the clocks (``observe``); the gradient-quality study is one of them when enabled
@@ -243,7 +229,7 @@ class PetraEngine(PipelineEngine):
         self._exec(PetraSchedule.for_window(
             window, self.pipeline_ranks, self.stage_id, stages_per_rank=self.stages_per_rank,
             gradient_accumulation_steps=self.micro_batches, reversible=self.reversible,
-            input_buffer=self.petra_config.input_buffer, ties=self.ties.specs()))
+            input_buffer=self.petra_config.input_buffer, ties=self.stages.tie_specs()))
         loss = self._reduce_loss(self._window_losses)
         self._read_window(loss)
         self.timeline.advance(window)
@@ -254,10 +240,10 @@ class PetraEngine(PipelineEngine):
     def _read_window(self, loss: Tensor) -> None:
         """The window's one host transfer: the loss (kept for the monitor) and every non-finite check of the
         window; raises for the first non-finite value (``non_finite: "raise"``) or logs it."""
-        checks = self.finite.take()
+        checks = self.stages.checks()
         values = (loss.reshape(1) if checks is None else torch.cat([loss.reshape(1).float(), checks])).tolist()
         self._window_loss = values[0]
-        self.finite.raise_or_log(None if checks is None else self.finite.report(values[1:]))
+        self.stages.report(None if checks is None else values[1:])
 
     def _exec(self, schedule: PetraSchedule | EvalSchedule) -> None:
         """DeepSpeed's instruction loop, one clock per step. Training clocks tell the observers where the
@@ -286,7 +272,7 @@ class PetraEngine(PipelineEngine):
             if training:
                 if cmds.forwards_end == len(cmds):  # no backward in this clock (or nothing at all: fill, drain)
                     self._notify("forwards_done", clock)
-                self.finite.flush()
+                self.stages.end_clock()
                 self._notify("clock_end", clock)
 
     def _reduce_loss(self, losses: list[Tensor]) -> Tensor:
@@ -314,10 +300,9 @@ class PetraEngine(PipelineEngine):
             ran_out = (f"the data iterator ran out at micro-batch {m} (clock {self._running_clock}) inside a "
                        f"train_batch call of {self.micro_batches} clocks; give it k micro-batches per call "
                        "(e.g. deepspeed.utils.RepeatingLoader) or call drain() to finish")
-        batch = messages.read_micro_batch(self._data, self.batch_fn, self.device, ran_out)
-        if self._eval is None:  # training exchanges shapes once; evaluation renegotiates every call
-            self._first_inputs_layout = messages.check_layout(self._first_inputs_layout, batch, m)
-        self.inbox[cmd.produces] = batch
+        # training exchanges shapes once; evaluation renegotiates every call
+        self.inbox[cmd.produces] = self.transport.load(self._data, self.batch_fn, m, ran_out,
+                                                       fixed_layout=self._eval is None)
 
     def _exec_forward(self, cmd: ForwardPass) -> None:
         stage, m = cmd.stage, cmd.micro_batch
@@ -358,7 +343,7 @@ class PetraEngine(PipelineEngine):
             self._outbox[stage][cmd.produces] = (dx, x_tilde)
 
     def _exec_step(self, cmd: AccumulateAndStep) -> None:
-        self._outbox[cmd.stage].update(self.steppers[cmd.stage](cmd.step))
+        self._outbox[cmd.stage].update(self.stages.step(cmd.stage, cmd.step))
 
     def _average_over_replicas(self, tensors: list[Tensor], what: str) -> None:
         self.transport.average_over_replicas(tensors, self.grid.get_data_parallel_group(), what)
@@ -369,7 +354,7 @@ class PetraEngine(PipelineEngine):
     @property
     def stage_steps(self) -> dict[int, int]:
         """Optimizer steps each local stage took (skipped ones included)."""
-        return {j: stepper.steps for j, stepper in self.steppers.items()}
+        return self.stages.step_counts
 
     # --- instructions: messages (each names its channel and key; transport.py moves them) ---
 
@@ -386,11 +371,7 @@ class PetraEngine(PipelineEngine):
 
     def _exec_commit(self, cmd: CommitP2P) -> None:
         received = self.transport.commit(f"the commit of clock {self._running_clock}")
-        if self.ties:  # every clock commits: no scan of what arrived for models without ties
-            weights = {key: value for key, value in received.items() if self.ties.is_weights(key)}
-            self.ties.apply(weights)
-            received = {key: value for key, value in received.items() if key not in weights}
-        self.inbox.update(received)
+        self.inbox.update(self.stages.receive(received))
 
     # --- checkpoints (petra_ds.runtime.checkpoint) ---
 
@@ -420,12 +401,10 @@ class PetraEngine(PipelineEngine):
         """What is in flight on this rank between two ``train_batch`` calls (``checkpoint.py`` writes it)."""
         return {
             "clock": self.timeline.clock, "feed": self.timeline.feed.intervals, "global_steps": self.global_steps,
-            "global_samples": self.global_samples, "stage_steps": dict(self.stage_steps),
+            "global_samples": self.global_samples,
             "optimizers": [None if opt is None else opt.state_dict() for opt in self.stage_optimizers],
             "schedulers": [s.state_dict() if s is not None else None for s in self.stage_schedulers],
-            "stages": {j: st.state_dict() for j, st in self.stages.items()},
-            "inbox": {tuple(k): v for k, v in self.inbox.items()},
-            "reader_tied_modules": self.ties.reader_states(self.stages),
+            "inbox": {tuple(k): v for k, v in self.inbox.items()}, **self.stages.state_dict(),
         }
 
     def load_petra_state(self, state: dict[str, Any], optimizer_states: bool = True,
@@ -434,18 +413,14 @@ class PetraEngine(PipelineEngine):
         fed = FedMicroBatches(tuple(map(tuple, state["feed"])))
         self.timeline = Timeline(self.num_petra_stages, state["clock"], fed)
         self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
-        for j, steps in state["stage_steps"].items():
-            self.steppers[j].steps = steps
         pairs = [(self.stage_optimizers, state["optimizers"], optimizer_states),
                  (self.stage_schedulers, state["schedulers"], scheduler_states)]
         for objects, states, wanted in pairs:
             for obj, sd in zip(objects, states):
                 if wanted and obj is not None and sd is not None:
                     obj.load_state_dict(sd)
-        for j, st in self.stages.items():
-            st.load_state_dict(state["stages"][j])
+        self.stages.load_state_dict(state)
         self.inbox = {channels.Key(*k): v for k, v in state["inbox"].items()}
-        self.ties.load_reader_states(self.stages, state["reader_tied_modules"])
 
     # --- introspection ---
 

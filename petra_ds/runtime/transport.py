@@ -88,7 +88,8 @@ class Transport:
 
     Per clock: :meth:`send` and :meth:`recv` queue messages (a message between two stages of this rank is
     handed over in memory), :meth:`post` issues the queued ones as one batch, :meth:`commit` issues what is
-    left and waits for everything, returning the received messages by key.
+    left and waits for everything, returning the received messages by key. Stage 0's micro-batches come
+    from the user's data iterator through :meth:`load`.
     """
 
     def __init__(self, *, rank: int, device: torch.device, local_stages: Container[int],
@@ -100,6 +101,8 @@ class Transport:
         self._clock = clock
         #: the negotiated layout of every channel this rank sent or received on
         self.layouts: dict[Channel, messages.Layout] = {}
+        #: the layout of training's micro-batches, fixed by the first one stage 0 loads
+        self.data_layout: messages.Layout | None = None
         self._sends: list[tuple[Channel, tuple]] = []
         self._recvs: list[tuple[Channel, Any]] = []
         self._local: dict[Any, tuple] = {}
@@ -125,6 +128,18 @@ class Transport:
                 f"rank {self.rank} (PETRA stages {list(self.local_stages)}) lost a peer during {what} "
                 f"at clock {self._clock()}: another rank died or stopped answering ({error}). Restart every "
                 "rank from the last checkpoint (engine.load_checkpoint(dir), or --resume in the examples)") from error
+
+    # --- stage 0's data ---
+
+    def load(self, data: Iterator | None, batch_fn: Callable | None, micro_batch: int, ran_out: str, *,
+             fixed_layout: bool = True) -> tuple[Any, Any]:
+        """Micro-batch ``micro_batch``, the next ``(inputs, labels)`` of ``data``, on this rank's device;
+        ``ran_out`` says what to do when the iterator is exhausted. With ``fixed_layout`` (training) the first
+        one fixes the layout of every later one: PETRA exchanges shapes once."""
+        batch = messages.read_micro_batch(data, batch_fn, self.device, ran_out)
+        if fixed_layout:
+            self.data_layout = messages.check_layout(self.data_layout, batch, micro_batch)
+        return batch
 
     # --- one clock ---
 

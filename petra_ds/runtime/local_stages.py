@@ -1,0 +1,118 @@
+"""The PETRA stages one rank hosts, and what they share: their step units, their tied weights, their NaN watch.
+
+The engine runs an instruction on one stage (``stages[j].forward(...)``); what spans the rank's stages it
+asks of this object: a stage's optimizer step (``runtime/step.py``), the tied weights a commit received,
+the NaN watch's reduction at the end of a clock and its read at the end of a window, and the in-flight
+state a checkpoint keeps. Built once, in the engine's constructor, with everything each stage needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from deepspeed.runtime.pipe.module import PipelineModule
+from torch import Tensor
+
+from ..pipeline.module import stage_layers
+from ..pipeline.ties import TiedWeights
+from ..schedule.channels import Key
+from .config import PetraConfig
+from .finite import FiniteWatch
+from .stage import Stage, StageOptions
+from .step import Messages, StageStep
+
+
+class LocalStages(Mapping[int, Stage]):
+    """This rank's stages by index (a read-only mapping), with their step units, ties and NaN watch."""
+
+    def __init__(self, module: PipelineModule, local: range, petra_stages: int, options: StageOptions,
+                 config: PetraConfig, ties: TiedWeights, optimizers: Sequence[Any], schedulers: Sequence[Any], *,
+                 reversible: Sequence[bool], clipping: float, clock: Callable[[], int],
+                 average: Callable[[list[Tensor], str], None] | None, take: Callable[[Key], tuple | None],
+                 notify: Callable[..., None]) -> None:
+        """``clock`` returns the clock running now; ``average``, ``take`` and ``notify`` are the engine's
+        (see :class:`StageStep`)."""
+        #: what the stages read and make, checked for NaN / Inf on the device, read once per window
+        self.finite = FiniteWatch(clock, local, petra_stages, check_finite=config.check_finite,
+                                  non_finite=config.non_finite)
+        self.ties = ties
+        self._stages: dict[int, Stage] = {}
+        for j in local:
+            last = j == petra_stages - 1
+            stage = Stage(j, petra_stages, stage_layers(module, j), options,
+                          loss_fn=module.loss_fn if last else None, finite=self.finite,
+                          compensation=config.delay_compensation, not_stepped=ties.reader_ids(j))
+            if stage.reversible != reversible[j]:
+                raise TypeError(f"stage {j}: its built layers and their specs disagree on reversibility")
+            self._stages[j] = stage
+        self._steps = {j: StageStep(st, optimizers[i], schedulers[i], clipping=clipping, finite=self.finite,
+                                    non_finite=config.non_finite, ties=ties, average=average, take=take,
+                                    notify=notify)
+                       for i, (j, st) in enumerate(self._stages.items())}
+
+    def __getitem__(self, stage: int) -> Stage:
+        return self._stages[stage]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._stages)
+
+    def __len__(self) -> int:
+        return len(self._stages)
+
+    # --- what the engine asks during a window ---
+
+    def step(self, stage: int, step: int) -> Messages:
+        """Stage ``stage``'s ``step``-th optimizer step; returns the messages it produced (tied weights)."""
+        return self._steps[stage](step)
+
+    def receive(self, received: dict[Key, tuple]) -> dict[Key, tuple]:
+        """What a commit received: the owners' new tied weights replace the readers' copies now; the rest
+        is returned for the inbox."""
+        if not self.ties:  # every clock commits: no scan of what arrived for models without ties
+            return received
+        weights = {key: value for key, value in received.items() if self.ties.is_weights(key)}
+        self.ties.apply(weights)
+        return {key: value for key, value in received.items() if key not in weights}
+
+    def tie_specs(self) -> list[tuple[str, int, tuple[int, ...]]]:
+        """The ties as the schedule takes them (``PetraSchedule.for_window``'s ``ties``)."""
+        return self.ties.specs()
+
+    def end_clock(self) -> None:
+        """Reduce what the stages reported during the clock, on the device (no host read)."""
+        self.finite.flush()
+
+    def checks(self) -> Tensor | None:
+        """The window's NaN / Inf checks as one device vector (None if nothing was checked), for the read
+        that also reads the window's loss."""
+        return self.finite.take()
+
+    def report(self, values: Sequence[float] | None) -> None:
+        """Given the host values of :meth:`checks`: raise for the first non-finite one, or log it and go on
+        (``non_finite``)."""
+        if values is not None:
+            self.finite.raise_or_log(self.finite.report(values))
+
+    @property
+    def skipped_steps(self) -> list[tuple[int, int]]:
+        """(stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``)."""
+        return self.finite.skipped_steps
+
+    @property
+    def step_counts(self) -> dict[int, int]:
+        """Optimizer steps each stage took (skipped ones included)."""
+        return {j: step.steps for j, step in self._steps.items()}
+
+    # --- checkpoints ---
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stages' in-flight state, their step counts and the readers' copies of tied weights."""
+        return {"stage_steps": self.step_counts, "stages": {j: st.state_dict() for j, st in self._stages.items()},
+                "reader_tied_modules": self.ties.reader_states(self._stages)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for j, steps in state["stage_steps"].items():
+            self._steps[j].steps = steps
+        for j, st in self._stages.items():
+            st.load_state_dict(state["stages"][j])
+        self.ties.load_reader_states(self._stages, state["reader_tied_modules"])

@@ -59,9 +59,15 @@ class KeyedSamples(Dataset):
 
     def __getitem__(self, key: tuple[int, int]):
         index, position = key
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_seed(self.seed, 1, position))
+        # the CPU generator alone, where augmentations draw: ``torch.manual_seed`` would also queue a seed for
+        # every CUDA device, recording a stack trace per sample (milliseconds) until CUDA starts
+        generator = torch.random.default_generator
+        saved = generator.get_state()
+        try:
+            generator.manual_seed(_seed(self.seed, 1, position))
             return self.dataset[index]
+        finally:
+            generator.set_state(saved)
 
 
 def worker_context(workers: int) -> str | None:

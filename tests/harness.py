@@ -257,7 +257,7 @@ def _die(spec: dict[str, Any], what: str) -> None:
 def _arm_kill(engine: Any, spec: dict[str, Any]) -> None:
     """Make this rank kill itself where ``spec`` says: at the end of clock ``kill_at_clock``, or inside
     its ``save``-th ``save_checkpoint`` (``kill_in_save = {"save": n, "at": ...}``) with ``at``
-    "state" (half of its PETRA state file written) or "commit:i" (rank 0, just before the i-th
+    "state" (half of its first PETRA state file written) or "commit:i" (rank 0, just before the i-th
     ``os.replace`` of ``checkpoint.commit``)."""
     from petra_ds.runtime import checkpoint
 
@@ -274,8 +274,12 @@ def _arm_kill(engine: Any, spec: dict[str, Any]) -> None:
     if where["at"] == "state":
         atomic_save = checkpoint.atomic_save
 
+        saved_into: list[str] = []  # the partial directory of each save, in order
+
         def torn_save(obj: Any, path: str) -> None:
-            if next(saves) != where["save"]:
+            if os.path.dirname(path) not in saved_into:
+                saved_into.append(os.path.dirname(path))
+            if len(saved_into) != where["save"]:
                 return atomic_save(obj, path)
             buffer = io.BytesIO()
             torch.save(obj, buffer)

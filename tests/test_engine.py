@@ -164,7 +164,8 @@ def test_exact_resume_in_fresh_processes(tmp_path):
         "layer_00-model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt",
         "layer_03-model_states.pt", "layer_04-model_states.pt", "layer_05-model_states.pt",
         "layer_06-model_states.pt", "layer_07-model_states.pt", "layer_08-model_states.pt",
-        "petra_state-pipe_00-data_00.pt", "petra_state-pipe_01-data_00.pt"]
+        "petra_stage-00-data_00.pt", "petra_stage-01-data_00.pt", "petra_stage-02-data_00.pt",
+        "petra_stage-03-data_00.pt"]
     assert (tmp_path / "ckpt" / "latest").read_text() == "c4"
 
 

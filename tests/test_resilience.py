@@ -117,14 +117,14 @@ def test_a_hung_rank_stops_its_peers_after_the_configured_timeout(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path):
-    """Rank 1 dies with half of its PETRA state file written in the second save: rank 0 fails at the save's
+    """Rank 1 dies with half of its first PETRA stage file written in the second save: rank 0 fails at the save's
     barrier, ``latest`` still names the first checkpoint, and resuming from it reaches the same parameters."""
     ckpt = tmp_path / "ckpt"
     outcomes, kill = killed_run({"pipe": 2, "stages_per_rank": 2, "kill_rank": 1,
                                  "kill_in_save": {"save": 2, "at": "state"}}, str(tmp_path / "kill.json"))
     assert_peers_failed_fast(outcomes, 1, kill, within=60)
-    assert kill["what"] == "writing petra_state-pipe_01-data_00.pt"
-    torn = list((ckpt / ".global_step4.partial").glob("petra_state-pipe_01-data_00.pt.tmp-*"))
+    assert kill["what"] == "writing petra_stage-02-data_00.pt"  # rank 1's first stage
+    torn = list((ckpt / ".global_step4.partial").glob("petra_stage-02-data_00.pt.tmp-*"))
     assert len(torn) == 1 and torn[0].stat().st_size > 0
     assert (ckpt / "latest").read_text() == "global_step2" and not (ckpt / "global_step4").exists()
     assert checkpoint.resolve(str(ckpt), None) == ("global_step2", str(ckpt / "global_step2"))
@@ -157,7 +157,7 @@ def _save(save_dir: str, tag: str, version: str, crash_at_replace: int | None = 
     """What rank 0 does for one save: a fresh partial directory with two files, then ``commit``; with
     ``crash_at_replace`` the process 'dies' instead of doing that ``os.replace`` (1-based)."""
     path = checkpoint.prepare(save_dir, tag)
-    for name in ("layer_00-model_states.pt", "petra_state-pipe_00-data_00.pt"):
+    for name in ("layer_00-model_states.pt", "petra_stage-00-data_00.pt"):
         checkpoint.atomic_save({"version": version}, os.path.join(path, name))
     if crash_at_replace is None:
         checkpoint.commit(save_dir, tag, save_latest=True)

@@ -64,7 +64,7 @@ def damage_and_resume(spec: dict) -> dict:
         if dist.get_rank() == 0:
             folder = os.path.join(checkpoint_dir(out), newest)
             if damage == "truncate":
-                victim = os.path.join(folder, "petra_state-pipe_01-data_00.pt")
+                victim = os.path.join(folder, "petra_stage-07-data_00.pt")
                 with open(victim, "r+b") as f:
                     f.truncate(os.path.getsize(victim) // 2)
             else:
@@ -83,7 +83,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_run_falls_back(tmp_path):
         ckpt = tmp_path / damage / "checkpoints"
         first = ranks[0][damage]
         newest, older = ckpt / first["newest"], ckpt / first["kept"][1]
-        wanted = (f"{newest / 'petra_state-pipe_01-data_00.pt'} is truncated or corrupted" if damage == "truncate"
+        wanted = (f"{newest / 'petra_stage-07-data_00.pt'} is truncated or corrupted" if damage == "truncate"
                   else f"{newest / 'layer_08-model_states.pt'} is missing")
         for rank, ranks_results in enumerate(ranks):
             result = ranks_results[damage]

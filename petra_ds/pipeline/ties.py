@@ -95,13 +95,13 @@ class TiedWeights:
         ids = {id(p) for p in self.tensors[(stage, tie.key)]}
         return next(m for m in modules if any(id(p) in ids for p in m.parameters()))
 
-    def reader_states(self, stages: dict) -> dict[str, dict]:
-        """The readers' copies by ``"<stage>:<key>"``: DeepSpeed's layer files hold only the owner's."""
-        return {f"{j}:{tie.key}": self.reader_module(j, tie, stages[j].modules).state_dict()
-                for tie in self.ties for j in tie.readers if j in stages}
+    def reader_state(self, stage: int, modules: list[nn.Module]) -> dict[str, dict]:
+        """``stage``'s copies of tied weights by tie key (``modules``: the stage's); DeepSpeed's layer files hold
+        only the owner's."""
+        return {tie.key: self.reader_module(stage, tie, modules).state_dict() for tie in self.ties
+                if stage in tie.readers}
 
-    def load_reader_states(self, stages: dict, states: dict[str, dict]) -> None:
+    def load_reader_state(self, stage: int, modules: list[nn.Module], states: dict[str, dict]) -> None:
         for tie in self.ties:
-            for j in tie.readers:
-                if j in stages:
-                    self.reader_module(j, tie, stages[j].modules).load_state_dict(states[f"{j}:{tie.key}"])
+            if stage in tie.readers:
+                self.reader_module(stage, tie, modules).load_state_dict(states[tie.key])

@@ -1,26 +1,36 @@
-"""Atomic checkpoint directories in DeepSpeed's pipeline layout, plus PETRA's in-flight state.
+"""Atomic checkpoint directories in DeepSpeed's pipeline layout, plus PETRA's in-flight state by stage.
 
 Layer weights go to ``<dir>/<tag>/layer_XX-model_states.pt`` exactly as DeepSpeed's ``PipelineModule``
-writes them (so a plain ``PipelineModule.load_state_dir`` reads them); each rank adds
-``petra_state-pipe_XX-data_YY.pt`` with what is in flight there: clock, accumulated gradients, input
-FIFOs, stashed parameters, stage 0's raw micro-batches, messages received for the next clock,
-optimizer and scheduler states.
+writes them (so a plain ``PipelineModule.load_state_dir`` reads them); each rank adds one
+``petra_stage-JJ-data_YY.pt`` per PETRA stage it hosts, with what is in flight there: accumulated gradients,
+input FIFO, stashed parameters, stage 0's raw micro-batches, the messages the stage received for the next
+clock, its optimizer and scheduler states, and where the run is (clock, micro-batches fed, steps). A stage's
+file names no rank: a run resumes on another placement of the same J stages (P x stages_per_rank), each rank
+reading the files of the stages it hosts now. Checkpoints written before (one ``petra_state-pipe_XX-data_YY.pt``
+per rank) load on the layout that wrote them.
 
 Everything is written into ``<dir>/.<tag>.partial`` first; once every rank has written, rank 0 moves
 the previous ``<tag>`` aside, renames the partial directory into place and rewrites ``latest``
 through a temporary file. A process killed at any point leaves the previous checkpoint and ``latest``
 loadable (``resolve`` falls back to the moved-aside copy in the one window where it is needed).
+
+Every file is read with ``torch.load(weights_only=True)``: tensors and plain Python values only, so a
+crafted file cannot run code; one that needs more is refused, naming it (:class:`UnsafeCheckpointError`).
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import pickle
 import shutil
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+from ..pipeline.module import petra_parts
 from ..util.files import atomic_save, write_text_atomic
 
 if TYPE_CHECKING:
@@ -36,7 +46,37 @@ def partial_dir(save_dir: str, tag: str) -> str:
 
 
 def state_file(ckpt_dir: str, pipe: int, data: int) -> str:
+    """A rank's file in checkpoints written before the state was kept by stage (read only)."""
     return os.path.join(ckpt_dir, f"petra_state-pipe_{pipe:02d}-data_{data:02d}.pt")
+
+
+def stage_file(ckpt_dir: str, stage: int, data: int) -> str:
+    """PETRA stage ``stage``'s file, in data-parallel replica ``data``."""
+    return os.path.join(ckpt_dir, f"petra_stage-{stage:02d}-data_{data:02d}.pt")
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file holds objects that loading would construct by running code."""
+
+
+def load_file(path: str, map_location: Any = None) -> Any:
+    """``torch.load(path, weights_only=True)``; a file that needs more is refused, naming it, never executed."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UnsafeCheckpointError(
+            f"{path} holds more than tensors and plain Python values, so loading it could run code, and it was "
+            f"not loaded ({reason}). petra_ds reads checkpoints with torch.load(weights_only=True); use a "
+            "checkpoint written by petra_ds's save_checkpoint, from a source you trust") from None
+
+
+class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True`` (``load_file``): the layer files
+    of a checkpoint are read as tensors, never unpickled into arbitrary objects."""
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return load_file(path, map_location)
 
 
 def prepare(save_dir: str, tag: str) -> str:
@@ -88,7 +128,8 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str, str]:
 
 def save_engine(engine: PetraEngine, save_dir: str, tag: str, client_state: dict | None, save_latest: bool,
                 exclude_frozen_parameters: bool) -> str:
-    """Every rank: its layer files in DeepSpeed's layout and its PETRA state, then rank 0 commits."""
+    """Every rank: its layer files in DeepSpeed's layout and one file per PETRA stage it hosts, then rank 0
+    commits."""
     if engine.mid_clock:
         raise RuntimeError("save_checkpoint() must be called between train_batch() calls")
     if engine.global_rank == 0:
@@ -97,7 +138,8 @@ def save_engine(engine: PetraEngine, save_dir: str, tag: str, client_state: dict
     path = partial_dir(save_dir, tag)
     engine.module.save_state_dict(path, checkpoint_engine=engine.checkpoint_engine,
                                   exclude_frozen_params=exclude_frozen_parameters)
-    atomic_save(engine_state(engine, client_state), state_file(path, engine.stage_id, engine.grid.data_parallel_id))
+    for j, record in stage_records(engine, client_state).items():
+        atomic_save(record, stage_file(path, j, engine.grid.data_parallel_id))
     engine.transport.barrier("save_checkpoint: every rank wrote its files")
     final = os.path.join(save_dir, tag)
     if engine.global_rank == 0:
@@ -107,29 +149,99 @@ def save_engine(engine: PetraEngine, save_dir: str, tag: str, client_state: dict
     return final
 
 
+def signature(engine: PetraEngine) -> dict:
+    """What a checkpoint must match to be resumed: J and how the layers are cut into stages, the data-parallel
+    degree, k and the training-relevant ``petra`` config. Not the placement (P x stages_per_rank)."""
+    petra = {k: v for k, v in asdict(engine.petra_config).items() if k not in DIAGNOSTIC_KEYS + ("stages_per_rank",)}
+    return {"stages": engine.num_petra_stages, "parts": list(petra_parts(engine.module)),
+            "data_parallel": engine.grid.data_parallel_size, "k": engine.micro_batches, "petra": petra}
+
+
+def stage_records(engine: PetraEngine, client_state: dict | None) -> dict[int, dict]:
+    """The file of each local stage: its state, where the run is, the signature and the client state."""
+    state = engine.petra_state()
+    run = {key: value for key, value in state.items() if key != "stages"}
+    placement = {"pipe": engine.pipeline_ranks, "stages_per_rank": engine.stages_per_rank}
+    return {j: {"format": 2, "signature": signature(engine), "placement": placement, "run": run, "stage": own,
+                "client_state": client_state or {}} for j, own in state["stages"].items()}
+
+
 def layout_signature(engine: PetraEngine) -> dict:
-    """What a checkpoint must match to be resumed: the parallel layout, k, the training-relevant config."""
+    """What a per-rank checkpoint (written before the state was kept by stage) must match: its placement too."""
     return {"pipe": engine.pipeline_ranks, "data": engine.grid.data_parallel_size,
             "stages_per_rank": engine.stages_per_rank, "k": engine.micro_batches,
             "petra": {k: v for k, v in asdict(engine.petra_config).items() if k not in DIAGNOSTIC_KEYS}}
 
 
-def engine_state(engine: PetraEngine, client_state: dict | None) -> dict:
-    """A rank's in-flight PETRA state between two ``train_batch`` calls."""
-    return {"format": 1, "layout": layout_signature(engine), **engine.petra_state(), "client_state": client_state or {}}
+def differences(written: dict, ours: dict, prefix: str = "") -> list[str]:
+    """``key: written -> ours`` for every entry that differs (nested dictionaries by dotted key)."""
+    out = []
+    for key in sorted(set(written) | set(ours)):
+        a, b = written.get(key), ours.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} in the checkpoint, {b!r} in this run")
+    return out
+
+
+def _stage_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
+    """(the state ``load_petra_state`` takes, the client state) from the files of this rank's stages."""
+    records = {j: load_file(stage_file(path, j, engine.grid.data_parallel_id), engine.device)
+               for j in engine.local_stage_ids}
+    first = records[engine.local_stage_ids[0]]
+    differ = differences(first["signature"], signature(engine))
+    if differ:
+        raise ValueError(f"checkpoint {path} cannot continue in this run: " + "; ".join(differ) +
+                         ". Resume with the same stages, data-parallel degree, k and petra config "
+                         "(the number of processes and stages_per_rank may change)")
+    if any(r["run"] != first["run"] for r in records.values()):
+        raise ValueError(f"checkpoint {path}: its stage files were written at different clocks")
+    return {**first["run"], "stages": {j: r["stage"] for j, r in records.items()}}, first["client_state"]
+
+
+def _rank_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
+    """The same from a per-rank file, on the layout that wrote it."""
+    old = load_file(state_file(path, engine.stage_id, engine.grid.data_parallel_id), engine.device)
+    if old["layout"] != layout_signature(engine):
+        raise ValueError(f"checkpoint {path} was written with {old['layout']}, this run has "
+                         f"{layout_signature(engine)}; a checkpoint written before the state was kept by stage "
+                         "resumes on the same layout and petra config")
+    stages = {}
+    for i, j in enumerate(engine.local_stage_ids):
+        copies = {key.split(":", 1)[1]: sd for key, sd in old["reader_tied_modules"].items()
+                  if int(key.split(":", 1)[0]) == j}
+        stages[j] = {"state": old["stages"][j], "steps": old["stage_steps"][j], "tied_copies": copies,
+                     "optimizer": old["optimizers"][i], "scheduler": old["schedulers"][i],
+                     "inbox": {key: value for key, value in old["inbox"].items() if key[0] == j}}
+    run = {key: old[key] for key in ("clock", "feed", "global_steps", "global_samples")}
+    return {**run, "stages": stages}, old["client_state"]
+
+
+def state_files(engine: PetraEngine, path: str) -> list[str]:
+    """The PETRA state files this rank's load of the checkpoint in ``path`` opens: its stages' (its rank's, in a
+    checkpoint written before the state was kept by stage)."""
+    if glob.glob(os.path.join(path, "petra_state-pipe_*.pt")) and not glob.glob(os.path.join(path, "petra_stage-*.pt")):
+        return [state_file(path, engine.stage_id, engine.grid.data_parallel_id)]
+    return [stage_file(path, j, engine.grid.data_parallel_id) for j in engine.local_stage_ids]
 
 
 def load_engine(engine: PetraEngine, load_dir: str, tag: str | None, strict: bool, optimizer_states: bool,
                 scheduler_states: bool, module_only: bool) -> tuple[str, dict]:
-    """Load what :func:`save_engine` wrote; training continues exactly where it stopped."""
+    """Load what :func:`save_engine` wrote, on this placement; training continues exactly where it stopped."""
     tag, path = resolve(load_dir, tag)
-    engine.module.load_state_dir(load_dir=path, checkpoint_engine=engine.checkpoint_engine, strict=strict)
+    engine.module.load_state_dir(load_dir=path, checkpoint_engine=WeightsOnlyCheckpointEngine(), strict=strict)
     if module_only:
         return path, {}
-    state = torch.load(state_file(path, engine.stage_id, engine.grid.data_parallel_id), map_location=engine.device,
-                       weights_only=False)
-    if state["layout"] != layout_signature(engine):
-        raise ValueError(f"checkpoint {path} was written with {state['layout']}, this run has "
-                         f"{layout_signature(engine)}; resume with the same layout and petra config")
+    files = state_files(engine, path)
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        raise FileNotFoundError(f"checkpoint {path} lacks {', '.join(os.path.basename(f) for f in missing)}: it "
+                                "was not written by PetraEngine.save_checkpoint for these stages and data-parallel "
+                                "replicas; load its layers alone with load_module_only=True")
+    if os.path.basename(files[0]).startswith("petra_state-pipe_"):
+        state, client_state = _rank_state(engine, path)
+    else:
+        state, client_state = _stage_state(engine, path)
     engine.load_petra_state(state, optimizer_states, scheduler_states)
-    return path, state["client_state"]
+    return path, client_state

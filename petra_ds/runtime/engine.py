@@ -398,29 +398,35 @@ class PetraEngine(PipelineEngine):
                                       load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
     def petra_state(self) -> dict[str, Any]:
-        """What is in flight on this rank between two ``train_batch`` calls (``checkpoint.py`` writes it)."""
-        return {
-            "clock": self.timeline.clock, "feed": self.timeline.feed.intervals, "global_steps": self.global_steps,
-            "global_samples": self.global_samples,
-            "optimizers": [None if opt is None else opt.state_dict() for opt in self.stage_optimizers],
-            "schedulers": [s.state_dict() if s is not None else None for s in self.stage_schedulers],
-            "inbox": {tuple(k): v for k, v in self.inbox.items()}, **self.stages.state_dict(),
-        }
+        """What is in flight between two ``train_batch`` calls (``checkpoint.py`` writes it): where the run is,
+        and under ``"stages"`` each local stage's own state by index (its optimizer and scheduler, and the
+        messages it received for the next clock, included), which loads wherever that stage lives next."""
+        return {"clock": self.timeline.clock, "feed": self.timeline.feed.intervals,
+                "global_steps": self.global_steps, "global_samples": self.global_samples,
+                "stages": {j: self._stage_state(i, j) for i, j in enumerate(self.local_stage_ids)}}
+
+    def _stage_state(self, i: int, j: int) -> dict[str, Any]:
+        optimizer, scheduler = self.stage_optimizers[i], self.stage_schedulers[i]
+        return {**self.stages.stage_state(j), "optimizer": None if optimizer is None else optimizer.state_dict(),
+                "scheduler": None if scheduler is None else scheduler.state_dict(),
+                "inbox": {tuple(key): value for key, value in self.inbox.items() if key.stage == j}}
 
     def load_petra_state(self, state: dict[str, Any], optimizer_states: bool = True,
                          scheduler_states: bool = True) -> None:
-        """Continue from :meth:`petra_state` (the optimizers' and schedulers' states when asked)."""
+        """Continue from :meth:`petra_state` (the optimizers' and schedulers' states when asked); ``"stages"``
+        must hold this rank's stages, whoever wrote them."""
         fed = FedMicroBatches(tuple(map(tuple, state["feed"])))
         self.timeline = Timeline(self.num_petra_stages, state["clock"], fed)
         self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
-        pairs = [(self.stage_optimizers, state["optimizers"], optimizer_states),
-                 (self.stage_schedulers, state["schedulers"], scheduler_states)]
-        for objects, states, wanted in pairs:
-            for obj, sd in zip(objects, states):
+        self.inbox = {}
+        for i, j in enumerate(self.local_stage_ids):
+            own = state["stages"][j]
+            for obj, sd, wanted in ((self.stage_optimizers[i], own["optimizer"], optimizer_states),
+                                    (self.stage_schedulers[i], own["scheduler"], scheduler_states)):
                 if wanted and obj is not None and sd is not None:
                     obj.load_state_dict(sd)
-        self.stages.load_state_dict(state)
-        self.inbox = {channels.Key(*k): v for k, v in state["inbox"].items()}
+            self.stages.load_stage_state(j, own)
+            self.inbox.update({channels.Key(*key): value for key, value in own["inbox"].items()})
 
     # --- introspection ---
 

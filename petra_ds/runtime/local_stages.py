@@ -105,14 +105,16 @@ class LocalStages(Mapping[int, Stage]):
 
     # --- checkpoints ---
 
-    def state_dict(self) -> dict[str, Any]:
-        """The stages' in-flight state, their step counts and the readers' copies of tied weights."""
-        return {"stage_steps": self.step_counts, "stages": {j: st.state_dict() for j, st in self._stages.items()},
-                "reader_tied_modules": self.ties.reader_states(self._stages)}
+    def stage_state(self, stage: int) -> dict[str, Any]:
+        """Stage ``stage``'s in-flight state, its step count and its copies of tied weights: nothing that
+        depends on which rank hosts it."""
+        st = self._stages[stage]
+        return {"state": st.state_dict(), "steps": self._steps[stage].steps,
+                "tied_copies": self.ties.reader_state(stage, st.modules)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for j, steps in state["stage_steps"].items():
-            self._steps[j].steps = steps
-        for j, st in self._stages.items():
-            st.load_state_dict(state["stages"][j])
-        self.ties.load_reader_states(self._stages, state["reader_tied_modules"])
+    def load_stage_state(self, stage: int, state: dict[str, Any]) -> None:
+        """Continue stage ``stage`` from :meth:`stage_state` (written by whichever rank hosted it)."""
+        st = self._stages[stage]
+        st.load_state_dict(state["state"])
+        self._steps[stage].steps = state["steps"]
+        self.ties.load_reader_state(stage, st.modules, state["tied_copies"])

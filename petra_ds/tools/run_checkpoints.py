@@ -4,7 +4,7 @@ itself.
 
 A checkpoint is ``<output-dir>/checkpoints/global_step<N>`` in DeepSpeed's layout, for PETRA's engine and
 for DeepSpeed's 1F1B alike. Before loading one, the ranks check it together: every rank looks for the
-files its own load will open (its layers', and PETRA's state of its stage), and checks the checksums of
+files its own load will open (its layers', and PETRA's state of the stages it hosts), and checks the checksums of
 its share of all the files (torch writes zip archives); then the ranks agree, so that all of them load
 the same checkpoint or all of them go back to the one before.
 """
@@ -21,7 +21,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from ..runtime.checkpoint import LATEST, state_file
+from ..runtime.checkpoint import LATEST, state_files
 from ..runtime.distributed import is_rank0
 
 TAG = re.compile(r"global_step(\d+)$")
@@ -72,9 +72,7 @@ def problems(engine: DeepSpeedEngine, path: str) -> list[str]:
     from ..runtime.engine import PetraEngine
 
     if isinstance(engine, PetraEngine):
-        own = state_file(path, engine.stage_id, engine.grid.data_parallel_id)
-        if not os.path.exists(own):
-            found.append(f"{own} is missing")
+        found += [f"{own} is missing" for own in state_files(engine, path) if not os.path.exists(own)]
     files = sorted(name for name in os.listdir(path) if name.endswith(".pt"))
     for name in files[dist.get_rank()::dist.get_world_size()]:
         try:

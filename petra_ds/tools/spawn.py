@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -26,6 +27,7 @@ import torch
 
 from ..runtime.distributed import free_port
 from ..runtime.shutdown import shutdown
+from ..util.files import replace_atomically
 
 SHM_DIR, SHM_PREFIX = "/dev/shm", "deepspeed_allreduce_buffer"
 
@@ -97,6 +99,17 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def _write_result(value: Any, path: str) -> None:
+    """A rank's result for the launching process, pickled as multiprocessing pickles what its processes send
+    each other (results hold any Python object; they never leave the launch's private directory)."""
+    replace_atomically(path, lambda f: pickle.dump(value, f), binary=True)
+
+
+def _read_result(path: str) -> Any:
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
 def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str, target: Callable[[dict], Any]) -> None:
     os.environ.update(spec.get("env", {}))
     os.environ.update(rank_env(rank, world, port))
@@ -105,9 +118,9 @@ def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str, target: C
     try:
         result = target(spec)
     except BaseException:
-        torch.save({"error": traceback.format_exc()}, path)
+        _write_result({"error": traceback.format_exc()}, path)
         raise
-    torch.save(result, path)
+    _write_result(result, path)
     shutdown()  # end the groups now, not in the interpreter's teardown
 
 
@@ -142,7 +155,7 @@ def run_processes(spec: dict[str, Any], world_size: int, timeout: float = 300, g
         outcomes = []
         for r in range(world_size):
             path = os.path.join(out_dir, f"rank{r}.pt")
-            saved = torch.load(path, weights_only=False) if os.path.exists(path) else {"error": "no result"}
+            saved = _read_result(path) if os.path.exists(path) else {"error": "no result"}
             outcome = {"rank": r, "exitcode": exitcodes[r], "ended": ended.get(r)}
             outcome.update({"error": saved["error"]} if isinstance(saved, dict) and "error" in saved
                            else {"result": saved})

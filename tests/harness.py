@@ -199,6 +199,7 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
             engine.save_checkpoint(spec["save_dir"])
         if spec.get("eval_every"):
             engine.eval_batch(iter(data))
+    engine.wait_for_checkpoint()
     if spec["drain"]:
         losses.append(engine.drain().item())
     evals = [engine.eval_batch(iter(data)).item() for _ in range(spec["eval_batches"])]
@@ -259,7 +260,7 @@ def _arm_kill(engine: Any, spec: dict[str, Any]) -> None:
     its ``save``-th ``save_checkpoint`` (``kill_in_save = {"save": n, "at": ...}``) with ``at``
     "state" (half of its first PETRA state file written) or "commit:i" (rank 0, just before the i-th
     ``os.replace`` of ``checkpoint.commit``)."""
-    from petra_ds.runtime import checkpoint
+    from petra_ds.runtime import background_save, checkpoint
 
     if spec.get("kill_at_clock") is not None:
         def observe(eng: Any, clock: int) -> None:
@@ -277,6 +278,8 @@ def _arm_kill(engine: Any, spec: dict[str, Any]) -> None:
         saved_into: list[str] = []  # the partial directory of each save, in order
 
         def torn_save(obj: Any, path: str) -> None:
+            if not os.path.basename(path).startswith("petra_stage-"):
+                return atomic_save(obj, path)
             if os.path.dirname(path) not in saved_into:
                 saved_into.append(os.path.dirname(path))
             if len(saved_into) != where["save"]:
@@ -287,7 +290,7 @@ def _arm_kill(engine: Any, spec: dict[str, Any]) -> None:
                 f.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
             _die(spec, f"writing {os.path.basename(path)}")
 
-        checkpoint.atomic_save = torn_save
+        checkpoint.atomic_save = background_save.atomic_save = torn_save  # written here or by the save's thread
         return
     replace_at = int(where["at"].split(":")[1])
     commit = checkpoint.commit

@@ -264,14 +264,12 @@ def collaborator_of(module: str) -> str:
 
 
 def test_the_engine_talks_to_the_collaborators_the_architecture_names(one_window):
-    """Whose code the engine's own code calls during a training window, on every rank: at most six
-    collaborators, each named in ARCHITECTURE.md (which adds the checkpoint, called between windows)."""
+    """Whose code the engine's own code calls during a ``train_batch`` call, on every rank: at most six
+    collaborators, the ones ARCHITECTURE.md names."""
     called = {collaborator_of(m) for r in one_window for m in r["engine_calls"]}
     count, named = documented_collaborators()
     assert count <= 6 and len(named) == count
-    assert called == named - {"runtime/checkpoint.py"}
-    engine_source = open(os.path.join(PACKAGE, "runtime", "engine.py")).read()
-    assert "import checkpoint" in engine_source and "checkpoint.save_engine(" in engine_source
+    assert called == named
 
 
 def test_every_message_instruction_names_its_channel_and_key():

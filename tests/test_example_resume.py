@@ -69,8 +69,8 @@ def test_metrics_are_kept_up_to_the_checkpoint_and_appended_on_resume(tmp_path):
 TIMING = ("elapsed_s", "samples_per_s", "tokens_per_s")
 
 
-def _launch(script: str, config: str, args: list[str], out) -> subprocess.CompletedProcess:
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
+def _launch(script: str, config: str, args: list[str], out, processes: int = 2) -> subprocess.CompletedProcess:
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(processes), "--master_port",
            str(free_port()), os.path.join(ROOT, "examples", script, "train.py"), "--deepspeed_config",
            os.path.join(ROOT, "ds_configs", config), *args, "--save-every", "2", "--output-dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=500)
@@ -88,17 +88,19 @@ def _layer_files(out, tag: str) -> dict:
     return {p.name: torch.load(p, weights_only=False) for p in sorted(folder.glob("layer_*-model_states.pt"))}
 
 
-def assert_resume_is_exact(tmp_path, script: str, config: str, args: list[str], final_key: str) -> None:
-    """6 train_batch calls, checkpoints every 2. The stopped run ends after step 5 (checkpoint at 4, then a
-    step and an evaluation row that are lost); the resumed one loads step 4 and trains to 6. Final layer
-    weights (float32) and every metrics row but the timings equal the uninterrupted run's."""
+def assert_resume_is_exact(tmp_path, script: str, config: str, args: list[str], final_key: str,
+                           resume_on: int = 2) -> None:
+    """6 train_batch calls on 2 processes, checkpoints every 2. The stopped run ends after step 5 (checkpoint at
+    4, then a step and an evaluation row that are lost); the resumed one (on ``resume_on`` processes) loads
+    step 4 and trains to 6. Final layer weights (float32) and every metrics row but the timings equal the
+    uninterrupted run's."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     _launch(script, config, args, whole)
     stopped = _launch(script, config, [*args, "--stop-after", "5"], parts)
     assert "stopped after step 5 of 6" in stopped.stdout and not (parts / "summary.json").exists()
     assert (parts / "checkpoints" / "latest").read_text() == "global_step4"
     assert [r["step"] for r in _rows(parts)] == [5]
-    resumed = _launch(script, config, [*args, "--resume"], parts)
+    resumed = _launch(script, config, [*args, "--resume", "auto"], parts, processes=resume_on)
     assert f"resumed from {parts / 'checkpoints' / 'global_step4'} (step 4)" in resumed.stdout
     assert _rows(parts) == _rows(whole) and [r["step"] for r in _rows(parts)] == [5, 6]
     ours, theirs = _layer_files(parts, "global_step6"), _layer_files(whole, "global_step6")
@@ -126,3 +128,13 @@ def test_revgpt_example_with_dropout_resumes_exactly(tmp_path, config):
     args = ["--model", "revgpt", "--tie-embeddings", "--seed", "3", "--stages", "4", "--data-files",
             *_files(tmp_path), *[x for kv in small.items() for x in kv]]
     assert_resume_is_exact(tmp_path, "reformer", config, args, "final_val_loss")
+
+
+@pytest.mark.slow
+def test_the_lm_example_stopped_on_two_processes_continues_on_one(tmp_path):
+    """--resume auto after a relaunch on fewer processes: the same J = 4 stages, now all on one rank (1 x 4
+    instead of 2 x 2), continue from the newest checkpoint and end where the uninterrupted 2-process run ends."""
+    small = dict(zip(SMALL[::2], SMALL[1::2]), **{"--max-steps": "6", "--eval-every": "5"})
+    args = ["--model", "revgpt", "--tie-embeddings", "--seed", "3", "--stages", "4", "--data-files",
+            *_files(tmp_path), *[x for kv in small.items() for x in kv]]
+    assert_resume_is_exact(tmp_path, "reformer", "petra_lm.json", args, "final_val_loss", resume_on=1)

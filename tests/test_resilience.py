@@ -116,11 +116,14 @@ def test_a_hung_rank_stops_its_peers_after_the_configured_timeout(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rank_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path):
-    """Rank 1 dies with half of its first PETRA stage file written in the second save: rank 0 fails at the save's
-    barrier, ``latest`` still names the first checkpoint, and resuming from it reaches the same parameters."""
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_rank_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path, async_save):
+    """Rank 1 dies with half of its first PETRA stage file written in the second save (by its save's thread with
+    ``async_save``): rank 0 fails at the save's barrier (or in the next clock's messages), ``latest`` still names
+    the first checkpoint, and resuming from it reaches the same parameters."""
     ckpt = tmp_path / "ckpt"
-    outcomes, kill = killed_run({"pipe": 2, "stages_per_rank": 2, "kill_rank": 1,
+    petra = {**COMMON["petra"], "async_save": async_save}
+    outcomes, kill = killed_run({"pipe": 2, "stages_per_rank": 2, "kill_rank": 1, "petra": petra,
                                  "kill_in_save": {"save": 2, "at": "state"}}, str(tmp_path / "kill.json"))
     assert_peers_failed_fast(outcomes, 1, kill, within=60)
     assert kill["what"] == "writing petra_stage-02-data_00.pt"  # rank 1's first stage

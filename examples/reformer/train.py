@@ -63,7 +63,7 @@ from petra_ds.runtime.config import MUON_LR_RATIO, uses_muon
 from petra_ds.data.text import build_tokenizer, lm_loader, lm_stream, load_text, pack
 from petra_ds.models.transformer import RevGPTConfig, lm_loss
 from petra_ds.tools.run_partition import agreed_partition, baseline_module, shared_layer_costs
-from petra_ds.tools.run_checkpoints import resume, save
+from petra_ds.tools.run_checkpoints import finish as finish_checkpoints, resume, save
 from petra_ds.tools.runs import (RunFiles, add_run_arguments, against_baseline, apply_global_batch, apply_run_arguments,
                                  run_layout, run_main)
 
@@ -385,6 +385,7 @@ def main() -> None:
             stopped = True
             break
     bar.close()
+    finish_checkpoints(engine)
     if stopped:
         if rank0:
             print(f"stopped after step {args.stop_after} of {args.max_steps}; continue with --resume")

@@ -48,7 +48,7 @@ from petra_ds.data.stream import resumable_loader
 from petra_ds.models.revnet import resnet_layers, revnet_layers
 from petra_ds.tools.recipe import no_decay_groups, paper_recipe, scheduler_factory, sgd_factory
 from petra_ds.tools.run_partition import agreed_partition, baseline_module, shared_layer_costs
-from petra_ds.tools.run_checkpoints import resume, save
+from petra_ds.tools.run_checkpoints import finish as finish_checkpoints, resume, save
 from petra_ds.tools.runs import (Layout, RunFiles, add_run_arguments, against_baseline, apply_global_batch,
                                  apply_run_arguments, run_layout, run_main)
 
@@ -227,6 +227,7 @@ def main() -> None:
             stopped = True
             break
     bar.close()
+    finish_checkpoints(engine)
     if stopped:
         if rank0:
             print(f"stopped after step {args.stop_after} of {total_steps}; continue with --resume")

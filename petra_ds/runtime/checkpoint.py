@@ -32,13 +32,15 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 
 from ..pipeline.module import petra_parts
 from ..util.files import atomic_save, write_text_atomic
+from .background_save import BackgroundSave, HostStaging
 
 if TYPE_CHECKING:
     from .engine import PetraEngine
 
 LATEST = "latest"
 #: ``petra`` keys that do not change training: a checkpoint resumes under other values
-DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible", "reconstruct_overlap", "compile", "fifo_offload")
+DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible", "reconstruct_overlap", "compile", "fifo_offload",
+                   "async_save")
 
 
 def partial_dir(save_dir: str, tag: str) -> str:
@@ -126,27 +128,70 @@ def resolve(load_dir: str, tag: str | None) -> tuple[str, str]:
 # --- a PetraEngine's checkpoint (the engine's save_checkpoint / load_checkpoint) ---
 
 
+class CollectedFiles(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, collecting ``(path, state_dict)`` instead of writing: the layer files of
+    ``PipelineModule.save_state_dict``, written with the stages' files by :func:`save_engine`. ``clone``: whether
+    DeepSpeed clones each tensor first (not when a snapshot in host memory copies them anyway)."""
+
+    def __init__(self, clone: bool) -> None:
+        super().__init__()
+        self.clone = clone
+        self.files: list[tuple[str, Any]] = []
+
+    def preserves_storage_sharing(self) -> bool:
+        return self.clone
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.files.append((path, state_dict))
+
+
 def save_engine(engine: PetraEngine, save_dir: str, tag: str, client_state: dict | None, save_latest: bool,
                 exclude_frozen_parameters: bool) -> str:
     """Every rank: its layer files in DeepSpeed's layout and one file per PETRA stage it hosts, then rank 0
-    commits."""
+    commits; with ``async_save``, the files are copied to host memory and written by a thread
+    (``background_save.py``), and this returns as soon as the copy is taken."""
     if engine.mid_clock:
         raise RuntimeError("save_checkpoint() must be called between train_batch() calls")
+    engine.wait_for_checkpoint()
     if engine.global_rank == 0:
         prepare(save_dir, tag)
     engine.transport.barrier("save_checkpoint: the directory is prepared")
     path = partial_dir(save_dir, tag)
-    engine.module.save_state_dict(path, checkpoint_engine=engine.checkpoint_engine,
-                                  exclude_frozen_params=exclude_frozen_parameters)
-    for j, record in stage_records(engine, client_state).items():
-        atomic_save(record, stage_file(path, j, engine.grid.data_parallel_id))
-    engine.transport.barrier("save_checkpoint: every rank wrote its files")
+    background = engine.petra_config.async_save
+    layers = CollectedFiles(clone=not background)
+    engine.module.save_state_dict(path, checkpoint_engine=layers, exclude_frozen_params=exclude_frozen_parameters)
+    files = layers.files + [(stage_file(path, j, engine.grid.data_parallel_id), record)
+                            for j, record in stage_records(engine, client_state).items()]
     final = os.path.join(save_dir, tag)
-    if engine.global_rank == 0:
+    rank0 = engine.global_rank == 0
+    if background:
+        if engine.host_staging is None:
+            engine.host_staging = HostStaging()
+        engine.pending_save = BackgroundSave(
+            engine.host_staging.copy(files), path, engine.global_rank, engine.world_size,
+            (lambda: commit(save_dir, tag, save_latest)) if rank0 else None)
+        return final
+    for file, obj in files:
+        atomic_save(obj, file)
+    engine.transport.barrier("save_checkpoint: every rank wrote its files")
+    if rank0:
         final = commit(save_dir, tag, save_latest)
     engine.transport.barrier("save_checkpoint: committed")
     engine.transport.save_trace()
     return final
+
+
+def after_train_batch(engine: PetraEngine) -> None:
+    """Rank 0 commits a checkpoint written in the background once every rank's files are on disk (no collective)."""
+    if engine.pending_save is not None:
+        engine.pending_save.poll()
+
+
+def wait(engine: PetraEngine) -> None:
+    """Every rank: wait for a checkpoint written in the background to be on disk and committed."""
+    if engine.pending_save is not None:
+        engine.pending_save.finish(engine.transport.barrier)
+        engine.pending_save = None
 
 
 def signature(engine: PetraEngine) -> dict:

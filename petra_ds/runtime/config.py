@@ -63,6 +63,10 @@ class PetraConfig:
     #: device) or "cpu" (host memory; each entry is copied out as it is stored, and back one clock before its
     #: backward reads it). The same bits either way: a memory setting, not a training one
     fifo_offload: str = "none"
+    #: ``save_checkpoint`` copies what it writes to host memory and returns; a thread writes the files while
+    #: training goes on, and rank 0 commits the checkpoint once every rank has written (``runtime/background_save.py``).
+    #: ``engine.wait_for_checkpoint()`` waits for it (the next save and every load do). Not a training setting
+    async_save: bool = False
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "PetraConfig":
@@ -112,6 +116,8 @@ class PetraConfig:
             raise PetraConfigError(
                 f'"petra.fifo_offload" must be one of {FIFO_OFFLOADS} ("cpu": a non-reversible stage keeps its input '
                 f'FIFO in host memory), got {self.fifo_offload!r}')
+        if not isinstance(self.async_save, bool):
+            raise PetraConfigError(f'"petra.async_save" must be true or false, got {self.async_save!r}')
         if self.param_buffer and self.delay_compensation.method != "none":
             raise PetraConfigError(
                 '"petra.param_buffer" (weight stashing) already runs each backward with its forward\'s weights; '

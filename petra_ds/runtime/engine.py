@@ -11,7 +11,7 @@ its gradients (and batch-norm running statistics) inside its data-parallel group
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -32,6 +32,9 @@ from .observe import Callbacks, Holdings, Observer, hook_table
 from .optimizers import StageOptimizers, StageSchedulers, single_or_combined, stage_optimizers, stage_schedulers
 from .stage import StageOptions
 from .transport import Transport
+
+if TYPE_CHECKING:
+    from .background_save import BackgroundSave, HostStaging
 
 
 class PetraEngine(PipelineEngine):
@@ -82,6 +85,10 @@ class PetraEngine(PipelineEngine):
         self._observers: tuple[Observer, ...] = (self._callbacks,)
         self._hooks = hook_table(self._observers)
         self.gradient_quality: Observer | None = None
+        #: a checkpoint being written in the background (``"async_save"``) until it is committed, and the host
+        #: memory such saves copy into, reused from one save to the next (both ``checkpoint.py``'s)
+        self.pending_save: BackgroundSave | None = None
+        self.host_staging: HostStaging | None = None
         self._configure_python_gc()
 
     # --- observers ---
@@ -166,6 +173,7 @@ class PetraEngine(PipelineEngine):
             raise ValueError("train_batch() needs a data iterator (or training_data in initialize)")
         self.module.train()
         loss = self._run_window(self.timeline.train_window(self.micro_batches))
+        checkpoint.after_train_batch(self)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.agg_train_loss = loss
@@ -389,11 +397,18 @@ class PetraEngine(PipelineEngine):
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         return checkpoint.save_engine(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
+    def wait_for_checkpoint(self) -> None:
+        """Called by every rank: wait until a checkpoint written in the background (``"async_save"``) is on disk
+        and committed (``latest`` names it). ``save_checkpoint`` and ``load_checkpoint`` call it first; call it
+        before the processes exit."""
+        checkpoint.wait(self)
+
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, **_: Any) -> tuple[str | None, dict]:
         """Load what :meth:`save_checkpoint` wrote; training continues exactly where it stopped.
         Returns ``(path, client_state)`` like DeepSpeed."""
+        self.wait_for_checkpoint()
         return checkpoint.load_engine(self, load_dir, None if tag is None else str(tag), load_module_strict,
                                       load_optimizer_states, load_lr_scheduler_states, load_module_only)
 

@@ -420,11 +420,12 @@ class Stage:
     # --- checkpoint ---
 
     def state_dict(self) -> dict:
-        """What is in flight at this stage between two clocks (parameters are saved elsewhere)."""
+        """What is in flight at this stage between two clocks (parameters are saved elsewhere): the tensors
+        themselves, not copies (a checkpoint writes them at once, or copies them to host memory first)."""
         if self.live is not None or self.reconstruction is not None or self._swapped is not None:
             raise RuntimeError(f"stage {self.index} is in the middle of a clock")
         return {
-            "grads": [None if p.grad is None else p.grad.detach().clone() for p in self.params],
+            "grads": [None if p.grad is None else p.grad.detach() for p in self.params],
             "fifo": self.fifo.state(),
             "raw": dict(self.raw),
             "stash": dict(self.stash),

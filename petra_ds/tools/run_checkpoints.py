@@ -61,6 +61,15 @@ def save(engine: DeepSpeedEngine, output_dir: str, state: dict, keep_last: int =
             shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
 
 
+def finish(engine: DeepSpeedEngine) -> None:
+    """Every rank, before the run ends: wait for a checkpoint PETRA's engine writes in the background
+    (``--async-save``) to be on disk and committed."""
+    from ..runtime.engine import PetraEngine
+
+    if isinstance(engine, PetraEngine):
+        engine.wait_for_checkpoint()
+
+
 def problems(engine: DeepSpeedEngine, path: str) -> list[str]:
     """What is wrong with the checkpoint in ``path``, as this rank sees it: a file its load needs that is
     missing, or a file of its share (every world-size-th, from its rank) that is truncated or corrupted."""

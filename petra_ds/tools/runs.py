@@ -207,6 +207,9 @@ def add_run_arguments(parser: Any) -> None:
     parser.add_argument("--stop-after", type=int, default=None,
                         help="end this run after N train_batch calls in all, as a preempted job would (no final "
                              "drain, eval or summary); continue with --resume (needs --save-every)")
+    parser.add_argument("--async-save", action="store_true",
+                        help='PETRA: sets "petra": {"async_save": true}: a checkpoint is copied to host memory and '
+                             "written in the background while training goes on")
     parser.add_argument("--gradient-quality", type=int, default=0, metavar="N",
                         help="PETRA: every N optimizer steps compare each stage's gradient with the delayed "
                              "and the end-to-end one (metrics.jsonl, gradient_quality.png); 0: off")
@@ -234,8 +237,8 @@ def add_run_arguments(parser: Any) -> None:
 
 
 def apply_run_arguments(args: Any, config: dict) -> str:
-    """Write --gradient-quality and --delay-compensation into a PETRA config's "petra" section; returns
-    the method ("petra" or "backprop"). Both are PETRA's: with a config without that section they exit,
+    """Write --gradient-quality, --delay-compensation and --async-save into a PETRA config's "petra" section;
+    returns the method ("petra" or "backprop"). They are PETRA's: with a config without that section they exit,
     as --layer-costs does without --partition profile (it would be ignored)."""
     try:
         check_section_names(config)
@@ -243,7 +246,8 @@ def apply_run_arguments(args: Any, config: dict) -> str:
         raise SystemExit(str(error)) from None
     method = "petra" if "petra" in config else "backprop"
     wanted = [flag for flag, value in (("--gradient-quality", args.gradient_quality),
-                                       ("--delay-compensation", args.delay_compensation)) if value]
+                                       ("--delay-compensation", args.delay_compensation),
+                                       ("--async-save", args.async_save)) if value]
     if wanted and method != "petra":
         raise SystemExit(f"{' and '.join(wanted)} configure PETRA: use a config that has a \"petra\" section")
     if args.layer_costs and args.partition != "profile":
@@ -259,6 +263,8 @@ def apply_run_arguments(args: Any, config: dict) -> str:
               "will have nothing to continue from", flush=True)
     if args.gradient_quality:
         config["petra"]["gradient_quality_every"] = args.gradient_quality
+    if args.async_save:
+        config["petra"]["async_save"] = True
     if args.delay_compensation:
         value = args.delay_compensation
         try:

@@ -23,10 +23,13 @@ def tensors_in(obj: Any) -> Iterator[Tensor]:
 
 
 def map_tensors(fn: Callable[[Tensor], Any], obj: Any, sequence: type | None = None) -> Any:
-    """``obj`` with every tensor inside nested tuples and lists replaced by ``fn(tensor)``; anything else as it
-    is. Each tuple or list is rebuilt as its own type, or as ``sequence`` when given."""
+    """``obj`` with every tensor inside nested tuples, lists and dictionaries (values) replaced by ``fn(tensor)``;
+    anything else as it is. Each tuple or list is rebuilt as its own type, or as ``sequence`` when given; each
+    dictionary as its own type."""
     if isinstance(obj, Tensor):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
         return (sequence or type(obj))(map_tensors(fn, value, sequence) for value in obj)
+    if isinstance(obj, dict):
+        return type(obj)((key, map_tensors(fn, value, sequence)) for key, value in obj.items())
     return obj

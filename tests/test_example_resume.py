@@ -89,18 +89,18 @@ def _layer_files(out, tag: str) -> dict:
 
 
 def assert_resume_is_exact(tmp_path, script: str, config: str, args: list[str], final_key: str,
-                           resume_on: int = 2) -> None:
+                           resume: tuple[str, ...] = ("--resume",), resume_on: int = 2) -> None:
     """6 train_batch calls on 2 processes, checkpoints every 2. The stopped run ends after step 5 (checkpoint at
-    4, then a step and an evaluation row that are lost); the resumed one (on ``resume_on`` processes) loads
-    step 4 and trains to 6. Final layer weights (float32) and every metrics row but the timings equal the
-    uninterrupted run's."""
+    4, then a step and an evaluation row that are lost); the resumed one (``resume`` flags, on ``resume_on``
+    processes) loads step 4 and trains to 6. Final layer weights (float32) and every metrics row but the timings
+    equal the uninterrupted run's."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     _launch(script, config, args, whole)
     stopped = _launch(script, config, [*args, "--stop-after", "5"], parts)
     assert "stopped after step 5 of 6" in stopped.stdout and not (parts / "summary.json").exists()
     assert (parts / "checkpoints" / "latest").read_text() == "global_step4"
     assert [r["step"] for r in _rows(parts)] == [5]
-    resumed = _launch(script, config, [*args, "--resume", "auto"], parts, processes=resume_on)
+    resumed = _launch(script, config, [*args, *resume], parts, processes=resume_on)
     assert f"resumed from {parts / 'checkpoints' / 'global_step4'} (step 4)" in resumed.stdout
     assert _rows(parts) == _rows(whole) and [r["step"] for r in _rows(parts)] == [5, 6]
     ours, theirs = _layer_files(parts, "global_step6"), _layer_files(whole, "global_step6")
@@ -137,4 +137,5 @@ def test_the_lm_example_stopped_on_two_processes_continues_on_one(tmp_path):
     small = dict(zip(SMALL[::2], SMALL[1::2]), **{"--max-steps": "6", "--eval-every": "5"})
     args = ["--model", "revgpt", "--tie-embeddings", "--seed", "3", "--stages", "4", "--data-files",
             *_files(tmp_path), *[x for kv in small.items() for x in kv]]
-    assert_resume_is_exact(tmp_path, "reformer", "petra_lm.json", args, "final_val_loss", resume_on=1)
+    assert_resume_is_exact(tmp_path, "reformer", "petra_lm.json", args, "final_val_loss", resume=("--resume", "auto"),
+                           resume_on=1)

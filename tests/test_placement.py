@@ -69,6 +69,23 @@ def test_what_must_match_is_named_and_the_placement_is_not(tmp_path):
     assert "pipe" not in message and "stages_per_rank:" not in message, message
 
 
+def test_a_checkpoint_written_per_rank_is_refused_on_another_layout_naming_what_differs(tmp_path):
+    """tests/fixtures/checkpoint_before_move (one state file per rank, 2 ranks x 2 stages) loads on its own layout
+    (test_architecture); on 1 x 4 it is refused, naming the rank count and stages_per_rank."""
+    import shutil
+
+    from subprocess_env import ROOT
+
+    load_dir = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "checkpoint_before_move"), load_dir)
+    spec = dict(model="revgpt", tie_embeddings=True, k=2, micro_batch=2, dropout=0.1, train_batches=3)
+    (refused,) = launch({**spec, "pipe": 1, "stages_per_rank": 4, "load_dir": str(load_dir), "return_error": True})
+    message = refused["error"]
+    assert "pipe: 2 in the checkpoint, 1 in this run" in message, message
+    assert "stages_per_rank: 2 in the checkpoint, 4 in this run" in message, message
+    assert "resumes on the same layout" in message, message
+
+
 class RunsCode:
     """Unpickling this runs ``os.system``: what a crafted checkpoint would do."""
 

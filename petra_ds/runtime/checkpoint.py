@@ -207,8 +207,9 @@ def stage_records(engine: PetraEngine, client_state: dict | None) -> dict[int, d
     state = engine.petra_state()
     run = {key: value for key, value in state.items() if key != "stages"}
     placement = {"pipe": engine.pipeline_ranks, "stages_per_rank": engine.stages_per_rank}
-    return {j: {"format": 2, "signature": signature(engine), "placement": placement, "run": run, "stage": own,
-                "client_state": client_state or {}} for j, own in state["stages"].items()}
+    common = {"format": 2, "signature": signature(engine), "placement": placement, "run": run,
+              "client_state": client_state or {}}
+    return {j: {**common, "stage": own} for j, own in state["stages"].items()}
 
 
 def layout_signature(engine: PetraEngine) -> dict:
@@ -248,10 +249,11 @@ def _stage_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
 def _rank_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
     """The same from a per-rank file, on the layout that wrote it."""
     old = load_file(state_file(path, engine.stage_id, engine.grid.data_parallel_id), engine.device)
-    if old["layout"] != layout_signature(engine):
-        raise ValueError(f"checkpoint {path} was written with {old['layout']}, this run has "
-                         f"{layout_signature(engine)}; a checkpoint written before the state was kept by stage "
-                         "resumes on the same layout and petra config")
+    differ = differences(old["layout"], layout_signature(engine))
+    if differ:
+        raise ValueError(f"checkpoint {path} cannot continue in this run: " + "; ".join(differ) +
+                         ". A checkpoint written before the state was kept by stage resumes on the same layout and "
+                         "petra config")
     stages = {}
     for i, j in enumerate(engine.local_stage_ids):
         copies = {key.split(":", 1)[1]: sd for key, sd in old["reader_tied_modules"].items()
@@ -263,10 +265,17 @@ def _rank_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
     return {**run, "stages": stages}, old["client_state"]
 
 
-def state_files(engine: PetraEngine, path: str) -> list[str]:
-    """The PETRA state files this rank's load of the checkpoint in ``path`` opens: its stages' (its rank's, in a
-    checkpoint written before the state was kept by stage)."""
-    if glob.glob(os.path.join(path, "petra_state-pipe_*.pt")) and not glob.glob(os.path.join(path, "petra_stage-*.pt")):
+def written_per_rank(path: str) -> bool:
+    """Whether the checkpoint in ``path`` was written with one state file per rank (before the state was kept by
+    stage)."""
+    return bool(glob.glob(os.path.join(path, "petra_state-pipe_*.pt"))) and not glob.glob(
+        os.path.join(path, "petra_stage-*.pt"))
+
+
+def state_files(engine: PetraEngine, path: str, per_rank: bool) -> list[str]:
+    """The PETRA state files this rank's load of the checkpoint in ``path`` opens: its stages' (its rank's when
+    ``per_rank``, :func:`written_per_rank`)."""
+    if per_rank:
         return [state_file(path, engine.stage_id, engine.grid.data_parallel_id)]
     return [stage_file(path, j, engine.grid.data_parallel_id) for j in engine.local_stage_ids]
 
@@ -278,15 +287,12 @@ def load_engine(engine: PetraEngine, load_dir: str, tag: str | None, strict: boo
     engine.module.load_state_dir(load_dir=path, checkpoint_engine=WeightsOnlyCheckpointEngine(), strict=strict)
     if module_only:
         return path, {}
-    files = state_files(engine, path)
-    missing = [f for f in files if not os.path.exists(f)]
+    per_rank = written_per_rank(path)
+    missing = [f for f in state_files(engine, path, per_rank) if not os.path.exists(f)]
     if missing:
         raise FileNotFoundError(f"checkpoint {path} lacks {', '.join(os.path.basename(f) for f in missing)}: it "
                                 "was not written by PetraEngine.save_checkpoint for these stages and data-parallel "
                                 "replicas; load its layers alone with load_module_only=True")
-    if os.path.basename(files[0]).startswith("petra_state-pipe_"):
-        state, client_state = _rank_state(engine, path)
-    else:
-        state, client_state = _stage_state(engine, path)
+    state, client_state = _rank_state(engine, path) if per_rank else _stage_state(engine, path)
     engine.load_petra_state(state, optimizer_states, scheduler_states)
     return path, client_state

@@ -21,7 +21,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from ..runtime.checkpoint import LATEST, state_files
+from ..runtime.checkpoint import LATEST, state_files, written_per_rank
 from ..runtime.distributed import is_rank0
 
 TAG = re.compile(r"global_step(\d+)$")
@@ -81,7 +81,8 @@ def problems(engine: DeepSpeedEngine, path: str) -> list[str]:
     from ..runtime.engine import PetraEngine
 
     if isinstance(engine, PetraEngine):
-        found += [f"{own} is missing" for own in state_files(engine, path) if not os.path.exists(own)]
+        found += [f"{own} is missing" for own in state_files(engine, path, written_per_rank(path))
+                  if not os.path.exists(own)]
     files = sorted(name for name in os.listdir(path) if name.endswith(".pt"))
     for name in files[dist.get_rank()::dist.get_world_size()]:
         try:

@@ -28,27 +28,11 @@ def _default_dtype():
 
 @pytest.fixture(scope="session", autouse=True)
 def _rank_pool():
-    """The pooled rank processes (tests/pool.py) stop with the session, and their shared-memory buffers go."""
-    from petra_ds.tools.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
-
+    """The pooled rank processes (tests/pool.py) stop with the session."""
     import pool
 
-    before = deepspeed_shm_buffers()
     yield
     pool.shutdown()
-    remove_deepspeed_shm_buffers(before)
-
-
-@pytest.fixture(autouse=True)
-def _deepspeed_shm_buffers():
-    """DeepSpeed's CPU communication op leaves a shared-memory buffer per process and launch: the slow
-    tests alone launch enough processes to fill a 24 GiB machine's memory. Remove what this test's
-    processes left behind (they have exited; this process still maps its own)."""
-    from petra_ds.tools.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
-
-    before = deepspeed_shm_buffers()
-    yield
-    remove_deepspeed_shm_buffers(before)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import time
 import pytest
 import torch
 
-from petra_ds.tools.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
 from subprocess_env import ROOT, launcher_env
 from test_example_resume import _launch, _layer_files, _rows
 from test_lm_example import SMALL, _files
@@ -27,14 +26,6 @@ def lm_args(tmp_path, steps: int, every: int = 2) -> list[str]:
     small = dict(zip(SMALL[::2], SMALL[1::2]), **{"--max-steps": str(steps), "--eval-every": str(every)})
     return ["--model", "revgpt", "--seed", "3", "--stages", "4", "--data-files", *_files(tmp_path),
             *[x for kv in small.items() for x in kv]]
-
-
-@pytest.fixture(autouse=True)
-def no_shm_left():
-    """Killed workers leave DeepSpeed's CPU communication buffers behind (~66 MB each)."""
-    before = deepspeed_shm_buffers()
-    yield
-    remove_deepspeed_shm_buffers(before)
 
 
 def torchrun(args: list[str], out, restarts: int, every: int) -> subprocess.Popen:

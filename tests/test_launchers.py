@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from petra_ds.runtime.distributed import free_port
 from subprocess_env import ROOT, launcher_env
@@ -49,19 +50,64 @@ def test_plain_python_hosts_every_stage_in_one_process(tmp_path):
     assert losses[-1] < losses[4]
 
 
-def test_rank_zero_is_told_before_deepspeed_compiles_its_cpu_communication_op(tmp_path, monkeypatch):
-    """deepspeed.init_distributed JIT-compiles deepspeed_shm_comm on a CPU machine (a minute, silent, needs a
-    C++ compiler): init_distributed says so first, unless torch's extension directory holds the build."""
+def _reduce_both_ways(spec):
+    """DeepSpeed's all-reduce and its inference all-reduce (the one user of its CPU op) in a world that
+    petra_ds.init_distributed started; whether the op's kernel is registered with torch."""
+    from deepspeed import comm as ds_comm
+
+    import petra_ds
+
+    petra_ds.init_distributed(dist_backend="gloo")
+    plain, inference = torch.full((3,), ds_comm.get_rank() + 1.0), torch.full((3,), ds_comm.get_rank() + 1.0)
+    ds_comm.all_reduce(plain)
+    ds_comm.inference_all_reduce(inference)
+    return {"plain": plain.tolist(), "inference": inference.tolist(),
+            "op_loaded": hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")}
+
+
+def test_init_distributed_neither_builds_nor_maps_deepspeeds_cpu_communication_op(tmp_path):
+    """DeepSpeed's own init would JIT-compile deepspeed_shm_comm into an empty extension directory (a
+    minute, needs g++) and leave a 66 MB /dev/shm buffer per process; PETRA never calls the inference
+    all-reduce it serves. Two ranks: no build, no buffer, both all-reduces still sum."""
+    import glob
+
+    from harness import launch
+
+    def buffers():  # DeepSpeed's name for them: deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+        return set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+
+    extensions = tmp_path / "torch_extensions"
+    before = buffers()
+    results = launch({"env": {"TORCH_EXTENSIONS_DIR": str(extensions)}}, 2, target=_reduce_both_ways)
+    assert results == [{"plain": [3.0] * 3, "inference": [3.0] * 3, "op_loaded": False}] * 2
+    assert not list(extensions.rglob("*.so")) and not list(extensions.rglob("build.ninja"))
+    assert buffers() - before == set()
+
+
+def test_cpu_comm_op_true_keeps_deepspeeds_default_and_says_first_when_it_compiles(tmp_path, monkeypatch, capsys):
+    """``cpu_comm_op=True`` hands DeepSpeed its own op table unchanged (init then builds and maps the op), and
+    rank 0 is told before a build starts, unless torch's extension directory holds the build."""
+    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from petra_ds.runtime.distributed import shm_comm_build_note
+    import petra_ds
+    from petra_ds.runtime.distributed import SHM_COMM_OP, shm_comm_build_note
 
     if get_accelerator().device_name() != "cpu":
         pytest.skip("the op is built on CPU machines only")
+    seen = []
+    monkeypatch.setattr(deepspeed, "init_distributed",
+                        lambda **kwargs: seen.append(deepspeed.ops.__compatible_ops__[SHM_COMM_OP]))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", sys.executable)  # an executable that exists: the build would start
-    assert shm_comm_build_note() == ("building DeepSpeed's CPU communication op (needs g++, about a minute the "
-                                     "first time)")
+    compatible = deepspeed.ops.__compatible_ops__[SHM_COMM_OP]
+    petra_ds.init_distributed(dist_backend="gloo")
+    petra_ds.init_distributed(dist_backend="gloo", cpu_comm_op=True)
+    assert seen == [False, compatible] and deepspeed.ops.__compatible_ops__[SHM_COMM_OP] == compatible
+    assert capsys.readouterr().out.splitlines() == [
+        "building DeepSpeed's CPU communication op (needs g++, about a minute the first time)"]
     monkeypatch.setenv("CXX", str(tmp_path / "no-compiler"))
     assert "needs a C++ compiler and none was found: install g++" in shm_comm_build_note()
     (tmp_path / "deepspeed_shm_comm").mkdir()

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from petra_ds.tools.spawn import launch
+from harness import launch
 
 
 def build_engine():

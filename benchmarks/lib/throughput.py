@@ -479,13 +479,13 @@ def message_seconds(engine) -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    import petra_ds
     from petra_ds.runtime.shutdown import shutdown
 
     torch.set_num_threads(args.threads)
-    deepspeed.init_distributed()
+    petra_ds.init_distributed()
     device = torch.device(get_accelerator().device_name(), int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cpu":
         device = torch.device("cpu")
@@ -528,15 +528,10 @@ def run_launched(module: str, procs: int, argv: list[str], env: dict) -> None:
     """``python -m module argv`` on ``procs`` processes under the deepspeed launcher, from the repository root
     (and with it on PYTHONPATH, so that ``benchmarks`` imports)."""
     from petra_ds.runtime.distributed import free_port
-    from petra_ds.tools.spawn import deepspeed_shm_buffers, remove_deepspeed_shm_buffers
 
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [deepspeed, "--num_gpus", str(procs), "--master_port", str(free_port()), "--module", module, *argv]
-    before = deepspeed_shm_buffers()
-    try:
-        subprocess.run(cmd, cwd=ROOT, check=True, env=module_env(env), stdout=subprocess.DEVNULL)
-    finally:
-        remove_deepspeed_shm_buffers(before)  # DeepSpeed's CPU comm op never unlinks them
+    subprocess.run(cmd, cwd=ROOT, check=True, env=module_env(env), stdout=subprocess.DEVNULL)
 
 
 def versus_fastest_peers(variants: dict) -> dict:

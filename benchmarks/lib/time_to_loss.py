@@ -213,9 +213,9 @@ def whole_model_loss(margs: argparse.Namespace, parts: list[int], states: dict, 
 
 
 def worker(args: argparse.Namespace) -> None:
-    import deepspeed
     from torch import distributed as dist
 
+    import petra_ds
     from petra_ds.runtime.shutdown import shutdown
 
     torch.set_num_threads(1)
@@ -223,7 +223,7 @@ def worker(args: argparse.Namespace) -> None:
         size = args.micro_batch_size * args.micro_batches // args.split
         args.eval_batches = args.eval_batches * args.micro_batch_size // size
         args.micro_batch_size, args.micro_batches = size, args.split
-    deepspeed.init_distributed()
+    petra_ds.init_distributed()
     torch.manual_seed(args.seed)
     vocab, train, val = data(args)
     margs = model_args(args, vocab)

@@ -7,10 +7,12 @@ import os
 import shutil
 import socket
 import sys
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import deepspeed
+import deepspeed.ops
 import torch
 from deepspeed.constants import default_pg_timeout
 from deepspeed.runtime.pipe.module import PipelineModule
@@ -46,13 +48,16 @@ def ensure_single_process_env() -> None:
 _group_timeout: timedelta | None = None
 
 
+#: DeepSpeed's CPU shared-memory all-reduce op (``deepspeed.ops.op_builder.cpu.comm.ShareMemCommBuilder``)
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
 def shm_comm_build_note() -> str | None:
     """What to tell the user before ``deepspeed.init_distributed`` JIT-compiles DeepSpeed's CPU communication
     op (``deepspeed_shm_comm``: the first init on a CPU machine builds it, 1-2 minutes without output, and
     needs a C++ compiler, or every launch fails with "Error building extension 'deepspeed_shm_comm'"); None
     when nothing will be built: a GPU, oneCCL, DeepSpeed already initialized, the op shipped prebuilt or
-    already in torch's extension directory. DeepSpeed 0.19 has no switch to skip the op (only its CPU
-    inference all-reduce uses it, PETRA does not)."""
+    already in torch's extension directory."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
 
@@ -83,21 +88,44 @@ def shm_comm_build_note() -> str | None:
     return "building DeepSpeed's CPU communication op (needs g++, about a minute the first time)"
 
 
-def init_distributed(dist_backend: str | None = None, timeout: timedelta | None = None, **kwargs: Any) -> None:
+@contextmanager
+def _shm_comm_op_off() -> Iterator[None]:
+    """DeepSpeed sets up its CPU shared-memory op in ``init_distributed`` only when
+    ``deepspeed.ops.__compatible_ops__`` marks it compatible; mark it not for the duration of the call."""
+    compatible = deepspeed.ops.__compatible_ops__
+    before = compatible.get(SHM_COMM_OP, False)
+    compatible[SHM_COMM_OP] = False
+    try:
+        yield
+    finally:
+        compatible[SHM_COMM_OP] = before
+
+
+def init_distributed(dist_backend: str | None = None, timeout: timedelta | None = None, *,
+                     cpu_comm_op: bool = False, **kwargs: Any) -> None:
     """``deepspeed.init_distributed`` that also works in a plain ``python`` process (one rank).
 
     ``timeout`` (default: DeepSpeed's, ``$DEEPSPEED_TIMEOUT`` minutes) bounds how long a rank waits on
     a peer that stopped answering without dying (a dead process is noticed within seconds);
-    :func:`initialize` gives the pipeline's own process groups the same bound. On a CPU machine rank 0
-    first says when DeepSpeed is about to compile its communication op (:func:`shm_comm_build_note`)."""
+    :func:`initialize` gives the pipeline's own process groups the same bound.
+
+    On a CPU machine DeepSpeed's own init sets up its shared-memory all-reduce op (``deepspeed_shm_comm``),
+    used only by ``deepspeed.comm.inference_all_reduce``, which PETRA never calls: a C++ build of 1-2 minutes
+    the first time (none without g++), and a 66 MB ``/dev/shm`` buffer per process that DeepSpeed never
+    removes. This init leaves it off; ``cpu_comm_op=True`` keeps DeepSpeed's default (rank 0 then says
+    first when the op is about to be compiled)."""
     global _group_timeout
     ensure_single_process_env()
     check_elastic_store(os.environ)
     timeout = timeout or default_pg_timeout
-    note = shm_comm_build_note() if os.environ.get("RANK", "0") == "0" else None
-    if note:
-        print(note, flush=True)
-    deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout, **kwargs)
+    if cpu_comm_op:
+        note = shm_comm_build_note() if os.environ.get("RANK", "0") == "0" else None
+        if note:
+            print(note, flush=True)
+        deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout, **kwargs)
+    else:
+        with _shm_comm_op_off():
+            deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout, **kwargs)
     _group_timeout = timeout
 
 

@@ -9,8 +9,7 @@ any function this process can import qualifies. ``f`` starts torch.distributed i
 :func:`petra_ds.init_distributed`, which reads those variables).
 
 ``run_processes`` does the same and reports each rank's end, failed, killed or hung, for runs where a
-rank may die. :func:`deepspeed_shm_buffers` and :func:`remove_deepspeed_shm_buffers` clean up after
-DeepSpeed's CPU communication op, which leaves a shared-memory buffer per process.
+rank may die.
 """
 
 from __future__ import annotations
@@ -28,70 +27,6 @@ import torch
 from ..runtime.distributed import free_port
 from ..runtime.shutdown import shutdown
 from ..util.files import replace_atomically
-
-SHM_DIR, SHM_PREFIX = "/dev/shm", "deepspeed_allreduce_buffer"
-
-
-def deepspeed_shm_buffers() -> set[str]:
-    """Names of the shared-memory buffers DeepSpeed's CPU communication op has created (~66 MB each, one
-    per process and launch, never unlinked)."""
-    if not os.path.isdir(SHM_DIR):
-        return set()
-    return {name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIX)}
-
-
-def remove_deepspeed_shm_buffers(before: set[str]) -> None:
-    """Unlink the buffers created since ``before`` was taken whose launch has ended: no live process maps
-    them and no process listens on their launch's port. Hundreds of launches would otherwise fill the
-    machine's memory.
-
-    A buffer is named after its launch's ``MASTER_PORT``, on which rank 0's store listens from before the
-    buffers are made until the launch ends. A rank writes its buffer (66 MB) before it maps it, and its
-    peers wait for it to appear; unlinked in between, they would wait forever. The port tells that launch,
-    still running, from one that has ended."""
-    left = deepspeed_shm_buffers() - before
-    if not left:
-        return
-    mapped = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/maps") as f:
-                    mapped.append(f.read())
-            except OSError:  # gone, or not ours to read
-                continue
-    maps = "".join(mapped)
-    listening = listening_ports()
-    for name in left:
-        port = buffer_port(name)  # a name without a port: its launch cannot be told ended, so it stays
-        if name not in maps and port is not None and port not in listening:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except FileNotFoundError:
-                pass
-
-
-def buffer_port(name: str) -> int | None:
-    """The ``MASTER_PORT`` in a buffer's name (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``)."""
-    port = name.rsplit("_", 2)[-2] if name.count("_") >= 2 else ""
-    return int(port) if port.isdigit() else None
-
-
-def listening_ports() -> set[int]:
-    """The TCP ports a socket listens on in this network namespace."""
-    ports: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
-
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """The variables that make a process rank ``rank`` of a ``world``-process world on the loopback."""

@@ -92,7 +92,7 @@ LAYERS = (
     ("runtime",),  # the engine and what it runs: stage, transport, checkpoint, optimizers, ...
     ("verify",),  # the instruction replay and the NCCL-rules replay
     ("perf",),  # the time model and the paper's memory estimate
-    ("diagnostics",),  # observers: gradient quality, held bytes, the run's settings
+    ("diagnostics",),  # observers: gradient quality, held bytes, the run's settings; per-rank memory
     ("tools",),  # run tooling: the examples' arguments and files, spawning processes, recipes
 )
 

@@ -49,6 +49,19 @@ def test_two_ranks_probe_eval_save_then_load_mid_flight(tmp_path):
     assert {"act", "grad", "eval"} <= channels(resumed)
 
 
+def test_a_background_checkpoint_records_its_collectives(tmp_path):
+    """With ``async_save`` the save's barriers come at the save and when the run waits for the write: both are in
+    the trace of a run that ends with that wait, and the replay finds every rank issuing them in one order."""
+    _, traces = traced(tmp_path, "async", pipe=2, stages_per_rank=2, k=2, train_batches=3, dropout=0.1,
+                       petra={"async_save": True}, save_dir=str(tmp_path / "ckpt"), save_after=2, drain=False,
+                       eval_batches=0)
+    replay_nccl(traces)
+    for events in traces.values():
+        whats = [e["what"] for e in events if e["op"] == "collective" and e["kind"] == "barrier"]
+        assert whats[-3:] == ["save_checkpoint: the directory is prepared",
+                              "background checkpoint: every rank wrote its files", "background checkpoint: committed"]
+
+
 def test_three_ranks_one_stage_each_with_drain_and_eval(tmp_path):
     _, traces = traced(tmp_path, "three", pipe=3, stages_per_rank=1, k=3, train_batches=3, dropout=0.1,
                        eval_batches=1)

@@ -170,6 +170,7 @@ def save_engine(engine: PetraEngine, save_dir: str, tag: str, client_state: dict
         engine.pending_save = BackgroundSave(
             engine.host_staging.copy(files), path, engine.global_rank, engine.world_size,
             (lambda: commit(save_dir, tag, save_latest)) if rank0 else None)
+        engine.transport.save_trace()
         return final
     for file, obj in files:
         atomic_save(obj, file)
@@ -192,6 +193,7 @@ def wait(engine: PetraEngine) -> None:
     if engine.pending_save is not None:
         engine.pending_save.finish(engine.transport.barrier)
         engine.pending_save = None
+        engine.transport.save_trace()
 
 
 def signature(engine: PetraEngine) -> dict:

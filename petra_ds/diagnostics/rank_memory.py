@@ -34,11 +34,12 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .allocated import AllocatedStorages
 from ..nn.reversible import as_tuple, is_reversible
-from ..runtime.ledger import storage_bytes, tensor_bytes
+from ..runtime.ledger import tensor_bytes
 from ..schedule import delay, reconstructs
 from ..util.nested import map_tensors, tensors_in
+from .allocated import AllocatedStorages
+from .held import HeldTracker
 
 @dataclass
 class StageBytes:
@@ -54,18 +55,6 @@ class StageBytes:
     workspace: int  # the allocator's peak above the model, gradients and optimizer state during forward+backward
 
 
-def _saved_storages(fn: Callable[[], object]) -> tuple[object, list[torch.Tensor]]:
-    saved: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, saved
-
-
 def measure_stages(layers: Sequence[nn.Module], sample: torch.Tensor,
                    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> list[StageBytes]:
     """One stage per layer: run ``sample`` (one micro-batch) through the layers in turn and measure each."""
@@ -76,13 +65,14 @@ def measure_stages(layers: Sequence[nn.Module], sample: torch.Tensor,
         opt = optimizer(params)
         inputs = map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), x)
         _step(layer, inputs, opt)  # gradients and optimizer state exist from here on, as in training
-        seen = {(str(p.device), p.untyped_storage().data_ptr()) for p in params}
-        with AllocatedStorages() as counter:
+        with AllocatedStorages() as counter:  # no hook on autograd, and nothing of the stage before freed inside
             before = counter.live_bytes
-            y, saved = _saved_storages(lambda: layer(inputs))
-            stash = storage_bytes([saved, inputs, y], set(seen))
-            _backward(y)
+            _backward(layer(inputs))
             workspace = counter.peak_bytes - before
+        tracker = HeldTracker(exclude=params)
+        with tracker.recording():
+            y = layer(inputs)
+        stash = sum(tracker.measure({"inputs": inputs, "outputs": y}).values())
         out.append(StageBytes(j, type(layer).__name__, is_reversible(layer), tensor_bytes(params),
                               tensor_bytes([list(s.values()) for s in opt.state.values()]), tensor_bytes(inputs),
                               tensor_bytes(y), stash, workspace))
@@ -153,7 +143,7 @@ def summary(rows: Sequence[dict[str, int]]) -> dict[str, float]:
 def revnet_report(depth: int, image: int, micro_batch: int, base_width: int = 64) -> dict:
     """The measured stages, the computed ranks and their summary for RevNet-``depth`` in fp32, one stage per layer."""
     stages = revnet_stages(depth, image, micro_batch, base_width)
-    rows = rank_peaks(stages, labels=micro_batch * torch.empty((), dtype=torch.int64).element_size())
+    rows = rank_peaks(stages, labels=micro_batch * torch.int64.itemsize)
     return {"model": f"RevNet{depth}", "image": image, "micro_batch": micro_batch, "base_width": base_width,
             "J": len(stages), "stages": [asdict(s) for s in stages], "ranks": rows, "summary": summary(rows)}
 

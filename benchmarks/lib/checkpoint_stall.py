@@ -16,13 +16,13 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 
 import torch
 
+from . import throughput
 from .example_runs import one_cpu_process, save_report
 
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
             {"width": width, "layers": layers, "rounds": args.rounds, "async_save": async_save}, 1,
             timeout=1800, target=stall_in_one_process)
     sync, background = modes["sync"], modes["async"]
-    report = {"machine": f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()})",
+    report = {"machine": throughput.device_name(),
               "torch": torch.__version__, "layers": layers, "width": width, **modes,
               "stall_ratio": sync["save_call_s"] / background["save_call_s"],
               "wait_ratio": (sync["save_call_s"] + sync["train_batch_after_save_s"] - sync["train_batch_s"])

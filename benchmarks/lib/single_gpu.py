@@ -12,6 +12,7 @@ freshly built:
     petra          PetraEngine with J stages in this process, timed once the pipeline is full
     petra_overlap  the same with "petra": {"reconstruct_overlap": true}
     petra_unchecked  petra with "petra": {"check_finite": false} (what the NaN / Inf watch costs)
+    petra_offload  petra with "petra": {"fifo_offload": "cpu"} (the FIFOs in pinned host memory between clocks)
 
 RevNet18 takes the paper's partition (J = 10, one layer per stage: each reconstructing stage holds one
 block, so the overlap has nothing to hide there); RevGPT's J = 4 stages hold 3 blocks each (its middle
@@ -20,7 +21,10 @@ Under bf16 each layer of the plain model runs under autocast and its output goes
 PETRA stage boundary (fp32 streams: README, "bf16"). Reported per variant: seconds per ``train_batch``
 (k micro-batches; the median of the calls of a round, then the median over rounds) and
 ``torch.cuda.max_memory_allocated`` over the timed calls minus what was allocated before the variant was
-built (parameters, gradients and optimizer state included for both). Writes ``benchmarks/results/gpu_<device>.json``.
+built (parameters, gradients and optimizer state included for both). For PETRA also where the bytes go: after the
+last call, ``engine.memory_report()`` summed over stages by part, the distinct device storages it names with the
+benchmark's micro-batches (``explained_bytes``) against ``torch.cuda.memory_allocated`` (``allocated_after_bytes``),
+and the workspace (the peak less what stays allocated). Writes ``benchmarks/results/gpu_<device>.json``.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from .example_runs import ROOT
 
 MODELS = ("revnet18", "revgpt")
 DTYPES = ("fp32", "bf16")
-VARIANTS = ("plain", "petra", "petra_overlap", "petra_unchecked")
+VARIANTS = ("plain", "petra", "petra_overlap", "petra_unchecked", "petra_offload")
 #: every variant's optimizer: torch's fused AdamW (no JIT build; skips a non-finite step on the device), and clipping
 OPTIMIZER = {"lr": 1e-4, "weight_decay": 0.01, "fused": True}
 CLIPPING = 1.0
@@ -193,7 +197,7 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
 
 
 def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.device, overlap: bool = False,
-              check_finite: bool = True) -> dict:
+              check_finite: bool = True, offload: bool = False) -> dict:
     """PetraEngine, all J stages in this process; timed after ceil(2(J-1)/k) + 1 calls fill the pipeline."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
@@ -207,17 +211,47 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
     config = {"train_micro_batch_size_per_gpu": size, "gradient_accumulation_steps": args.k,
               "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}}, "steps_per_print": 10**9,
               "gradient_clipping": CLIPPING,
-              "petra": {"stages_per_rank": J, "reconstruct_overlap": overlap, "check_finite": check_finite}}
+              "petra": {"stages_per_rank": J, "reconstruct_overlap": overlap, "check_finite": check_finite,
+                        "fifo_offload": "cpu" if offload else "none"}}
     if bf16:
         config["bf16"] = {"enabled": True}
     engine, *_ = petra_ds.initialize(model=module, config=config)
-    data = itertools.cycle(micro_batches(name, args, size, engine.device))
+    batches = micro_batches(name, args, size, engine.device)
+    data = itertools.cycle(batches)
     fill = math.ceil(2 * (J - 1) / args.k) + 1
     result = timed(lambda: engine.train_batch(data), fill, args.calls, device, before)
+    result.update(breakdown(engine, batches, result))
     result["parts"] = [int(p) for p in module.petra_parts]
     result["reconstructing_stages"] = {j: len(st.layers) for j, st in engine.stages.items() if st.reconstructs}
     del engine, module, data
     return result | {"leftover_bytes": _release(device, before)}
+
+
+#: the parts of ``engine.memory_report()`` that live on the stage's device (``fifo_host`` is host memory)
+DEVICE_PARTS = ("params", "grads", "optimizer_state", "input_buffer", "param_buffer", "raw_micro_batches",
+                "messages", "delay_compensation")
+
+
+def breakdown(engine: Any, batches: list, result: dict) -> dict:
+    """Where PETRA's device bytes are between calls: ``memory_report()`` by part (summed over stages), the distinct
+    device storages behind them and the benchmark's micro-batches (what should account for ``memory_allocated``),
+    and the workspace, the peak less what stays allocated."""
+    from petra_ds.runtime.ledger import storage_bytes
+
+    report = engine.memory_report()
+    parts = {part: sum(r[part] for r in report.values()) for part in (*DEVICE_PARTS, "fifo_host")}
+    tensors: list = [batches]
+    for j, stage_optimizer in zip(engine.stages, engine.stage_optimizers):
+        params = list(engine.stages[j].params)
+        state = {} if stage_optimizer is None else stage_optimizer.state
+        tensors += [params, [p.grad for p in params if p.grad is not None], [list(s.values()) for s in state.values()],
+                    list(engine.holdings(j).categories().values()), engine.stages[j].compensation.state_dict()]
+    seen: set = set()
+    explained = sum(storage_bytes(t, seen) for t in tensors)
+    out: dict[str, Any] = {"memory_report": parts, "explained_bytes": explained}
+    if result["allocated_after_bytes"] is not None:
+        out["workspace_bytes"] = result["peak_bytes"] - result["allocated_after_bytes"]
+    return out
 
 
 def _release(device: torch.device, before: int | None) -> int | None:
@@ -249,6 +283,10 @@ def summarize(runs: list[dict]) -> dict:
         for variant, rs in variants.items():
             peaks = [r["peak_bytes"] for r in rs if r["peak_bytes"] is not None]
             row_m[f"{variant}_peak_bytes"] = max(peaks) if peaks else None
+            last = rs[-1]
+            for key in ("allocated_after_bytes", "explained_bytes", "workspace_bytes", "memory_report"):
+                if last.get(key) is not None:
+                    row_m[f"{variant}_{key}"] = last[key]
             row_s[f"{variant}_seconds_per_call"] = statistics.median(r["median_seconds"] for r in rs)
             row_s[f"{variant}_rounds"] = [r["median_seconds"] for r in rs]
             for part in ("host", "device"):  # profiled: see profiled()
@@ -276,6 +314,11 @@ def print_report(report: dict) -> None:
                           if row.get(f"{v}_peak_bytes") is not None)
         ratios = ", ".join(f"{k} {row[k]:.3f}x" for k in row if "/" in k)
         print(f"  {row['model']:9s} {row['dtype']}: max_memory_allocated {peaks or 'n/a (CPU)'}; {ratios}")
+        for v in VARIANTS:
+            if row.get(f"{v}_allocated_after_bytes") is not None and f"{v}_explained_bytes" in row:
+                print(f"    {v}: between calls {row[f'{v}_allocated_after_bytes'] / 2**20:.1f} MiB allocated, "
+                      f"{row[f'{v}_explained_bytes'] / 2**20:.1f} MiB named by memory_report, "
+                      f"workspace {row[f'{v}_workspace_bytes'] / 2**20:.1f} MiB")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_plain(name, args, bf16, device)
             else:
                 result = run_petra(name, args, bf16, device, overlap=variant == "petra_overlap",
-                                   check_finite=variant != "petra_unchecked")
+                                   check_finite=variant != "petra_unchecked", offload=variant == "petra_offload")
             runs.append({"model": name, "dtype": dtype, "variant": variant, "round": round_, **result})
             peak = result["peak_bytes"]
             print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:13s} "

@@ -357,6 +357,8 @@ def main() -> None:
     metrics, losses = list(files.kept_rows), (state or {}).get("losses", [])
     trained_s = (state or {}).get("elapsed_s", 0.0)
     start, stopped = time.time(), False
+    # the steady rate leaves out the first tenth of the steps (compilation, allocator warm-up), evaluations and saves
+    warm_step, warm_at, steady, paused = done + max(1, (args.max_steps - done) // 10), None, None, 0.0
     bar = tqdm(total=args.max_steps, initial=done, disable=not rank0, desc=f"{method} {args.model}", dynamic_ncols=True)
     for step in range(done + 1, args.max_steps + 1):
         loss = float(engine.train_batch(data))
@@ -366,6 +368,11 @@ def main() -> None:
             bar.set_postfix(loss=f"{loss:.3f}")
         bar.update()
         last = step == args.max_steps
+        if step == warm_step:
+            warm_at = time.time()
+        elif last and warm_at is not None:
+            steady = (step - warm_step) * micro * k * replicas * args.seq_len / (time.time() - warm_at - paused)
+        pause_from = time.time()
         if step % args.eval_every == 0 or last:
             if last and method == "petra":
                 engine.drain()
@@ -381,6 +388,8 @@ def main() -> None:
         if args.save_every and step % args.save_every == 0:
             save(engine, args.output_dir, {"losses": losses, "elapsed_s": trained_s + time.time() - start},
                  keep_last=args.keep_last)
+        if warm_at is not None:
+            paused += time.time() - pause_from
         if step == args.stop_after and not last:
             stopped = True
             break
@@ -404,6 +413,7 @@ def main() -> None:
     if rank0:
         summary = {"method": method, "model": args.model, "final_val_loss": metrics[-1]["val_loss"],
                    "final_val_perplexity": metrics[-1]["val_perplexity"], "tokens_per_s": metrics[-1]["tokens_per_s"],
+                   "steady_tokens_per_s": steady,
                    "steps": args.max_steps, "world_size": dist.get_world_size(),
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
                    "partition": partition, "settings": engine.run_settings, "memory_rank0": memory,

@@ -340,7 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     petra_ds.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    runs = []
+    slug = re.sub(r"[^a-z0-9]+", "_", device_name(device).lower()).strip("_") if device.type == "cuda" else "cpu"
+    filename = f"gpu_{slug}{'_tiny' if args.tiny else ''}.json"
+    output = args.output or os.path.join(ROOT, "benchmarks", "results", filename)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    runs: list[dict] = []
     for round_ in range(args.rounds):
         for name, dtype, variant in itertools.product(args.models, args.dtypes, args.variants):
             bf16 = dtype == "bf16"
@@ -354,20 +358,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:13s} "
                   f"{result['median_seconds'] * 1e3:9.1f} ms/call"
                   + (f", peak {peak / 2**20:.1f} MiB" if peak is not None else ""), flush=True)
-    report = {
-        "command": "python -m benchmarks.gpu " + " ".join(argv),
-        "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
-        "deepspeed": deepspeed.__version__, "tiny": args.tiny,
-        "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
-        "sizes": {name: getattr(args, name) for name in FULL},
-        **summarize(runs), "runs": runs,
-    }
-    print_report(report)
-    slug = re.sub(r"[^a-z0-9]+", "_", report["device"].lower()).strip("_") if device.type == "cuda" else "cpu"
-    name = f"gpu_{slug}{'_tiny' if args.tiny else ''}.json"
-    output = args.output or os.path.join(ROOT, "benchmarks", "results", name)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+            report = {  # rewritten after every run: a run cut short by a time limit keeps what it measured
+                "command": "python -m benchmarks.gpu " + " ".join(argv),
+                "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
+                "deepspeed": deepspeed.__version__, "tiny": args.tiny, "complete": False,
+                "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
+                "sizes": {key: getattr(args, key) for key in FULL},
+                **summarize(runs), "runs": runs,
+            }
+            write_text_atomic(output, json.dumps(report, indent=1))
+    report["complete"] = True
     write_text_atomic(output, json.dumps(report, indent=1))
+    print_report(report)
     print(f"saved {output}")
     return 0
 

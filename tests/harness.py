@@ -333,17 +333,29 @@ def run_processes(spec: dict[str, Any], world_size: int | None = None, timeout: 
     """:func:`petra_ds.tools.spawn.run_processes` of ``run_rank(spec)`` (or ``target(spec)``, ``world_size``
     given) in fresh processes: each rank's exit, result or error."""
     world_size = _world_size(spec, world_size, target)
-    return spawn.run_processes(spec, world_size, timeout, grace, target=target or run_rank)
+    return spawn.run_processes(spec, world_size, timeout, grace, target=target or run_rank,
+                               start_method=_fresh_start())
+
+
+def _fresh_start() -> str:
+    """Fresh processes fork from the pool's fork server (:func:`pool.context`: torch, DeepSpeed and the examples'
+    imports loaded once), new processes that ran nothing before; ``spawn`` would import them again in each."""
+    import pool
+
+    pool.context()
+    return "forkserver"
 
 
 def launch(spec: dict[str, Any], world_size: int | None = None, timeout: float = 300, grace: float | None = None,
-           target: Callable[[dict], Any] | None = None, fresh: bool = False) -> list[Any]:
+           target: Callable[[dict], Any] | None = None, fresh: bool | str = False) -> list[Any]:
     """Run ``run_rank(spec)`` (or ``target(spec)``, ``world_size`` given) on every rank; their results
     by rank, or a RuntimeError with every failed rank's traceback. The ranks are the session's pooled
-    processes (:mod:`pool`) unless ``fresh`` or ``spec`` injects a fault (:data:`FAULT_KEYS`)."""
+    processes (:mod:`pool`) unless ``fresh`` or ``spec`` injects a fault (:data:`FAULT_KEYS`): then new
+    processes forked from the pool's fork server, or started by ``fresh``'s method ("spawn") if it names one."""
     world_size = _world_size(spec, world_size, target)
     if fresh or any(spec.get(key) is not None for key in FAULT_KEYS):
-        return spawn.launch(spec, world_size, timeout, grace, target=target or run_rank)
+        method = fresh if isinstance(fresh, str) else _fresh_start()
+        return spawn.launch(spec, world_size, timeout, grace, target=target or run_rank, start_method=method)
     import pool
 
     return pool.launch(spec, world_size, timeout, grace, target=target or run_rank)

@@ -3,7 +3,7 @@ CPU (gloo) world.
 
 A fresh rank costs seconds before it does anything (importing torch and DeepSpeed), and a test launches
 up to four of them on a two-core machine; the pool pays that once per session: its ranks are forked from a
-server that imported ``petra_ds`` (:func:`_context`). A *world* is N such worker processes that hold no
+server that imported ``petra_ds`` (:func:`context`). A *world* is N such worker processes that hold no
 process group. Each task, ``target(spec)`` on every rank, runs in a worker put back to what a fresh rank
 would see:
 
@@ -27,7 +27,9 @@ would run. ``PETRA_DS_TEST_POOL=0`` turns the pool off (every launch gets fresh 
 ``PETRA_DS_TEST_POOL_LOG=<file>`` appends a line per task (world size, new or reused, seconds, test).
 
 Runs that kill a rank, or that must start from fresh processes (resuming from a checkpoint "in fresh
-processes"), use :func:`petra_ds.tools.spawn.launch` instead (``harness.launch(..., fresh=True)``).
+processes"), use :func:`petra_ds.tools.spawn.launch` instead (``harness.launch(..., fresh=True)``): new
+processes forked from the same server, which ran nothing before; ``fresh="spawn"`` spawns them, the reference
+the pool's own tests compare against.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def _serve(rank: int, world: int, conn: Any, parent: int) -> None:
 EXAMPLE_IMPORTS = ("sklearn.datasets", "torchvision", "matplotlib.pyplot", "petra_ds.models.decoder", "datasets")
 
 
-def _context() -> Any:
+def context() -> Any:
     """Ranks forked from a server that imported ``petra_ds`` (torch and DeepSpeed) and the examples' heavy imports
     once: a world starts in milliseconds, not the seconds each rank took to import them. The server itself runs
     no task."""
@@ -145,7 +147,7 @@ class World:
     """``size`` worker processes, one per rank."""
 
     def __init__(self, size: int) -> None:
-        ctx = _context()
+        ctx = context()
         self.size = size
         self.tasks = 0
         self.conns, self.procs = [], []

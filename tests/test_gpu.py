@@ -141,8 +141,9 @@ class Runs(dict):
 
 @functools.lru_cache(maxsize=None)
 def runs() -> Runs:
-    # fresh: the runs set process-wide CUDA flags (TF32 off, the device) that a pooled process would keep
-    (results,) = launch({}, world_size=1, target=_all_runs, timeout=900, fresh=True)
+    # fresh: the runs set process-wide CUDA flags (TF32 off, the device) that a pooled process would keep; spawned,
+    # not forked from the pool's server, so that CUDA is first initialised in the rank itself
+    (results,) = launch({}, world_size=1, target=_all_runs, timeout=900, fresh="spawn")
     return Runs(results)
 
 
@@ -283,7 +284,7 @@ def _steady_state_syncs(_spec: dict) -> dict:
 def test_a_steady_state_train_batch_synchronises_once():
     """What ``HostSyncs`` counts on CPU (tests/test_host_overhead.py), seen by CUDA itself: the window's one read
     of its loss and NaN / Inf checks, nothing per clock, micro-batch or step."""
-    (found,) = launch({}, world_size=1, target=_steady_state_syncs, timeout=600, fresh=True)
+    (found,) = launch({}, world_size=1, target=_steady_state_syncs, timeout=600, fresh="spawn")
     for name, syncs in found.items():
         assert len(syncs) <= 1, (name, syncs)
 
@@ -321,7 +322,7 @@ def test_fifo_offload_on_cuda_changes_no_bit_and_adds_no_host_sync():
     """Entries copied to pinned host memory on a side stream and back one clock before their backward, ordered
     by events: the same parameters and gradients bit for bit, no synchronising call more than without the offload,
     and between clocks only each FIFO's head on the device."""
-    (found,) = launch({}, world_size=1, target=_offload_runs, timeout=600, fresh=True)
+    (found,) = launch({}, world_size=1, target=_offload_runs, timeout=600, fresh="spawn")
     plain, offloaded = found["none"], found["cpu"]
     for n in plain["params"]:
         assert torch.equal(offloaded["params"][n], plain["params"][n]), n

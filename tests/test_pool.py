@@ -100,10 +100,11 @@ def test_a_hung_task_is_killed_at_its_deadline():
 
 
 def test_training_in_a_reused_world_equals_training_in_fresh_processes():
-    """The same run, bit for bit, after another run (float32, other dropout) in the same processes."""
+    """The same run, bit for bit, after another run (float32, other dropout) in the same processes, as in spawned
+    processes that imported everything themselves (the reference for every pooled and forked rank)."""
     spec = {"pipe": 2, "stages_per_rank": 2, "k": 2, "train_batches": 3, "dropout": 0.1}
     launch({**spec, "dtype": "float32", "dropout": 0.3, "env": {"POOL_TEST_SPEC_ENV": "other"}})
-    pooled, fresh = launch(spec), launch(spec, fresh=True)
+    pooled, fresh = launch(spec), launch(spec, fresh="spawn")
     for got, want in zip(pooled, fresh):
         assert got["params"].keys() == want["params"].keys() and got["params"]
         for name in want["params"]:

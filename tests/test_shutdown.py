@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from petra_ds.runtime.distributed import free_port
-from petra_ds.tools.spawn import launch
+from harness import launch
 from subprocess_env import ROOT, launcher_env
 from test_run_checkpoints import build_engine
 
@@ -41,7 +41,7 @@ def test_shutdown_joins_the_pipeline_groups_threads():
     """The engine's four pipeline groups outlive it (DeepSpeed keeps the last pipeline grid at module
     level) until ``shutdown``; after it at most one group's threads are left: the world group, which
     DeepSpeed's optimizer set-up keeps referenced from C++ (never destroyed, so never torn down late)."""
-    for rank in launch({}, 2, target=train_then_shut_down):
+    for rank in launch({}, 2, target=train_then_shut_down, fresh=True):  # a world of its own
         assert len(rank["with_engine"]) >= 4 * 3, rank  # a TCP loop and two work loops per group
         assert rank["without_engine"] == rank["with_engine"], rank  # dropping the engine frees nothing
         assert len(rank["after"]) <= 3, rank

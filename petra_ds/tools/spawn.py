@@ -6,7 +6,10 @@ thread), calls ``f(spec)`` in each and returns the results by rank, or raises wi
 traceback. ``f`` must be a module-level function: the processes are started with the ``spawn`` method,
 which sends it by reference (module and name) and gives the processes this process's ``sys.path``, so
 any function this process can import qualifies. ``f`` starts torch.distributed itself (e.g. with
-:func:`petra_ds.init_distributed`, which reads those variables).
+:func:`petra_ds.init_distributed`, which reads those variables). ``start_method="forkserver"`` forks each
+process from multiprocessing's fork server instead: still a new process that ran nothing before, but it
+starts with whatever ``multiprocessing.set_forkserver_preload`` had the server import (torch and DeepSpeed
+take seconds per process to import).
 
 ``run_processes`` does the same and reports each rank's end, failed, killed or hung, for runs where a
 rank may die.
@@ -60,13 +63,13 @@ def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str, target: C
 
 
 def run_processes(spec: dict[str, Any], world_size: int, timeout: float = 300, grace: float | None = None, *,
-                  target: Callable[[dict], Any]) -> list[dict]:
+                  target: Callable[[dict], Any], start_method: str = "spawn") -> list[dict]:
     """Run ``target(spec)`` (a module-level function) in ``world_size`` fresh processes and report on each,
     failed or not: ``exitcode`` (negative: killed by that signal; None: still running at the deadline,
     then killed), ``ended`` (wall-clock time its exit was seen) and ``result`` or ``error`` (its
     traceback). The deadline is ``timeout``, or ``grace`` seconds after the first process that fails, if
     sooner. ``spec["env"]`` (a dict) is set in every process."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_entry, args=(r, world_size, port, spec, out_dir, target))
@@ -108,7 +111,7 @@ def raise_failures(outcomes: list[dict]) -> list[Any]:
 
 
 def launch(spec: dict[str, Any], world_size: int, timeout: float = 300, grace: float | None = None, *,
-           target: Callable[[dict], Any]) -> list[Any]:
+           target: Callable[[dict], Any], start_method: str = "spawn") -> list[Any]:
     """Run ``target(spec)`` in ``world_size`` fresh processes; return their results by rank, or raise
     with every failed rank's traceback."""
-    return raise_failures(run_processes(spec, world_size, timeout, grace, target=target))
+    return raise_failures(run_processes(spec, world_size, timeout, grace, target=target, start_method=start_method))

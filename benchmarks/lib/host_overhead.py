@@ -151,8 +151,10 @@ def plain_model(m: dict, bf16: bool) -> tuple[torch.nn.ModuleList, Callable]:
 
 # --- ops ---
 
-def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: bool = True, **sizes: int) -> dict:
-    """Ops per micro-batch: PETRA's total and per stage, plain's total and per stage."""
+def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: bool = True, plain: bool = True,
+              **sizes: int) -> dict:
+    """Ops per micro-batch: PETRA's total and per stage, plain's total and per stage (``plain=False``: PETRA's
+    alone)."""
     from petra_ds.diagnostics.host_cost import InstructionScopes, OpCounter
 
     m, k = model(name, args, **sizes), args.k
@@ -171,6 +173,9 @@ def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: boo
             per_stage[scope[0]] += total / k
     kinds = {j: stage_kind(st) for j, st in engine.stages.items()}
     parts = [int(p) for p in engine.module.petra_parts]
+    if not plain:
+        return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
+                "petra_ops": counter.total / k, "parts": parts}
     plain_total, plain_stages = count_plain(m, k, bf16, parts)
     return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
             "petra_ops": counter.total / k, "plain_ops": plain_total, "ratio": counter.total / k / plain_total,

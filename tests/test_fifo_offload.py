@@ -269,22 +269,29 @@ TOY = {"pipe": 2, "stages_per_rank": 2, "k": 2, "train_batches": 4, "optimizer":
 
 
 def test_toy_on_two_ranks_trains_the_same_bits_and_reports_device_and_host_bytes():
+    from petra_ds.tools.toy import IN_FEATURES
+
     results = assert_same_training({**TOY, "probe": "test_fifo_offload:settings_probe"})
-    J, M, entry_bytes = 4, 8, 4 * 8 * 8  # a pair of (4, 4) float64
+    J, M, entry_bytes, raw_bytes = 4, 8, 4 * 8 * 8, 4 * IN_FEATURES * 8  # a pair of (4, 4) float64; (4, 6) data
     for res in results:
         for clock, report in res["memory"]:
             for j, entry in report.items():
-                if res["reconstructs"][j] or j in (0, J - 1):
+                if res["reconstructs"][j] or j == J - 1:
                     assert entry["input_buffer"] == entry["fifo_host"] == 0
                     continue
                 in_flight = sum(1 for m in range(M) if m + j <= clock < m + j + delay(j, J))
                 on_device = min(in_flight, 1)  # the head only: the entry its next backward reads
+                if j == 0:  # its micro-batches, the head on the device (beside those loaded for the next clock)
+                    assert entry["input_buffer"] == 0
+                    assert entry["fifo_host_micro_batches"] == in_flight - on_device, (clock, j)
+                    assert entry["fifo_host"] == (in_flight - on_device) * raw_bytes, (clock, j)
+                    continue
                 assert entry["input_buffer_micro_batches"] == on_device, (clock, j)
                 assert entry["input_buffer"] == on_device * entry_bytes, (clock, j)
                 assert entry["fifo_host_micro_batches"] == in_flight - on_device, (clock, j)
                 assert entry["fifo_host"] == (in_flight - on_device) * entry_bytes, (clock, j)
     printed = results[0]["probe"]
-    assert "input FIFO: stage 2 offloads it to host memory" in printed, printed
+    assert "input FIFO: stages 0, 2 offload it to host memory" in printed, printed
 
 
 def test_toy_resumes_bit_for_bit_from_a_checkpoint_with_offloaded_entries(tmp_path):

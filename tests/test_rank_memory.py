@@ -50,8 +50,9 @@ def test_a_rank_holds_its_stash_per_micro_batch_in_flight_under_1f1b_and_its_fif
 
     rows = rank_memory.rank_peaks([stage(0, False), stage(1, True), stage(2, False), stage(3, False)], labels=1)
     assert [r["fifo"] for r in rows] == [600, 0, 200, 0]  # tau = 6, 4, 2, 0 inputs; stage 1 keeps none
-    assert [r["fifo_offloaded"] for r in rows] == [600, 0, 100, 0]  # stage 0's data is not offloaded
+    assert [r["fifo_offloaded"] for r in rows] == [100, 0, 100, 0]  # the head, stage 0's data as a FIFO's inputs
     assert [r["messages"] for r in rows] == [100, 301, 201, 101]  # stage 1 receives its output back to invert
     assert [r["1f1b"] for r in rows] == [30 + 3000 + 500, 30 + 2000 + 500, 30 + 1000 + 500, 30 + 500]
     assert [r["petra"] for r in rows] == [30 + 600 + 100 + 500, 30 + 301 + 500, 30 + 200 + 201 + 500, 30 + 101 + 500]
     assert rows[2]["petra_offload"] == 30 + 100 + 100 + 201 + 500  # the head, and the entry being copied out
+    assert rows[0]["petra_offload"] == 30 + 100 + 100 + 100 + 500

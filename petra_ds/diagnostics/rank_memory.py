@@ -16,7 +16,7 @@ Computed per rank j of J (:func:`rank_peaks`):
   the output itself for a stage that reconstructs, ``schedule.reconstructs``), and the input FIFO of a stage
   that keeps its inputs: ``2(J-1-j)`` of them, or with ``fifo_offload`` the head between clocks and, within a
   clock, the entry just stored until its copy to the host has ended; stage 0 keeps its ``2(J-1)`` raw
-  micro-batches; stages that reconstruct keep nothing;
+  micro-batches the same way; stages that reconstruct keep nothing;
 - 1F1B: rank j holds ``J - j`` micro-batches at its peak (its warm-up's forwards and the one in backward), each
   but the one in backward stashed whole (saved tensors, input, output).
 
@@ -105,9 +105,9 @@ def rank_peaks(stages: Sequence[StageBytes], labels: int = 0,
         j, tau = s.index, delay(s.index, J)
         rebuilds = reconstructs(j, J, s.reversible, input_buffer)
         static = 2 * s.params + s.optimizer_state
-        fifo = 0 if rebuilds else tau * s.input  # stage 0: its raw micro-batches, which stay where they are
-        head = fifo if j == 0 else min(fifo, s.input)
-        in_copy = s.input if 0 < j and tau > 1 and not rebuilds else 0
+        fifo = 0 if rebuilds else tau * s.input  # stage 0: its raw micro-batches
+        head = min(fifo, s.input)
+        in_copy = s.input if tau > 1 and not rebuilds else 0
         messages = ((s.input + labels if j > 0 else 0)
                     + ((2 if rebuilds else 1) * s.output if j < J - 1 else 0))
         in_flight = J - j

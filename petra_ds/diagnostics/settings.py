@@ -31,8 +31,9 @@ def _stage(stage: int, layers: list[int], optimizer: Any, scheduler: Any, fifo: 
 
 
 def _fifo(stage: Any) -> str | None:
-    """Where a PETRA stage's input FIFO waits: "host" (offloaded), "device", or None (it keeps none)."""
-    if not stage.keeps_input:
+    """Where a PETRA stage's input FIFO waits: "host" (offloaded; stage 0's micro-batches too), "device", or None
+    (it keeps none, or only stage 0's micro-batches on the device)."""
+    if not (stage.keeps_input or stage.offloads_inputs):
         return None
     return "host" if stage.offloads_inputs else "device"
 

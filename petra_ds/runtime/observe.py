@@ -106,8 +106,9 @@ class Holdings:
       empty between clocks;
     - ``param_stash``: the weight-stashing ablation's parameters;
     - ``messages``: messages received for, or produced by, this stage and not yet consumed;
-    - ``offloaded``: the host copies of the FIFO entries offloaded (``fifo_offload``). Host memory, not the
-      stage's device: outside :meth:`categories`, which lists what the stage keeps where it computes.
+    - ``offloaded``: the host copies of the FIFO entries and stage 0's micro-batches offloaded (``fifo_offload``).
+      Host memory, not the stage's device: outside :meth:`categories`, which lists what the stage keeps where it
+      computes.
     """
 
     data: tuple

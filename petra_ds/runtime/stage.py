@@ -8,7 +8,7 @@ reversible) and, clocks later, a backward with its parameters as they are *then*
   (with ``reconstruct_overlap``, block by block, overlapping on CUDA: ``nn.reversible.reconstruct_and_backward``);
 - any other stage recomputes F_j with grad from its exact input: the FIFO for a non-reversible
   stage (``runtime/fifo.py``: on the device, or in host memory with ``fifo_offload``), the raw micro-batch
-  (data, not an activation buffer) for stage 0.
+  (data, not an activation buffer) for stage 0, kept the same way.
 
 ``Delta_j`` accumulates into the parameters' ``.grad``; the loss is divided by k at the last stage so
 that after k backwards ``.grad`` is the mean over the k micro-batches, as DeepSpeed does.
@@ -131,9 +131,11 @@ class Stage:
         self.stepped = [p for p in self.params if p.requires_grad and id(p) not in not_stepped]
         self.norms = [bn for module in self.modules for bn in batch_norms(module)]
 
-        #: exact inputs of a non-reversible stage, on the device or offloaded to host memory
-        self.fifo = InputFifo(StreamCopies() if options.fifo_offload == "cpu" else None)
-        self.raw: dict[int, Activation] = {}  # stage 0's micro-batches (data)
+        #: exact inputs of a non-reversible stage, and stage 0's micro-batches (data), each read in the order they
+        #: were stored: on the device, or offloaded to host memory
+        copies = StreamCopies() if options.fifo_offload == "cpu" else None
+        self.fifo = InputFifo(copies)
+        self.raw = InputFifo(copies)
         self.stash: dict[int, list[Tensor]] = {}  # param_buffer ablation
         self.live: tuple[int, Activation, Activation, Tensor] | None = None  # last stage: (m, x, leaf, loss)
         #: a reconstructing stage's micro-batch between its reconstruction and its backward
@@ -236,7 +238,7 @@ class Stage:
         with self.scope(m, update_bn=self._bn_in_forward), torch.no_grad(), self.compensation.forward_weights():
             y = self.run(x)
         if self.is_first:
-            self.raw[m] = x
+            self.raw.append(m, x)
         elif self.keeps_input:
             self.fifo.append(m, x)
         elif self.reconstructs and self.options.track_reconstruction:
@@ -395,7 +397,7 @@ class Stage:
 
     def _pop_input(self, m: int) -> Activation:
         if self.is_first:
-            if m not in self.raw:
+            if self.raw.head != m:
                 raise RuntimeError(f"stage 0 lost micro-batch {m}")
             return self.raw.pop(m)
         if self.fifo.head != m:
@@ -427,7 +429,7 @@ class Stage:
         return {
             "grads": [None if p.grad is None else p.grad.detach() for p in self.params],
             "fifo": self.fifo.state(),
-            "raw": dict(self.raw),
+            "raw": self.raw.state(),
             "stash": dict(self.stash),
             "backwards": self.backwards,
             "peak_input_bytes": self.peak_input_bytes,
@@ -439,7 +441,8 @@ class Stage:
         for p, g in zip(self.params, state["grads"]):
             p.grad = None if g is None else g.to(p.device).clone()
         self.fifo.load(state["fifo"])
-        self.raw = dict(state["raw"])
+        raw = state["raw"]  # (micro-batch, input) pairs; a dictionary in checkpoints written before the offload
+        self.raw.load(raw.items() if isinstance(raw, dict) else raw)
         self.stash = dict(state["stash"])
         self.backwards = state["backwards"]
         self.peak_input_bytes = state["peak_input_bytes"]
@@ -451,9 +454,9 @@ class Stage:
     def held(self) -> dict[str, tuple]:
         """What this stage keeps alive now, by ``petra_ds.runtime.observe.Holdings`` field (references)."""
         return {
-            "data": tuple(self.raw.values()),
+            "data": self.raw.on_device(),
             "inputs": self.fifo.on_device(),
-            "offloaded": self.fifo.on_host(),
+            "offloaded": self.fifo.on_host() + self.raw.on_host(),
             "outputs": tuple(x for x in (self.live, self._rebuilt_input()) if x is not None),
             "messages": (self.reconstruction.delta,) if self.reconstruction is not None else (),
             "param_stash": tuple(self.stash.values()),
@@ -461,8 +464,9 @@ class Stage:
 
     @property
     def offloads_inputs(self) -> bool:
-        """Whether this stage keeps a FIFO and offloads it to host memory (``fifo_offload: "cpu"``)."""
-        return self.keeps_input and self.fifo.offloads
+        """Whether this stage keeps its inputs (a FIFO, or stage 0's micro-batches) and offloads them to host
+        memory (``fifo_offload: "cpu"``)."""
+        return (self.keeps_input or (self.is_first and not self.is_last)) and self.fifo.offloads
 
     def _rebuilt_input(self) -> Activation | None:
         rebuilt = self.reconstruction

@@ -28,16 +28,16 @@ def lm_args(tmp_path, steps: int, every: int = 2) -> list[str]:
             *[x for kv in small.items() for x in kv]]
 
 
-def torchrun(args: list[str], out, restarts: int, every: int) -> subprocess.Popen:
-    """The LM example under torchrun's agent; its output goes to ``<out>.log`` (a pipe nobody reads while
-    the test watches the run would fill and stop the workers)."""
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", "2", "--max-restarts", str(restarts),
+def torchrun(args: list[str], out, restarts: int, every: int, procs: int = 2, log: str = "") -> subprocess.Popen:
+    """The LM example under torchrun's agent on ``procs`` processes; its output goes to ``<out><log>.log`` (a pipe
+    nobody reads while the test watches the run would fill and stop the workers)."""
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(procs), "--max-restarts", str(restarts),
            os.path.join(ROOT, "examples", "reformer", "train.py"), "--deepspeed_config",
            os.path.join(ROOT, "ds_configs", "petra_lm.json"), *args, "--save-every", str(every), "--resume", "auto",
            "--output-dir", str(out)]
     env = dict(launcher_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # as the README says: a store per attempt
-    with open(f"{out}.log", "w") as log:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(f"{out}{log}.log", "w") as f:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
 def workers(agent: int) -> list[int]:
@@ -143,3 +143,40 @@ def test_a_damaged_newest_checkpoint_falls_back_and_loses_nothing_else(tmp_path)
     for name, state in ours.items():
         for key, tensor in state.items():
             assert torch.equal(tensor, theirs[name][key]), (name, key)
+
+
+def assert_ends_as(out, whole, steps: int) -> None:
+    """The metrics rows but the timings, and the final float32 layer weights, of the uninterrupted run."""
+    assert _rows(out) == _rows(whole)
+    ours, theirs = _layer_files(out, f"global_step{steps}"), _layer_files(whole, f"global_step{steps}")
+    assert ours.keys() == theirs.keys() and ours
+    for name, state in ours.items():
+        for key, tensor in state.items():
+            assert torch.equal(tensor, theirs[name][key]), (name, key)
+
+
+@pytest.mark.slow
+def test_a_job_that_lost_a_worker_continues_on_fewer_processes(tmp_path):
+    """Two workers under torchrun with no restart left; one is SIGKILLed at a random moment after the first
+    checkpoint, which ends the job. Relaunched with ``--nproc_per_node 1`` and ``--resume auto``, the same J = 4
+    stages (now 1 x 4 instead of 2 x 2) continue from the newest checkpoint and end as the uninterrupted run."""
+    steps, every = 16, 4
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    ref = torchrun(lm_args(tmp_path, steps, every), whole, restarts=0, every=every)
+    assert ref.wait(timeout=600) == 0, open(f"{whole}.log").read()[-3000:]
+    proc = torchrun(lm_args(tmp_path, steps, every), parts, restarts=0, every=every)
+    ckpt = parts / "checkpoints"
+    while proc.poll() is None and not (ckpt / "latest").exists():
+        time.sleep(0.05)
+    time.sleep(random.Random(int(time.time())).uniform(0.0, 1.0))
+    victims = workers(proc.pid)
+    assert proc.poll() is None and victims, "the run ended before a worker could be killed"
+    os.kill(victims[0], signal.SIGKILL)
+    assert proc.wait(timeout=300) != 0  # no restart left: the agent ends the job
+    newest = (ckpt / "latest").read_text()
+    again = torchrun(lm_args(tmp_path, steps, every), parts, restarts=0, every=every, procs=1, log="_again")
+    assert again.wait(timeout=600) == 0, open(f"{parts}_again.log").read()[-3000:]
+    log = open(f"{parts}_again.log").read()
+    assert "world_size=1" in log or '"world_size": 1' in log or "processes: 1 " in log, log[-3000:]
+    assert f"resumed from {ckpt / newest}" in log, (newest, log[-3000:])
+    assert_ends_as(parts, whole, steps)

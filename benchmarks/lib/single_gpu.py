@@ -237,6 +237,7 @@ def breakdown(engine: Any, batches: list, result: dict) -> dict:
     device storages behind them and the benchmark's micro-batches (what should account for ``memory_allocated``),
     and the workspace, the peak less what stays allocated."""
     from petra_ds.runtime.ledger import storage_bytes
+    from petra_ds.util.nested import tensors_in
 
     report = engine.memory_report()
     parts = {part: sum(r[part] for r in report.values()) for part in (*DEVICE_PARTS, "fifo_host")}
@@ -247,7 +248,8 @@ def breakdown(engine: Any, batches: list, result: dict) -> dict:
         tensors += [params, [p.grad for p in params if p.grad is not None], [list(s.values()) for s in state.values()],
                     list(engine.holdings(j).categories().values()), engine.stages[j].compensation.state_dict()]
     seen: set = set()
-    explained = sum(storage_bytes(t, seen) for t in tensors)
+    on_device = [t for t in tensors_in(tensors) if t.device == engine.device]  # not a stray host scalar
+    explained = storage_bytes(on_device, seen)
     out: dict[str, Any] = {"memory_report": parts, "explained_bytes": explained}
     if result["allocated_after_bytes"] is not None:
         out["workspace_bytes"] = result["peak_bytes"] - result["allocated_after_bytes"]

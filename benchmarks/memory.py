@@ -17,7 +17,7 @@
   (report: benchmarks/results/memory_growth_cpu.json); ``--from-report`` 9 s (measured).
 - ranks: per-rank peaks in the paper's multi-GPU settings (RevNet18 on 10 GPUs, RevNet34/50 on 18), PETRA with and
   without ``fifo_offload`` against 1F1B, computed from per-stage bytes measured on the real layers. Writes
-  runs/benchmarks/memory_ranks_cpu.json. 2 cores: 4.5 min (measured; report: benchmarks/results/memory_ranks_cpu.json).
+  runs/benchmarks/memory_ranks_cpu.json. 2 cores: 3.5 min (measured; report: benchmarks/results/memory_ranks_cpu.json).
 
 Durations are for the default flags; docs/benchmarks.md has their sources. ``<word> --help`` lists a
 sub-benchmark's flags. Set OMP_NUM_THREADS=1 on a CPU.

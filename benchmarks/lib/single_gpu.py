@@ -227,30 +227,19 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
     return result | {"leftover_bytes": _release(device, before)}
 
 
-#: the parts of ``engine.memory_report()`` that live on the stage's device (``fifo_host`` is host memory)
-DEVICE_PARTS = ("params", "grads", "optimizer_state", "input_buffer", "param_buffer", "raw_micro_batches",
-                "messages", "delay_compensation")
-
-
 def breakdown(engine: Any, batches: list, result: dict) -> dict:
     """Where PETRA's device bytes are between calls: ``memory_report()`` by part (summed over stages), the distinct
-    device storages behind them and the benchmark's micro-batches (what should account for ``memory_allocated``),
-    and the workspace, the peak less what stays allocated."""
-    from petra_ds.runtime.ledger import storage_bytes
+    device storages behind them (``ledger.stage_tensors``) and the benchmark's micro-batches (what should account for
+    ``memory_allocated``), and the workspace, the peak less what stays allocated."""
+    from petra_ds.runtime.ledger import stage_tensors, storage_bytes
     from petra_ds.util.nested import tensors_in
 
     report = engine.memory_report()
-    parts = {part: sum(r[part] for r in report.values()) for part in (*DEVICE_PARTS, "fifo_host")}
-    tensors: list = [batches]
-    for j, stage_optimizer in zip(engine.stages, engine.stage_optimizers):
-        params = list(engine.stages[j].params)
-        state = {} if stage_optimizer is None else stage_optimizer.state
-        tensors += [params, [p.grad for p in params if p.grad is not None], [list(s.values()) for s in state.values()],
-                    list(engine.holdings(j).categories().values()), engine.stages[j].compensation.state_dict()]
-    seen: set = set()
-    on_device = [t for t in tensors_in(tensors) if t.device == engine.device]  # not a stray host scalar
-    explained = storage_bytes(on_device, seen)
-    out: dict[str, Any] = {"memory_report": parts, "explained_bytes": explained}
+    tensors = {j: stage_tensors(engine, j) for j in engine.stages}
+    parts = {part: sum(r[part] for r in report.values()) for part in next(iter(tensors.values()))}
+    held = [batches, *([v for part, v in t.items() if part != "fifo_host"] for t in tensors.values())]
+    on_device = [t for t in tensors_in(held) if t.device == engine.device]  # not a stray host scalar
+    out: dict[str, Any] = {"memory_report": parts, "explained_bytes": storage_bytes(on_device, set())}
     if result["allocated_after_bytes"] is not None:
         out["workspace_bytes"] = result["peak_bytes"] - result["allocated_after_bytes"]
     return out

@@ -41,6 +41,7 @@ from ..util.nested import map_tensors, tensors_in
 from .allocated import AllocatedStorages
 from .held import HeldTracker
 
+
 @dataclass
 class StageBytes:
     """One stage's bytes, measured on its real layer for one micro-batch."""

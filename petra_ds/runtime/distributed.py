@@ -7,7 +7,7 @@ import os
 import shutil
 import socket
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -118,14 +118,11 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
     ensure_single_process_env()
     check_elastic_store(os.environ)
     timeout = timeout or default_pg_timeout
-    if cpu_comm_op:
-        note = shm_comm_build_note() if os.environ.get("RANK", "0") == "0" else None
-        if note:
-            print(note, flush=True)
+    note = shm_comm_build_note() if cpu_comm_op and os.environ.get("RANK", "0") == "0" else None
+    if note:
+        print(note, flush=True)
+    with nullcontext() if cpu_comm_op else _shm_comm_op_off():
         deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout, **kwargs)
-    else:
-        with _shm_comm_op_off():
-            deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout, **kwargs)
     _group_timeout = timeout
 
 

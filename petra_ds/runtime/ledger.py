@@ -46,29 +46,30 @@ def storage_keys(tensors: Iterable[Tensor]) -> set[StorageKey]:
     return {storage(t)[0] for t in tensors}
 
 
+def stage_tensors(engine: PetraEngine, stage: int) -> dict[str, Any]:
+    """The tensors behind each byte count of :func:`memory_report` for local stage ``stage``: parameters,
+    gradients, optimizer state, the input buffer on the device, the host copies of its offloaded entries
+    (``fifo_host``), the parameter buffer, stage 0's raw micro-batches, messages held and the delay compensation's
+    state. All on the stage's device but ``fifo_host``."""
+    st = engine.stages[stage]
+    optimizer = engine.stage_optimizers[stage - engine.local_stage_ids[0]]
+    state = {} if optimizer is None else optimizer.state
+    held = engine.holdings(stage)
+    return {"params": st.params, "grads": [p.grad for p in st.params if p.grad is not None],
+            "optimizer_state": [list(s.values()) for s in state.values()], "input_buffer": held.inputs,
+            "fifo_host": held.offloaded, "param_buffer": held.param_stash, "raw_micro_batches": held.data,
+            "messages": held.messages, "delay_compensation": st.compensation.state_dict()}
+
+
 def memory_report(engine: PetraEngine) -> dict[int, dict[str, int]]:
-    """Per local stage, bytes held now: parameters, gradients, optimizer state, input buffer on the device
-    (now and peak), the host copies of its offloaded entries (``fifo_host``, ``fifo_offload: "cpu"``), parameter
-    buffer (now and peak), stage 0's raw micro-batches, messages held, the delay compensation's state (weight
-    prediction's averaged update)."""
+    """Per local stage, bytes held now, by :func:`stage_tensors`' parts, with the input and parameter buffers'
+    peaks and the micro-batches in the input buffer and in host memory."""
     report = {}
     for j, st in engine.stages.items():
-        optimizer = engine.stage_optimizers[j - engine.local_stage_ids[0]]
-        state = {} if optimizer is None else optimizer.state
-        held = engine.holdings(j)
-        report[j] = {
-            "params": tensor_bytes(st.params),
-            "grads": tensor_bytes([p.grad for p in st.params if p.grad is not None]),
-            "optimizer_state": sum(tensor_bytes(list(s.values())) for s in state.values()),
-            "input_buffer": tensor_bytes(held.inputs),
-            "input_buffer_peak": st.peak_input_bytes,
-            "input_buffer_micro_batches": len(held.inputs),
-            "fifo_host": tensor_bytes(held.offloaded),
-            "fifo_host_micro_batches": len(held.offloaded),
-            "param_buffer": tensor_bytes(held.param_stash),
-            "param_buffer_peak": st.peak_param_buffer_bytes,
-            "raw_micro_batches": tensor_bytes(held.data),
-            "messages": tensor_bytes(held.messages),
-            "delay_compensation": tensor_bytes(st.compensation.state_dict()),
-        }
+        parts = stage_tensors(engine, j)
+        bytes_ = {name: tensor_bytes(tensors) for name, tensors in parts.items()}
+        report[j] = {**bytes_, "input_buffer_peak": st.peak_input_bytes,
+                     "input_buffer_micro_batches": len(parts["input_buffer"]),
+                     "fifo_host_micro_batches": len(parts["fifo_host"]),
+                     "param_buffer_peak": st.peak_param_buffer_bytes}
     return report

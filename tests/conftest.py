@@ -1,6 +1,7 @@
 """Test-session hygiene shared by every test module."""
 
 import compileall
+import gc
 import os
 
 import pytest
@@ -16,6 +17,13 @@ def pytest_configure(config):
     it only stops processes from writing it. Files already compiled are skipped."""
     for folder in ("petra_ds", "examples", "benchmarks", "tests"):
         compileall.compile_dir(os.path.join(ROOT, folder), quiet=2, workers=1)
+
+
+def pytest_unconfigure(config):
+    """This process (the session's, or an xdist worker) ends next: its teardown need not walk everything the tests
+    created (``petra_ds.runtime.shutdown.before_exit``, not imported here: the session process has no DeepSpeed)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

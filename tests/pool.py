@@ -35,6 +35,7 @@ the pool's own tests compare against.
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import io
 import multiprocessing as mp
@@ -92,11 +93,14 @@ def _reset(rank: int, world: int, port: int, env: dict, cwd: str, spec: dict) ->
 
 
 def _teardown() -> None:
-    """Leave no process group and no engine behind (``petra_ds.runtime.shutdown``). (What DeepSpeed and petra_ds keep
-    at module level besides is set again by the next run: ``petra_ds.init_distributed`` its group timeout.)"""
+    """Leave no process group and no engine behind (``petra_ds.runtime.shutdown``), and no frozen heap: a task that
+    ran an example's ``run_main`` ended as a finished process does, freezing what it held
+    (``petra_ds.runtime.shutdown.before_exit``). (What DeepSpeed and petra_ds keep at module level besides is set
+    again by the next run: ``petra_ds.init_distributed`` its group timeout.)"""
     from petra_ds.runtime.shutdown import shutdown
 
     shutdown()
+    gc.unfreeze()
 
 
 def _serve(rank: int, world: int, conn: Any, parent: int) -> None:

@@ -1,6 +1,7 @@
 """tests/pool.py: a pooled rank is a fresh rank to the task it runs (no result may depend on which test
 ran before in the same process), and a failed or hung task costs its world, never the run."""
 
+import gc
 import math
 import os
 import time
@@ -8,24 +9,27 @@ import time
 import pytest
 import torch
 
+from petra_ds.runtime.distributed import free_port
 from petra_ds.tools import spawn
 
 import pool
-from harness import launch
+from harness import launch, run_rank
 
 pytestmark = pytest.mark.skipif(not pool.enabled(), reason="PETRA_DS_TEST_POOL=0: every launch is fresh")
 
 
 def _dirty(spec):
     """Leave behind what a task could: a process group, another default dtype, a seeded generator, an
-    environment variable, grad mode off."""
+    environment variable, grad mode off, a frozen heap (an example's ``run_main`` freezes it before exiting)."""
     import petra_ds
+    from petra_ds.runtime.shutdown import before_exit
 
     petra_ds.init_distributed(dist_backend="gloo")
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(1234)
     os.environ["POOL_TEST_LEFTOVER"] = "1"
     torch.set_grad_enabled(False)
+    before_exit()
     return os.getpid()
 
 
@@ -38,11 +42,33 @@ def _look(spec):
     seen = {"pid": os.getpid(), "initialized": dist.is_initialized(), "dtype": str(torch.get_default_dtype()),
             "seed": torch.initial_seed(), "leftover": os.environ.get("POOL_TEST_LEFTOVER"),
             "spec_env": os.environ.get("POOL_TEST_SPEC_ENV"), "grad": torch.is_grad_enabled(),
-            "threads": torch.get_num_threads(), "cwd": os.getcwd()}
+            "threads": torch.get_num_threads(), "cwd": os.getcwd(), "frozen": gc.get_freeze_count()}
     petra_ds.init_distributed(dist_backend="gloo")
     total = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(total)
     return {**seen, "sum": total.item(), "world": dist.get_world_size()}
+
+
+def _look_then_train(spec):
+    """The fresh reference of both tests below, in one launch of spawned processes that import everything
+    themselves: what a rank sees when its first task starts (``_look``), then the training run ``spec["train"]``
+    in a world of its own (on ``spec["train_port"]``; ``_look``'s world ended first)."""
+    from petra_ds.runtime.shutdown import shutdown
+
+    seen = _look(spec)
+    shutdown()
+    os.environ["MASTER_PORT"] = str(spec["train_port"])
+    return {"look": seen, "train": run_rank(spec["train"])}
+
+
+SPEC_ENV = {"env": {"POOL_TEST_SPEC_ENV": "set"}}
+TRAINING = {"pipe": 2, "stages_per_rank": 2, "k": 2, "train_batches": 3, "dropout": 0.1}
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """What spawned ranks saw and trained (``_look_then_train``), by rank."""
+    return spawn.launch({**SPEC_ENV, "train": TRAINING, "train_port": free_port()}, 2, target=_look_then_train)
 
 
 def _fail_on_rank_1(spec):
@@ -67,18 +93,15 @@ def _hang_on_rank_1(spec):
     return os.getpid()
 
 
-def test_a_reused_rank_sees_what_a_fresh_one_sees():
+def test_a_reused_rank_sees_what_a_fresh_one_sees(fresh):
     pool.restart(2)
     pids = launch({}, 2, target=_dirty)
-    spec = {"env": {"POOL_TEST_SPEC_ENV": "set"}}
-    pooled = launch(spec, 2, target=_look)
-    fresh = spawn.launch(spec, 2, target=_look)
+    pooled = launch(SPEC_ENV, 2, target=_look)
     assert [r["pid"] for r in pooled] == pids, "the second task ran in the first one's processes"
-    for got, want in zip(pooled, fresh):
+    for got, want in zip(pooled, [r["look"] for r in fresh]):
         assert not got["initialized"] and got["leftover"] is None and got["spec_env"] == "set"
-        assert got.pop("seed") != 1234, "the generator is seeded afresh, as in a fresh rank"
-        got.pop("pid"), want.pop("pid"), want.pop("seed")
-        assert got == want
+        assert got["seed"] != 1234, "the generator is seeded afresh, as in a fresh rank"
+        assert {**got, "pid": None, "seed": None} == {**want, "pid": None, "seed": None}
     assert [r["sum"] for r in pooled] == [3.0, 3.0]
 
 
@@ -99,13 +122,12 @@ def test_a_hung_task_is_killed_at_its_deadline():
     assert [r["sum"] for r in launch({}, 2, target=_look)] == [3.0, 3.0]
 
 
-def test_training_in_a_reused_world_equals_training_in_fresh_processes():
+def test_training_in_a_reused_world_equals_training_in_fresh_processes(fresh):
     """The same run, bit for bit, after another run (float32, other dropout) in the same processes, as in spawned
     processes that imported everything themselves (the reference for every pooled and forked rank)."""
-    spec = {"pipe": 2, "stages_per_rank": 2, "k": 2, "train_batches": 3, "dropout": 0.1}
-    launch({**spec, "dtype": "float32", "dropout": 0.3, "env": {"POOL_TEST_SPEC_ENV": "other"}})
-    pooled, fresh = launch(spec), launch(spec, fresh="spawn")
-    for got, want in zip(pooled, fresh):
+    launch({**TRAINING, "dtype": "float32", "dropout": 0.3, "env": {"POOL_TEST_SPEC_ENV": "other"}})
+    pooled = launch(TRAINING)
+    for got, want in zip(pooled, [r["train"] for r in fresh]):
         assert got["params"].keys() == want["params"].keys() and got["params"]
         for name in want["params"]:
             assert torch.equal(got["params"][name], want["params"][name]), name

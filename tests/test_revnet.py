@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torchvision
 
 from petra_ds.models.revnet import RevBlock, _plan, build_sequential, resnet_layers, revnet_layers
 from petra_ds.pipeline.module import spec_is_reversible
@@ -17,6 +16,8 @@ def count(layers):
 
 @pytest.mark.parametrize("depth", [18, 34, 50])
 def test_parameter_counts_match_the_paper_and_torchvision(depth):
+    import torchvision  # here, not at collection: 3 s of imports for every test process
+
     assert abs(count(revnet_layers(depth)) / PAPER_PARAMS[depth] - 1) < 0.02
     torchvision_count = sum(p.numel() for p in getattr(torchvision.models, f"resnet{depth}")().parameters())
     assert count(resnet_layers(depth)) == torchvision_count

@@ -12,6 +12,7 @@ the work is done. DeepSpeed keeps the grid of the last pipeline engine (with its
 
 :func:`shutdown` ends every group, lets go of that grid and collects it, so that the threads are joined
 here, with the interpreter alive; :func:`communication_threads` names the gloo threads still running.
+:func:`before_exit` lets a process that is about to end skip the interpreter's last collections.
 """
 
 from __future__ import annotations
@@ -60,3 +61,13 @@ def communication_threads() -> list[str]:
         except OSError:  # the thread ended while we looked
             continue
     return sorted(n for n in names if n.startswith(GLOO_THREADS))
+
+
+def before_exit() -> None:
+    """For a process whose work is done and that ends next: the interpreter's teardown collects garbage
+    over every object torch, DeepSpeed and the run created (1.2-1.5 s of CPU per process on a 2-core VM,
+    against 0.3 s once they are frozen). What was garbage is collected first; what is alive is frozen, so
+    the teardown frees it by reference count alone. Never in a process that goes on working (a frozen
+    object is never collected)."""
+    gc.collect()
+    gc.freeze()

@@ -16,7 +16,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from ..runtime.config import PetraConfigError, check_section_names
 from ..runtime.distributed import is_rank0
-from ..runtime.shutdown import shutdown
+from ..runtime.shutdown import before_exit, shutdown
 from ..schedule import delay
 from ..util.checks import positive_int
 from ..util.files import save_figure, write_text_atomic
@@ -313,12 +313,14 @@ def against_baseline(summary: dict, baseline_dir: str, metric: str, higher_is_be
 def run_main(main: Callable[[], None]) -> None:
     """An example's ``main()``, with a configuration error ended as one line on rank 0 and a non-zero exit
     on every rank instead of a traceback per rank, and a finished run's process groups ended before the
-    interpreter's teardown (:func:`petra_ds.runtime.shutdown.shutdown`: a finished run exits 0)."""
+    interpreter's teardown (:func:`petra_ds.runtime.shutdown.shutdown`: a finished run exits 0), and that
+    teardown kept short (:func:`~petra_ds.runtime.shutdown.before_exit`)."""
     try:
         main()
     except PetraConfigError as error:
         raise SystemExit(f"configuration error: {error}" if is_rank0() else 2) from None
     shutdown()
+    before_exit()
 
 
 class RunFiles:

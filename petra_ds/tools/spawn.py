@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from ..runtime.distributed import free_port
-from ..runtime.shutdown import shutdown
+from ..runtime.shutdown import before_exit, shutdown
 from ..util.files import replace_atomically
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
@@ -60,6 +60,7 @@ def _entry(rank: int, world: int, port: int, spec: dict, out_dir: str, target: C
         raise
     _write_result(result, path)
     shutdown()  # end the groups now, not in the interpreter's teardown
+    before_exit()
 
 
 def run_processes(spec: dict[str, Any], world_size: int, timeout: float = 300, grace: float | None = None, *,

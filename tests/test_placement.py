@@ -56,6 +56,30 @@ def test_revgpt_with_tied_embeddings_moves_from_two_ranks_to_four_to_one(tmp_pat
     assert same_bits(merged_params(last), merged_params(whole))
 
 
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_a_run_resumes_on_another_data_parallel_degree_with_the_global_batch_kept(tmp_path, before, after):
+    """J = 4 on 2 pipeline ranks and ``before`` replicas of 4 / ``before`` rows each, saved mid-flight (FIFO entries,
+    stage 0's micro-batches, messages, and at k = 4 stages 0 and 2 halfway through their accumulation), resumed on
+    ``after`` replicas of 4 / ``after`` rows: the same samples, and the parameters at the end within 1e-6 relative
+    of the uninterrupted run (float64; a mean over 4 rows against the mean of two means over 2). The global
+    micro-batch must stay: the same degree change at the same micro-batch size is refused, naming both."""
+    ckpt = str(tmp_path / "ckpt")
+    common = {"pipe": 2, "stages_per_rank": 2, "k": 4, "train_batches": 6, "dropout": 0.0,
+              "petra": {"input_buffer": "non_reversible"}}  # SGD with momentum (Adam divides rounding by ~0)
+    whole = launch({**common, "dp": before, "micro_batch": 4 // before, "save_dir": ckpt, "save_after": 2})
+    resumed = launch({**common, "dp": after, "micro_batch": 4 // after, "load_dir": ckpt})
+    assert len(resumed) == 2 * after and resumed[0]["clock"] == whole[0]["clock"]
+    want, got = merged_params(whole), merged_params(resumed)
+    assert want.keys() == got.keys() and want
+    for name in want:
+        error = (got[name] - want[name]).abs().max() / want[name].abs().max()
+        assert error <= 1e-6, (name, float(error))
+    refused = launch({**common, "dp": after, "micro_batch": 4 // before, "load_dir": ckpt, "return_error": True})
+    message = refused[0]["error"]
+    assert f"data_parallel: {before} in the checkpoint, {after} in this run" in message, message
+    assert "train_micro_batch_size_per_gpu" in message, message
+
+
 def test_what_must_match_is_named_and_the_placement_is_not(tmp_path):
     """Resuming with another k or another training setting is refused naming each difference; the number of
     ranks is not among them."""

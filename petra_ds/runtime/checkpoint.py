@@ -6,8 +6,9 @@ writes them (so a plain ``PipelineModule.load_state_dir`` reads them); each rank
 input FIFO, stashed parameters, stage 0's raw micro-batches, the messages the stage received for the next
 clock, its optimizer and scheduler states, and where the run is (clock, micro-batches fed, steps). A stage's
 file names no rank: a run resumes on another placement of the same J stages (P x stages_per_rank), each rank
-reading the files of the stages it hosts now. Checkpoints written before (one ``petra_state-pipe_XX-data_YY.pt``
-per rank) load on the layout that wrote them.
+reading the files of the stages it hosts now; on another data-parallel degree with the same global micro-batch,
+each replica joins or cuts the rows of the replicas it replaces (``replicas.py``). Checkpoints written before (one
+``petra_state-pipe_XX-data_YY.pt`` per rank) load on the layout that wrote them.
 
 Everything is written into ``<dir>/.<tag>.partial`` first; once every rank has written, rank 0 moves
 the previous ``<tag>`` aside, renames the partial directory into place and rewrites ``latest``
@@ -32,6 +33,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 
 from ..pipeline.module import petra_parts
 from ..util.files import atomic_save, write_text_atomic
+from . import replicas
 from .background_save import BackgroundSave, HostStaging
 
 if TYPE_CHECKING:
@@ -198,10 +200,22 @@ def wait(engine: PetraEngine) -> None:
 
 def signature(engine: PetraEngine) -> dict:
     """What a checkpoint must match to be resumed: J and how the layers are cut into stages, the data-parallel
-    degree, k and the training-relevant ``petra`` config. Not the placement (P x stages_per_rank)."""
+    degree and micro-batch size (or another pair with the same product, :func:`_matching`), k and the
+    training-relevant ``petra`` config. Not the placement (P x stages_per_rank)."""
     petra = {k: v for k, v in asdict(engine.petra_config).items() if k not in DIAGNOSTIC_KEYS + ("stages_per_rank",)}
     return {"stages": engine.num_petra_stages, "parts": list(petra_parts(engine.module)),
-            "data_parallel": engine.grid.data_parallel_size, "k": engine.micro_batches, "petra": petra}
+            "data_parallel": engine.grid.data_parallel_size, "micro_batch": engine.train_micro_batch_size_per_gpu(),
+            "k": engine.micro_batches, "petra": petra}
+
+
+def _matching(written: dict, ours: dict) -> dict:
+    """``written`` (a checkpoint's signature) with our data-parallel degree and micro-batch size where its global
+    micro-batch (their product) is ours: the run resumes with the replicas regrouped. A checkpoint written
+    before the micro-batch size was recorded is taken to have ours."""
+    written = {**written, "micro_batch": written.get("micro_batch", ours["micro_batch"])}
+    if written["data_parallel"] * written["micro_batch"] == ours["data_parallel"] * ours["micro_batch"]:
+        written.update(data_parallel=ours["data_parallel"], micro_batch=ours["micro_batch"])
+    return written
 
 
 def stage_records(engine: PetraEngine, client_state: dict | None) -> dict[int, dict]:
@@ -234,18 +248,29 @@ def differences(written: dict, ours: dict, prefix: str = "") -> list[str]:
 
 
 def _stage_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
-    """(the state ``load_petra_state`` takes, the client state) from the files of this rank's stages."""
-    records = {j: load_file(stage_file(path, j, engine.grid.data_parallel_id), engine.device)
-               for j in engine.local_stage_ids}
-    first = records[engine.local_stage_ids[0]]
-    differ = differences(first["signature"], signature(engine))
+    """(the state ``load_petra_state`` takes, the client state) from the files of this rank's stages: of its own
+    replica, or of the replicas whose rows it holds now (``replicas.py``)."""
+    ours = signature(engine)
+    first = load_file(stage_file(path, engine.local_stage_ids[0], 0), engine.device)
+    differ = differences(_matching(first["signature"], ours), ours)
     if differ:
         raise ValueError(f"checkpoint {path} cannot continue in this run: " + "; ".join(differ) +
-                         ". Resume with the same stages, data-parallel degree, k and petra config "
-                         "(the number of processes and stages_per_rank may change)")
-    if any(r["run"] != first["run"] for r in records.values()):
+                         ". Resume with the same stages, k and petra config, and the same global micro-batch "
+                         "(data_parallel x micro_batch: train_micro_batch_size_per_gpu); the number of processes, "
+                         "stages_per_rank and the data-parallel degree may change")
+    written = first["signature"]["data_parallel"]
+    stages, runs = {}, []
+    for j in engine.local_stage_ids:
+        olds, part, parts = replicas.sources(engine.grid.data_parallel_id, written, ours["data_parallel"])
+        records = [load_file(stage_file(path, j, r), engine.device) for r in olds]
+        runs += [r["run"] for r in records]
+        if written == ours["data_parallel"]:
+            stages[j] = records[0]["stage"]
+        else:
+            stages[j] = replicas.regroup([r["stage"] for r in records], part, parts)
+    if any(run != first["run"] for run in runs):
         raise ValueError(f"checkpoint {path}: its stage files were written at different clocks")
-    return {**first["run"], "stages": {j: r["stage"] for j, r in records.items()}}, first["client_state"]
+    return {**first["run"], "stages": stages}, first["client_state"]
 
 
 def _rank_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
@@ -276,10 +301,15 @@ def written_per_rank(path: str) -> bool:
 
 def state_files(engine: PetraEngine, path: str, per_rank: bool) -> list[str]:
     """The PETRA state files this rank's load of the checkpoint in ``path`` opens: its stages' (its rank's when
-    ``per_rank``, :func:`written_per_rank`)."""
+    ``per_rank``, :func:`written_per_rank`), of each replica whose rows it holds now."""
     if per_rank:
         return [state_file(path, engine.stage_id, engine.grid.data_parallel_id)]
-    return [stage_file(path, j, engine.grid.data_parallel_id) for j in engine.local_stage_ids]
+    written = len(glob.glob(os.path.join(path, "petra_stage-00-data_*.pt"))) or engine.grid.data_parallel_size
+    try:
+        olds = replicas.sources(engine.grid.data_parallel_id, written, engine.grid.data_parallel_size)[0]
+    except ValueError as error:
+        raise ValueError(f"checkpoint {path}: {error}") from None
+    return [stage_file(path, j, r) for j in engine.local_stage_ids for r in olds]
 
 
 def load_engine(engine: PetraEngine, load_dir: str, tag: str | None, strict: bool, optimizer_states: bool,

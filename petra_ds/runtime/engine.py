@@ -171,7 +171,7 @@ class PetraEngine(PipelineEngine):
             self._data = iter(self.training_dataloader)
         if self._data is None and 0 in self.stages:
             raise ValueError("train_batch() needs a data iterator (or training_data in initialize)")
-        self.module.train()
+        self._train_mode()
         loss = self._run_window(self.timeline.train_window(self.micro_batches))
         checkpoint.after_train_batch(self)
         self.global_steps += 1
@@ -184,8 +184,14 @@ class PetraEngine(PipelineEngine):
     def drain(self) -> Tensor:
         """Run clocks without new data until every fed micro-batch had its backward everywhere.
         Returns the mean loss of the micro-batches finished during the drain (NaN if none)."""
-        self.module.train()
+        self._train_mode()
         return self._run_window(self.timeline.drain_window())
+
+    def _train_mode(self) -> None:
+        """``module.train()``, as DeepSpeed's ``train_batch`` calls it, when a module is in eval mode: it sets every
+        module's flag through ``nn.Module.__setattr__`` (2% of a clock's host time on small layers)."""
+        if not all(m.training for m in self.module.modules()):
+            self.module.train()
 
     @property
     def clock(self) -> int:

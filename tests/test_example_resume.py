@@ -32,6 +32,22 @@ def test_the_stream_starting_at_micro_batch_n_is_the_tail_of_the_whole_stream():
     assert all(len(set(e)) == 9 for e in epochs) and head[0] != head[3]
 
 
+@pytest.mark.parametrize("start", [0, 4])
+def test_a_global_micro_batch_is_the_same_samples_on_any_number_of_replicas(start):
+    """31 samples, global micro-batch 6: 5 per epoch, one sample dropped. Two replicas of 3 rows (and three of 2)
+    read, from micro-batch ``start`` on, the rows of the one-replica stream in replica order, at the same stream
+    positions: a run resumed on another data-parallel degree goes on with the same samples and augmentation."""
+    one = iter(EpochBatches(31, 6, seed=2, start=start))
+    for count in (2, 3):
+        parts = [iter(EpochBatches(31, 6 // count, seed=2, start=start, part=(r, count))) for r in range(count)]
+        whole = iter(EpochBatches(31, 6, seed=2, start=start))
+        for _ in range(12):
+            assert sum((next(p) for p in parts), []) == next(whole)
+    assert [p for _, p in next(one)] == list(range(6 * start, 6 * start + 6))
+    with pytest.raises(ValueError, match="replica 2 of 2"):
+        EpochBatches(31, 3, seed=2, part=(2, 2))
+
+
 class Noise(torch.utils.data.Dataset):
     """A sample's 'augmentation' is a draw from torch's global stream, as torchvision's transforms do."""
 
@@ -139,3 +155,30 @@ def test_the_lm_example_stopped_on_two_processes_continues_on_one(tmp_path):
             *_files(tmp_path), *[x for kv in small.items() for x in kv]]
     assert_resume_is_exact(tmp_path, "reformer", "petra_lm.json", args, "final_val_loss", resume=("--resume", "auto"),
                            resume_on=1)
+
+
+@pytest.mark.slow
+def test_the_lm_example_on_two_replicas_continues_as_one(tmp_path):
+    """--resume auto after a relaunch on half the processes: J = 2 stages on one pipeline rank, 2 data-parallel
+    replicas of micro-batch 2 (--global-batch 8 --micro-batches 2), continue from the newest checkpoint as 1
+    replica of micro-batch 4 reading the same samples. No dropout (masks are drawn per replica) and SGD (Adam
+    would divide float32 rounding by a near-zero second moment): the layer weights at the end equal the
+    uninterrupted two-replica run's to float32 reduction-order rounding, and so do the training losses."""
+    small = dict(zip(SMALL[::2], SMALL[1::2]), **{"--max-steps": "6", "--eval-every": "5"})
+    args = ["--model", "revgpt", "--dropout", "0", "--seed", "3", "--stages", "2", "--global-batch", "8",
+            "--micro-batches", "2", "--optimizer", json.dumps({"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}),
+            "--data-files", *_files(tmp_path), *[x for kv in small.items() for x in kv]]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    _launch("reformer", "petra_lm.json", [*args, "--data-parallel", "2"], whole)
+    _launch("reformer", "petra_lm.json", [*args, "--data-parallel", "2", "--stop-after", "5"], parts)
+    resumed = _launch("reformer", "petra_lm.json", [*args, "--resume", "auto"], parts, processes=1)
+    assert f"resumed from {parts / 'checkpoints' / 'global_step4'} (step 4)" in resumed.stdout
+    assert "1 data-parallel replica" in resumed.stdout, resumed.stdout[-2000:]
+    losses = [[r["train_loss"] for r in _rows(out)] for out in (whole, parts)]  # val_loss: each replica its share
+    assert len(losses[0]) == len(losses[1]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    ours, theirs = _layer_files(parts, "global_step6"), _layer_files(whole, "global_step6")
+    assert ours.keys() == theirs.keys() and ours
+    for name, state in ours.items():
+        for key, tensor in state.items():
+            if tensor.is_floating_point():
+                assert (tensor - theirs[name][key]).abs().max() <= 1e-5 * theirs[name][key].abs().max(), (name, key)

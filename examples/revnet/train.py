@@ -176,11 +176,9 @@ def main() -> None:
     model = build_model(args, config, layers, layout, loss_fn, cut, costs)
     partition = agreed_partition(model, cut, costs_file)
 
-    if replicas > 1:
-        shard = dist.get_rank() % replicas  # PipeDataParallelTopology puts data innermost
-        train_set = torch.utils.data.Subset(train_set, range(shard, len(train_set), replicas))
+    part = (dist.get_rank() % replicas, replicas)  # this replica's rows of each micro-batch (data innermost)
     eval_loader = make_loader(eval_set, micro, train=False, workers=args.workers)
-    steps_per_epoch = max(1, len(train_set) // micro // k)
+    steps_per_epoch = max(1, len(train_set) // (micro * replicas) // k)
 
     recipe = paper_recipe(args.dataset, epochs, micro * k * replicas, args.warmup_epochs)
     extra = {}
@@ -195,7 +193,7 @@ def main() -> None:
     done = engine.global_steps  # train_batch calls behind us: k micro-batches each, in both engines
     files = RunFiles(args.output_dir, enabled=rank0, resumed_at=done if state else None)
     total_steps = epochs * steps_per_epoch if args.max_steps is None else min(args.max_steps, epochs * steps_per_epoch)
-    data = iter(resumable_loader(train_set, micro, args.seed, start=done * k, workers=args.workers))
+    data = iter(resumable_loader(train_set, micro, args.seed, start=done * k, workers=args.workers, part=part))
     metrics, losses = list(files.kept_rows), (state or {}).get("losses", [])
     best, trained_s = (state or {}).get("best", 0.0), (state or {}).get("elapsed_s", 0.0)
     start, stopped = time.time(), False

@@ -25,25 +25,33 @@ def _seed(*key: int) -> int:
 
 class EpochBatches(Sampler):
     """Batches of ``(index, position)`` pairs forever, from micro-batch ``start`` on: epoch ``e`` is a
-    permutation of ``size`` drawn from ``(seed, e)`` cut into ``size // batch_size`` full batches (the
-    tail is dropped, as PETRA needs a fixed micro-batch shape); ``position`` counts samples from the start
-    of the stream and keys the sample's augmentation."""
+    permutation of ``size`` drawn from ``(seed, e)`` cut into ``size // (batch_size * count)`` full global
+    micro-batches (the tail is dropped, as PETRA needs a fixed micro-batch shape), of which data-parallel
+    replica ``index`` of ``count`` (``part``) takes rows ``index * batch_size`` onward; ``position`` counts
+    samples from the start of the stream and keys the sample's augmentation. So a global micro-batch is the
+    same samples, with the same augmentation, whatever the number of replicas reading it: a run resumed on
+    another data-parallel degree continues on the samples it would have seen."""
 
-    def __init__(self, size: int, batch_size: int, seed: int, start: int = 0) -> None:
-        if size < batch_size:
-            raise ValueError(f"{size} samples cannot fill a micro-batch of {batch_size}")
+    def __init__(self, size: int, batch_size: int, seed: int, start: int = 0, part: tuple[int, int] = (0, 1)) -> None:
+        index, count = part
+        if not 0 <= index < count:
+            raise ValueError(f"replica {index} of {count}: a data-parallel part is (index, count) with 0 <= index < count")
+        if size < batch_size * count:
+            raise ValueError(f"{size} samples cannot fill a micro-batch of {batch_size} on {count} replica(s)")
         self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start
-        self.per_epoch = size // batch_size
+        self.index, self.count = index, count
+        self.per_epoch = size // (batch_size * count)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         batch = self.start
+        rows = self.batch_size * self.count
         while True:
             epoch, offset = divmod(batch, self.per_epoch)
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(_seed(self.seed, epoch))).tolist()
             for b in range(offset, self.per_epoch):
-                first = (epoch * self.per_epoch + b) * self.batch_size
-                indices = order[b * self.batch_size:(b + 1) * self.batch_size]
-                yield [(index, first + i) for i, index in enumerate(indices)]
+                here = b * rows + self.index * self.batch_size  # this replica's first row in the epoch's order
+                first = epoch * self.per_epoch * rows + here
+                yield [(index, first + i) for i, index in enumerate(order[here:here + self.batch_size])]
             batch = (epoch + 1) * self.per_epoch
 
 
@@ -77,9 +85,12 @@ def worker_context(workers: int) -> str | None:
     return "forkserver" if workers > 0 else None
 
 
-def resumable_loader(dataset: Dataset, batch_size: int, seed: int, start: int = 0, workers: int = 0) -> DataLoader:
+def resumable_loader(dataset: Dataset, batch_size: int, seed: int, start: int = 0, workers: int = 0,
+                     part: tuple[int, int] = (0, 1)) -> DataLoader:
     """An endless training ``DataLoader`` whose first micro-batch is micro-batch ``start`` of the stream
-    that ``start=0`` gives; iterate it with ``iter()`` (it has no length)."""
-    return DataLoader(KeyedSamples(dataset, seed), batch_sampler=EpochBatches(len(dataset), batch_size, seed, start),
+    that ``start=0`` gives, data-parallel replica ``part = (index, count)``'s rows of it (:class:`EpochBatches`);
+    iterate it with ``iter()`` (it has no length)."""
+    sampler = EpochBatches(len(dataset), batch_size, seed, start, part)
+    return DataLoader(KeyedSamples(dataset, seed), batch_sampler=sampler,
                       num_workers=workers, persistent_workers=workers > 0, pin_memory=torch.cuda.is_available(),
                       multiprocessing_context=worker_context(workers))

@@ -130,11 +130,15 @@ def _replica_blocks(blocks, micro_batch: int, shard: tuple[int, int]):
 
 
 def lm_stream(blocks, micro_batch: int, seed: int = 0, start: int = 0, shard: tuple[int, int] = (0, 1)) -> DataLoader:
-    """Endless shuffled training micro-batches of one replica's ``shard`` that can begin at micro-batch
-    ``start`` (``petra_ds.data.stream``): what a resumed run needs to see the data an uninterrupted one sees."""
+    """Endless shuffled training micro-batches that can begin at micro-batch ``start``, data-parallel replica
+    ``shard = (index, count)``'s rows of each (``petra_ds.data.stream``): what a resumed run needs to see the data
+    an uninterrupted one sees, on any number of replicas."""
     from .stream import resumable_loader
 
-    return resumable_loader(_replica_blocks(blocks, micro_batch, shard), micro_batch, seed, start)
+    if len(blocks) < micro_batch * shard[1]:
+        raise ValueError(f"{len(blocks)} blocks cannot fill a micro-batch of {micro_batch} on {shard[1]} replica(s); "
+                         "use more text, a shorter --seq-len or a smaller micro-batch")
+    return resumable_loader(Blocks(blocks), micro_batch, seed, start, part=shard)
 
 
 def lm_loader(blocks, micro_batch: int, train: bool, seed: int = 0, shard: tuple[int, int] = (0, 1)) -> DataLoader:

@@ -10,12 +10,13 @@ stream or from a per-layer attribute that the next micro-batch would overwrite.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from typing import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Iterator, Sequence
 
 import torch
 
 _MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
 
 
 def _splitmix64(x: int) -> int:
@@ -27,7 +28,7 @@ def _splitmix64(x: int) -> int:
 
 def derive_seed(*key: int) -> int:
     """A 63-bit seed that depends on every part of ``key`` and on their order."""
-    return _fold(_START, key) & ((1 << 63) - 1)
+    return _fold(_START, key) & _MASK63
 
 
 _START = 0x243F6A8885A308D3
@@ -46,6 +47,8 @@ class _Scope(threading.local):
 
 
 _scope = _Scope()
+#: what a layer runs under outside any micro-batch scope: the global stream
+_GLOBAL_STREAM = nullcontext()
 
 
 def current_key() -> tuple[int, ...] | None:
@@ -63,24 +66,30 @@ def _default_devices() -> list[int]:
 @contextmanager
 def keyed_rng(*key: int, devices: Sequence[int] | None = None) -> Iterator[None]:
     """Run the body on generator states seeded from ``key``; the global streams are restored after."""
-    with _seeded(derive_seed(*key), _default_devices() if devices is None else list(devices)):
+    with _Seeded(derive_seed(*key), _default_devices() if devices is None else list(devices)):
         yield
 
 
-@contextmanager
-def _seeded(seed: int, devices: Sequence[int]) -> Iterator[None]:
+class _Seeded:
     """``torch.random.fork_rng(devices)`` then ``torch.manual_seed(seed)`` on those generators, without
-    fork_rng's checks and device lookups: a keyed scope is entered twice per layer and micro-batch."""
-    if devices:
-        torch.cuda.init()  # the generators exist once CUDA is (a no-op then)
-    cuda = [torch.cuda.default_generators[d] for d in devices]
-    saved = [torch.random.default_generator.get_state()] + [g.get_state() for g in cuda]
-    try:
-        for generator in (torch.random.default_generator, *cuda):
-            generator.manual_seed(seed)
-        yield
-    finally:
-        for generator, state in zip((torch.random.default_generator, *cuda), saved):
+    fork_rng's checks and device lookups, and as a class rather than a generator function: a keyed scope is
+    entered twice per layer and micro-batch."""
+
+    __slots__ = ("_seed", "_generators", "_saved")
+
+    def __init__(self, seed: int, devices: Sequence[int]) -> None:
+        if devices:
+            torch.cuda.init()  # the generators exist once CUDA is (a no-op then)
+        self._seed = seed
+        self._generators = [torch.random.default_generator, *(torch.cuda.default_generators[d] for d in devices)]
+
+    def __enter__(self) -> None:
+        self._saved = [g.get_state() for g in self._generators]
+        for generator in self._generators:
+            generator.manual_seed(self._seed)
+
+    def __exit__(self, *exc: object) -> None:
+        for generator, state in zip(self._generators, self._saved):
             generator.set_state(state)
 
 
@@ -97,21 +106,19 @@ def micro_batch_rng(seed: int, micro_batch: int, stage: int, replica: int = 0) -
     _scope.key = (int(seed), int(micro_batch), int(stage), int(replica))
     _scope.folded = _fold(_START, _scope.key)
     try:
-        with _seeded(_scope.folded & ((1 << 63) - 1), _default_devices()):
+        with _Seeded(_scope.folded & _MASK63, _default_devices()):
             yield
     finally:
         _scope.key, _scope.folded = previous
 
 
-@contextmanager
-def layer_rng(layer: int, branch: int) -> Iterator[None]:
+def layer_rng(layer: int, branch: int) -> ContextManager[None]:
     """Stream for one branch (F = 0, G = 1, ...) of one layer, inside the current micro-batch scope.
 
     Outside any :func:`micro_batch_rng` scope the global stream is used, as plain PyTorch would: that
     is the behaviour that makes a reconstruction with dropout inexact.
     """
     if _scope.key is None:
-        yield
-        return
-    with _seeded(_fold(_scope.folded, (layer, branch)) & ((1 << 63) - 1), _default_devices()):
-        yield
+        return _GLOBAL_STREAM
+    return _Seeded(_fold(_scope.folded, (layer, branch)) & _MASK63, _default_devices())
+

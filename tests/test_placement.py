@@ -56,7 +56,7 @@ def test_revgpt_with_tied_embeddings_moves_from_two_ranks_to_four_to_one(tmp_pat
     assert same_bits(merged_params(last), merged_params(whole))
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("before,after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_a_run_resumes_on_another_data_parallel_degree_with_the_global_batch_kept(tmp_path, before, after):
     """J = 4 on 2 pipeline ranks and ``before`` replicas of 4 / ``before`` rows each, saved mid-flight (FIFO entries,
     stage 0's micro-batches, messages, and at k = 4 stages 0 and 2 halfway through their accumulation), resumed on

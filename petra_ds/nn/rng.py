@@ -121,4 +121,3 @@ def layer_rng(layer: int, branch: int) -> ContextManager[None]:
     if _scope.key is None:
         return _GLOBAL_STREAM
     return _Seeded(_fold(_scope.folded, (layer, branch)) & _MASK63, _default_devices())
-

@@ -258,7 +258,7 @@ def _stage_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
                          ". Resume with the same stages, k and petra config, and the same global micro-batch "
                          "(data_parallel x micro_batch: train_micro_batch_size_per_gpu); the number of processes, "
                          "stages_per_rank and the data-parallel degree may change")
-    written = first["signature"]["data_parallel"]
+    written = written_replicas(path)
     stages, runs = {}, []
     for j in engine.local_stage_ids:
         olds, part, parts = replicas.sources(engine.grid.data_parallel_id, written, ours["data_parallel"])
@@ -299,12 +299,17 @@ def written_per_rank(path: str) -> bool:
         os.path.join(path, "petra_stage-*.pt"))
 
 
+def written_replicas(path: str) -> int:
+    """How many data-parallel replicas wrote the checkpoint in ``path`` (stage 0's files; 0 if it has none)."""
+    return len(glob.glob(os.path.join(path, "petra_stage-00-data_*.pt")))
+
+
 def state_files(engine: PetraEngine, path: str, per_rank: bool) -> list[str]:
     """The PETRA state files this rank's load of the checkpoint in ``path`` opens: its stages' (its rank's when
     ``per_rank``, :func:`written_per_rank`), of each replica whose rows it holds now."""
     if per_rank:
         return [state_file(path, engine.stage_id, engine.grid.data_parallel_id)]
-    written = len(glob.glob(os.path.join(path, "petra_stage-00-data_*.pt"))) or engine.grid.data_parallel_size
+    written = written_replicas(path) or engine.grid.data_parallel_size
     try:
         olds = replicas.sources(engine.grid.data_parallel_id, written, engine.grid.data_parallel_size)[0]
     except ValueError as error:

@@ -251,25 +251,20 @@ def _stage_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
     """(the state ``load_petra_state`` takes, the client state) from the files of this rank's stages: of its own
     replica, or of the replicas whose rows it holds now (``replicas.py``)."""
     ours = signature(engine)
-    first = load_file(stage_file(path, engine.local_stage_ids[0], 0), engine.device)
+    written = written_replicas(path)
+    olds, part, parts = replicas.sources(engine.grid.data_parallel_id, written, ours["data_parallel"])
+    records = {j: [load_file(stage_file(path, j, r), engine.device) for r in olds] for j in engine.local_stage_ids}
+    first = records[engine.local_stage_ids[0]][0]
     differ = differences(_matching(first["signature"], ours), ours)
     if differ:
         raise ValueError(f"checkpoint {path} cannot continue in this run: " + "; ".join(differ) +
                          ". Resume with the same stages, k and petra config, and the same global micro-batch "
                          "(data_parallel x micro_batch: train_micro_batch_size_per_gpu); the number of processes, "
                          "stages_per_rank and the data-parallel degree may change")
-    written = written_replicas(path)
-    stages, runs = {}, []
-    for j in engine.local_stage_ids:
-        olds, part, parts = replicas.sources(engine.grid.data_parallel_id, written, ours["data_parallel"])
-        records = [load_file(stage_file(path, j, r), engine.device) for r in olds]
-        runs += [r["run"] for r in records]
-        if written == ours["data_parallel"]:
-            stages[j] = records[0]["stage"]
-        else:
-            stages[j] = replicas.regroup([r["stage"] for r in records], part, parts)
-    if any(run != first["run"] for run in runs):
+    if any(r["run"] != first["run"] for rs in records.values() for r in rs):
         raise ValueError(f"checkpoint {path}: its stage files were written at different clocks")
+    stages = {j: rs[0]["stage"] if written == ours["data_parallel"] else
+              replicas.regroup([r["stage"] for r in rs], part, parts) for j, rs in records.items()}
     return {**first["run"], "stages": stages}, first["client_state"]
 
 

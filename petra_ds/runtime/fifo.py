@@ -142,6 +142,12 @@ class Entry:
     ready: Any = None
 
 
+def saved_entries(state: Any) -> list[tuple[int, Any]]:
+    """A saved FIFO's (micro-batch, input) pairs (:meth:`InputFifo.state`); stage 0's micro-batches were a
+    dictionary by micro-batch in checkpoints written before they could be offloaded."""
+    return list(state.items() if isinstance(state, dict) else state)
+
+
 class InputFifo:
     """The inputs a stage keeps for its delayed backwards, read in the order they were stored; with ``copies``,
     every entry but the head waits in host memory."""

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..schedule import channels
 from ..util.nested import map_tensors, tensors_in
+from .fifo import saved_entries
 
 #: message kinds whose payload is rows of the micro-batch (the others, tied weights' gradients, are not)
 BATCH_MESSAGES = (channels.ACT, channels.GRAD, channels.DATA)
@@ -51,8 +52,10 @@ def regroup(states: list[dict[str, Any]], part: int, parts: int) -> dict[str, An
     holding the rows of ``states``' replicas joined, then part ``part`` of ``parts``."""
     first = states[0]
     own = first["state"]
-    entries = {name: [(m, _cut(_join([_pairs(s["state"][name])[m] for s in states]), part, parts))
-                      for m in _pairs(own[name])] for name in ("fifo", "raw")}
+    entries = {}
+    for name in ("fifo", "raw"):
+        tables = [dict(saved_entries(s["state"][name])) for s in states]
+        entries[name] = [(m, _cut(_join([t[m] for t in tables]), part, parts)) for m in tables[0]]
     inbox = {key: (_cut(_join([s["inbox"][key] for s in states]), part, parts)
                    if key[1] in BATCH_MESSAGES else value) for key, value in first["inbox"].items()}
     share = len(states) / parts  # rows now per row before: each row's share of its micro-batch's mean falls by it
@@ -63,12 +66,6 @@ def regroup(states: list[dict[str, Any]], part: int, parts: int) -> dict[str, An
     grads = [_mean(list(g)) for g in zip(*(s["state"]["grads"] for s in states))]
     state = {**own, **entries, "grads": grads, "peak_input_bytes": int(own["peak_input_bytes"] * share)}
     return {**first, "state": state, "inbox": inbox}
-
-
-def _pairs(entries: Any) -> dict[int, Any]:
-    """(micro-batch, value) pairs by micro-batch (stage 0's were a dictionary in checkpoints written before the
-    offload)."""
-    return dict(entries.items() if isinstance(entries, dict) else entries)
 
 
 def _mean(grads: list[Tensor | None]) -> Tensor | None:

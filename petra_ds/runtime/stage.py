@@ -33,7 +33,7 @@ from ..pipeline.module import layer_module
 from ..schedule import reconstructs
 from .compensation import NoCompensation
 from .compiled import compile_layers
-from .fifo import InputFifo, StreamCopies
+from .fifo import InputFifo, StreamCopies, saved_entries
 from .finite import FiniteWatch
 from .ledger import tensor_bytes
 
@@ -441,8 +441,7 @@ class Stage:
         for p, g in zip(self.params, state["grads"]):
             p.grad = None if g is None else g.to(p.device).clone()
         self.fifo.load(state["fifo"])
-        raw = state["raw"]  # (micro-batch, input) pairs; a dictionary in checkpoints written before the offload
-        self.raw.load(raw.items() if isinstance(raw, dict) else raw)
+        self.raw.load(saved_entries(state["raw"]))
         self.stash = dict(state["stash"])
         self.backwards = state["backwards"]
         self.peak_input_bytes = state["peak_input_bytes"]

@@ -1,11 +1,14 @@
 """``petra_ds.nn.accumulate.backprop`` against ``torch.autograd.backward``: the same gradients, bit for bit, over
 a step's micro-batches, with one multi-tensor add per graph instead of one add per parameter."""
 
+from contextlib import nullcontext
+
+import pytest
 import torch
 from torch import nn
 
 from petra_ds.diagnostics.host_cost import OpCounter
-from petra_ds.nn.accumulate import backprop
+from petra_ds.nn.accumulate import backprop, parameters_fixed
 
 
 def _block(seed: int) -> nn.Module:
@@ -18,8 +21,14 @@ def _inputs(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)) for _ in range(n)]
 
 
-def test_gradients_equal_autograd_accumulation_bit_for_bit_over_micro_batches():
+@pytest.mark.parametrize("fixed", [False, True], ids=["parameters looked up per graph", "inside parameters_fixed"])
+def test_gradients_equal_autograd_accumulation_bit_for_bit_over_micro_batches(fixed):
     ours, theirs = _block(0), _block(0)
+    with parameters_fixed() if fixed else nullcontext():
+        _accumulate_both(ours, theirs)
+
+
+def _accumulate_both(ours: nn.Module, theirs: nn.Module) -> None:
     for x, dy in _inputs(4):
         leaf_a, leaf_b = x.clone().requires_grad_(), x.clone().requires_grad_()
         (dx_a,) = backprop([ours(leaf_a)], [dy], [leaf_a], ours)

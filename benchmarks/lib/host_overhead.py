@@ -19,7 +19,9 @@ One process hosts all J stages (the paper's single-device setting, the same engi
   the line that made each.
 - ``time``: host seconds per ``train_batch`` of a RevGPT with negligible compute (d 8, seq 4), medians over
   interleaved rounds: PETRA (J stages), DeepSpeed's ``PipelineEngine`` with one stage, torch's
-  ``Schedule1F1B`` with one stage and plain backprop, all with the same layers, micro-batches and optimizer;
+  ``Schedule1F1B`` with one stage, plain backprop, and plain backprop plus the graph-free forward PETRA runs
+  before its reconstruction (PETRA's arithmetic without its machinery: the floor of its host time), all with the
+  same layers, micro-batches and optimizer;
   PETRA's host microseconds per stage-clock (time / (k J)) beside DeepSpeed's per micro-batch per stage.
 
 Writes ``benchmarks/results/host_overhead_cpu.json`` (``--output`` to choose) and prints a summary.
@@ -110,16 +112,23 @@ def torch_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, **options)
 
 
-def petra_engine(m: dict, k: int, bf16: bool = False, petra: dict | None = None, pipe: int = 1):
-    """PETRA on ``m``'s J stages over ``pipe`` pipeline ranks (1: all of them in this process)."""
+def petra_module(m: dict, pipe: int = 1):
+    """``m``'s layers cut into its J stages over ``pipe`` pipeline ranks."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     import petra_ds
 
+    return petra_ds.PetraPipelineModule(m["specs"], topology=PipeDataParallelTopology(num_pp=pipe, num_dp=1),
+                                        loss_fn=m["loss"], stages_per_rank=m["J"] // pipe,
+                                        partition_method=m["partition"], base_seed=0)
+
+
+def petra_engine(m: dict, k: int, bf16: bool = False, petra: dict | None = None, pipe: int = 1):
+    """PETRA on ``m``'s J stages over ``pipe`` pipeline ranks (1: all of them in this process)."""
+    import petra_ds
+
     per_rank = m["J"] // pipe
-    module = petra_ds.PetraPipelineModule(m["specs"], topology=PipeDataParallelTopology(num_pp=pipe, num_dp=1),
-                                          loss_fn=m["loss"], stages_per_rank=per_rank,
-                                          partition_method=m["partition"], base_seed=0)
+    module = petra_module(m, pipe)
     config = {"train_micro_batch_size_per_gpu": m["size"], "gradient_accumulation_steps": k,
               "optimizer": OPTIMIZER, "steps_per_print": 10**9, "gradient_clipping": 1.0,
               "petra": {"stages_per_rank": per_rank, **(petra or {})}}
@@ -273,7 +282,8 @@ def time_variants(args: argparse.Namespace) -> dict:
     m = model("revgpt", args, d=8, seq=4, blocks=args.time_blocks, stages=args.time_stages, heads=2)
     k = args.k
     builders = {"petra": lambda: _petra_call(m, k), "deepspeed_1f1b_one_stage": lambda: _deepspeed_call(m, k),
-                "torch_1f1b_one_stage": lambda: _torch_call(m, k), "plain": lambda: _plain_call(m, k)}
+                "torch_1f1b_one_stage": lambda: _torch_call(m, k), "plain": lambda: _plain_call(m, k),
+                "plain_and_petra_forwards": lambda: _plain_call(m, k, again=_reevaluated_layers(m))}
     calls = {name: build() for name, build in builders.items()}
     for call in calls.values():
         for _ in range(fill_calls(m["J"], k) + 1):
@@ -297,7 +307,8 @@ def time_variants(args: argparse.Namespace) -> dict:
             "deepspeed_us_per_micro_batch_per_stage": medians["deepspeed_1f1b_one_stage"] / k * 1e6,
             "petra/deepspeed": medians["petra"] / medians["deepspeed_1f1b_one_stage"],
             "petra/torch": medians["petra"] / medians["torch_1f1b_one_stage"],
-            "petra/plain": medians["petra"] / medians["plain"]}
+            "petra/plain": medians["petra"] / medians["plain"],
+            "arithmetic_floor/deepspeed": medians["plain_and_petra_forwards"] / medians["deepspeed_1f1b_one_stage"]}
 
 
 def _petra_call(m: dict, k: int) -> Callable[[], Any]:
@@ -338,14 +349,25 @@ def _torch_call(m: dict, k: int) -> Callable[[], Any]:
     return call
 
 
-def _plain_call(m: dict, k: int, bf16: bool = False) -> Callable[[], Any]:
-    """A plain backprop ``train_batch``: k forward + backward passes, clipping, one optimizer step."""
+def _reevaluated_layers(m: dict) -> int:
+    """How many layers, from the first, PETRA evaluates twice per micro-batch: those of every stage but the last
+    (a graph-free forward, then the reconstruction or recomputation that the backward differentiates)."""
+    return petra_module(m).petra_parts[-2]
+
+
+def _plain_call(m: dict, k: int, bf16: bool = False, again: int = 0) -> Callable[[], Any]:
+    """A plain backprop ``train_batch``: k forward + backward passes, clipping, one optimizer step. ``again``:
+    the first ``again`` layers also run a graph-free forward per micro-batch first (PETRA's arithmetic, without
+    its machinery: the floor of its host time)."""
     layers, run = plain_model(m, bf16)
     optimizer, stream = torch_optimizer(layers.parameters()), data(m)
 
     def call() -> None:
         for _ in range(k):
             x, labels = next(stream)
+            if again:
+                with torch.no_grad():
+                    run(x, layers[:again])
             (m["loss"](run(x), labels) / k).backward()
         torch.nn.utils.clip_grad_norm_(layers.parameters(), 1.0)
         optimizer.step()
@@ -389,7 +411,8 @@ def print_report(report: dict) -> None:
         print(f"host time per train_batch (negligible layers, J={t['J']}, k={t['k']}): "
               + ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in t["seconds_per_call"].items())
               + f"; PETRA/DeepSpeed {t['petra/deepspeed']:.2f}x, PETRA/torch {t['petra/torch']:.2f}x, "
-              f"PETRA/plain {t['petra/plain']:.2f}x; PETRA {t['petra_us_per_stage_clock']:.0f} us per stage-clock, "
+              f"PETRA/plain {t['petra/plain']:.2f}x; PETRA's arithmetic alone (plain + its graph-free forwards) "
+              f"{t['arithmetic_floor/deepspeed']:.2f}x DeepSpeed; PETRA {t['petra_us_per_stage_clock']:.0f} us per stage-clock, "
               f"DeepSpeed {t['deepspeed_us_per_micro_batch_per_stage']:.0f} us per micro-batch per stage")
 
 

@@ -10,19 +10,51 @@ fresh gradients without a copy and knows when one is shared and must be copied.
 
 Which parameters a graph accumulates into is its owner's (a coupling's F, a stage): checked against the first
 graph after the owner's parameters last changed. An owner whose graph reaches a parameter it does not hold (a
-closure over another module's weight) keeps autograd's accumulation, which finds every parameter.
+closure over another module's weight) keeps autograd's accumulation, which finds every parameter. Inside
+:func:`parameters_fixed` (the engine's ``train_batch`` window, where no user code runs) an owner's parameters
+are collected once, not at every graph.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 #: owner -> (the ids of the parameters it held when checked, whether its graph reaches no others)
 _CHECKED: "weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], bool]]" = weakref.WeakKeyDictionary()
+
+
+class _Fixed(threading.local):
+    #: owner -> its parameters, inside :func:`parameters_fixed` (None outside)
+    params: dict[Any, tuple[Tensor, ...]] | None = None
+
+
+_fixed = _Fixed()
+
+
+@contextmanager
+def parameters_fixed() -> Iterator[None]:
+    """Within it, no module gains, loses or freezes a parameter: each owner's are collected once."""
+    previous, _fixed.params = _fixed.params, {}
+    try:
+        yield
+    finally:
+        _fixed.params = previous
+
+
+def _parameters(owner: Any) -> tuple[Tensor, ...]:
+    cache = _fixed.params
+    if cache is None:
+        return tuple(owner.parameters())
+    params = cache.get(owner)
+    if params is None:
+        params = cache[owner] = tuple(owner.parameters())
+    return params
 
 
 def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: Sequence[Tensor],
@@ -33,7 +65,7 @@ def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: 
     graph uses (None: unknown, autograd accumulates them)."""
     if owner is None:
         return _by_autograd(outputs, grads, leaves)
-    params = tuple(owner.parameters())
+    params = _parameters(owner)
     ids = tuple(map(id, params))
     checked = _CHECKED.get(owner)
     if checked is None or checked[0] != ids:

@@ -17,6 +17,7 @@ import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import Tensor
 
+from ..nn.accumulate import parameters_fixed
 from ..nn.batchnorm import BatchNormPolicy
 from ..pipeline.module import layer_module, stage_layers, stage_reversible, stages_per_rank_of
 from ..pipeline.ties import TiedWeights
@@ -240,10 +241,11 @@ class PetraEngine(PipelineEngine):
     def _run_window(self, window: Window) -> Tensor:
         self._window_losses = []
         self._notify("window_start", window)
-        self._exec(PetraSchedule.for_window(
-            window, self.pipeline_ranks, self.stage_id, stages_per_rank=self.stages_per_rank,
-            gradient_accumulation_steps=self.micro_batches, reversible=self.reversible,
-            input_buffer=self.petra_config.input_buffer, ties=self.stages.tie_specs()))
+        with parameters_fixed():
+            self._exec(PetraSchedule.for_window(
+                window, self.pipeline_ranks, self.stage_id, stages_per_rank=self.stages_per_rank,
+                gradient_accumulation_steps=self.micro_batches, reversible=self.reversible,
+                input_buffer=self.petra_config.input_buffer, ties=self.stages.tie_specs()))
         loss = self._reduce_loss(self._window_losses)
         self._read_window(loss)
         self.timeline.advance(window)

@@ -158,12 +158,13 @@ class FiniteWatch:
         """The input a reversible stage rebuilt by inverting its layers (it sends it upstream)."""
         self._see("reconstruction", "the input it rebuilt by inverting its layers", stage, m, x, sender=stage + 1)
 
-    def gradients(self, stage: int, m: int, params: Sequence[Tensor], dx: Any) -> None:
+    def gradients(self, stage: int, m: int, grads: Sequence[Tensor], dx: Any) -> None:
         """After a backward: the parameters' gradients accumulated so far (clean until this micro-batch, or an
-        earlier check would have seen them) and the input gradient a stage other than 0 sends upstream."""
+        earlier check would have seen them; ``Stage.grad_tensors``) and the input gradient a stage other than 0
+        sends upstream."""
         if not self.check_finite:
             return
-        grads = [g for p in params if (g := p.grad) is not None and g.numel()]  # a parameter's is floating
+        grads = [g for g in grads if g.numel()]  # a parameter's is floating
         if grads:
             report = [self._sighting("gradient", "the gradient of its parameters", stage, m, stage + 1), grads]
             self._pending.append(report)

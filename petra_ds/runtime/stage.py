@@ -35,6 +35,7 @@ from .compensation import NoCompensation
 from .compiled import compile_layers
 from .fifo import InputFifo, StreamCopies, saved_entries
 from .finite import FiniteWatch
+from .grad_buffer import StageGrads
 from .ledger import tensor_bytes
 
 
@@ -129,6 +130,8 @@ class Stage:
         #: what this stage's own step updates: what it clips and what delay compensation acts on (not a
         #: reader's copies of tied weights, which follow their owner)
         self.stepped = [p for p in self.params if p.requires_grad and id(p) not in not_stepped]
+        #: the gradients, checked after each backward and cleared after each step (``runtime/grad_buffer.py``)
+        self.grads = StageGrads(self.params, self.stepped)
         self.norms = [bn for module in self.modules for bn in batch_norms(module)]
 
         #: exact inputs of a non-reversible stage, and stage 0's micro-batches (data), each read in the order they
@@ -343,7 +346,7 @@ class Stage:
         self.backwards += 1
         self.last_micro_batch = m
         self._account()
-        self.finite.gradients(self.index, m, self.params, dx)
+        self.finite.gradients(self.index, m, self.grads.tensors(), dx)
         return dx, x_tilde
 
     def vjp(self, m: int, x: Activation, delta: Activation | None, labels: Any = None, *, update_bn: bool,
@@ -440,6 +443,7 @@ class Stage:
     def load_state_dict(self, state: dict) -> None:
         for p, g in zip(self.params, state["grads"]):
             p.grad = None if g is None else g.to(p.device).clone()
+        self.grads.attach()
         self.fifo.load(state["fifo"])
         self.raw.load(saved_entries(state["raw"]))
         self.stash = dict(state["stash"])

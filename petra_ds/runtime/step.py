@@ -55,9 +55,11 @@ class StageStep:
                          f"the data-parallel reduction of stage {j}")
         produced: Messages = dict(self.ties.gradients(j, step, self.take))
         norm = None
+        grads = st.grads.stepped_tensors()
         if self.clipping > 0:  # its total norm is the step's finite check
-            norm = torch.nn.utils.clip_grad_norm_(st.stepped, self.clipping)
-        found_inf = self.finite.step(j, step, st.last_micro_batch, [p.grad for p in st.stepped], norm)
+            norm = torch.nn.utils.get_total_norm(grads)  # torch's clip_grad_norm_, the norm taken of the flat buffers
+            torch.nn.utils.clip_grads_with_norm_(st.stepped, self.clipping, norm)
+        found_inf = self.finite.step(j, step, st.last_micro_batch, grads, norm)
         # a host read, only for an optimizer that cannot skip on the device
         finite = found_inf is None or self.skips_on_device or not bool(found_inf)
         if not finite and self.non_finite == "raise":
@@ -68,8 +70,7 @@ class StageStep:
                 self.optimizer.found_inf = found_inf
             st.compensation.step(self.optimizer.step, self.optimizer, step)
         self.notify("after_step", j, step)
-        for p in trainable:  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
-            p.grad = None
+        st.grads.clear()  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
         produced.update(self.ties.weights(j, step))
         if self.scheduler is not None:
             self.scheduler.step()

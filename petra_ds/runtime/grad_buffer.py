@@ -1,0 +1,112 @@
+"""A stage's gradients in one flat buffer per device and dtype, each parameter's ``.grad`` a view of it.
+
+A stage checks its accumulated gradients for NaN / Inf after every backward and clears them after every step.
+As views of one buffer, each is one op on the buffer instead of one per parameter (DeepSpeed's contiguous
+gradients, torch DDP's ``gradient_as_bucket_view``). Accumulation adds into ``.grad`` in place, so the views
+stay views; a ``.grad`` that something replaced (``zero_grad(set_to_none=True)``, a checkpoint load) is
+noticed, and :meth:`GradBuffer.attach` makes it a view again with its values kept.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+class GradBuffer:
+    """The gradients of ``params`` (trainable, each once) as views of flat buffers, zero to begin with."""
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        self.params = list(params)
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, p in enumerate(self.params):
+            groups.setdefault((p.device, p.dtype), []).append(i)
+        self.flats: list[Tensor] = []
+        self.views: list[Tensor] = [torch.empty(0)] * len(self.params)
+        for (device, dtype), members in groups.items():
+            flat = torch.zeros(sum(self.params[i].numel() for i in members), dtype=dtype, device=device)
+            offset = 0
+            for i in members:
+                n = self.params[i].numel()
+                self.views[i] = flat[offset:offset + n].view_as(self.params[i])
+                offset += n
+            self.flats.append(flat)
+        self.attach()
+
+    def covers(self, params: Sequence[Tensor]) -> bool:
+        """Whether the buffer holds exactly ``params``, in that order."""
+        return len(params) == len(self.params) and all(p is q for p, q in zip(params, self.params))
+
+    def attached(self) -> bool:
+        """Whether every parameter's ``.grad`` is its view."""
+        return all(p.grad is v for p, v in zip(self.params, self.views))
+
+    def attach(self) -> None:
+        """Make every parameter's ``.grad`` its view again, keeping its value (None: zero)."""
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views):
+                if p.grad is view:
+                    continue
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                p.grad = view
+
+    def zero_(self) -> None:
+        """Every gradient to zero, attached."""
+        for flat in self.flats:
+            flat.zero_()
+        for p, view in zip(self.params, self.views):
+            p.grad = view
+
+    def tensors(self) -> list[Tensor]:
+        """The gradients as few tensors as they are held: the flat buffers when attached, else each ``.grad``."""
+        if self.attached():
+            return self.flats
+        return [g for p in self.params if (g := p.grad) is not None]
+
+
+class StageGrads:
+    """A stage's gradients: those of the parameters its step updates (``stepped``) in a :class:`GradBuffer`,
+    the others (a reader's copies of tied weights) as autograd leaves them."""
+
+    def __init__(self, params: Sequence[Tensor], stepped: Sequence[Tensor]) -> None:
+        self.params, self.stepped = list(params), list(stepped)
+        self._build()
+
+    def _build(self) -> None:
+        self.buffer = GradBuffer([p for p in self.stepped if p.requires_grad])
+        self._unbuffered = [p for p in self.params if all(p is not q for q in self.buffer.params)]
+
+    def _current(self) -> bool:
+        """Whether the buffer still holds the stepped parameters that train (none frozen or unfrozen since)."""
+        return self.buffer.covers([p for p in self.stepped if p.requires_grad])
+
+    def tensors(self) -> list[Tensor]:
+        """Every gradient accumulated since the last step, as few tensors as they are held (what a check reduces)."""
+        return self.buffer.tensors() + [g for p in self._unbuffered if (g := p.grad) is not None]
+
+    def stepped_tensors(self) -> list[Tensor]:
+        """The gradients the stage's step applies (clips, checks), as few tensors as they are held."""
+        if self._current():
+            return self.buffer.tensors()
+        return [g for p in self.stepped if (g := p.grad) is not None]
+
+    def attach(self) -> None:
+        """After something replaced gradients (a checkpoint load): views again, values kept."""
+        self.buffer.attach()
+
+    def clear(self) -> None:
+        """After a step: the stepped parameters' gradients to zero (the buffer rebuilt for the parameters that
+        train now, if that changed), the others' to None."""
+        if self._current():
+            self.buffer.zero_()
+        else:
+            for p in self.buffer.params:
+                p.grad = None
+            self._build()
+        for p in self._unbuffered:
+            p.grad = None

@@ -1,0 +1,95 @@
+"""A stage's gradients are views of flat buffers (``petra_ds.runtime.grad_buffer``): checked for NaN / Inf after
+each backward and cleared after each step as one tensor, not one per parameter, with training unchanged."""
+
+import itertools
+
+import torch
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from torch import nn
+
+import petra_ds
+from petra_ds.runtime.grad_buffer import GradBuffer
+from petra_ds.tools.toy import toy_data, toy_layer_specs
+
+J, K = 3, 2
+
+
+def engine():
+    torch.manual_seed(0)
+    model = petra_ds.PetraPipelineModule(
+        toy_layer_specs(dropout=0.1), topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
+        loss_fn=nn.CrossEntropyLoss(), stages_per_rank=J, partition_method="uniform", base_seed=0)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": K, "steps_per_print": 10**9,
+              "gradient_clipping": 0.5, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+              "petra": {"stages_per_rank": J}}
+    e, *_ = petra_ds.initialize(model=model, config=config)
+    return e
+
+
+def params(e):
+    return [p.detach().clone() for p in e.module.parameters()]
+
+
+def test_the_gradients_a_backward_accumulated_are_checked_as_one_tensor_per_stage(world_of_one):
+    e = engine()
+    data = itertools.cycle(toy_data(4 * K, 4, dtype=torch.float32))
+    for _ in range(3):
+        e.train_batch(data)
+    for j, st in e.stages.items():
+        flat = st.grads.buffer.flats
+        assert len(flat) == 1 and flat[0].numel() == sum(p.numel() for p in st.stepped)
+        for p in st.stepped:
+            assert p.grad.untyped_storage().data_ptr() == flat[0].untyped_storage().data_ptr()
+        checked = st.grads.tensors()
+        assert len(checked) == 1 and checked[0] is flat[0], f"stage {j} reduces its gradients one by one"
+
+
+def test_gradients_replaced_between_windows_are_taken_back_with_their_values(world_of_one):
+    """A ``.grad`` replaced by a copy (what a checkpoint load or a user's code may do) holds micro-batches in
+    flight: the next step must apply it, and the buffer takes it back."""
+    data = toy_data(4 * K * 4, 4, dtype=torch.float32)
+    plain, replaced = engine(), engine()
+    for e in (plain, replaced):
+        it = iter(data)
+        for call in range(4):
+            if e is replaced and call == 2:
+                for p in e.module.parameters():
+                    if p.grad is not None:
+                        p.grad = p.grad.clone()
+                assert not all(st.grads.buffer.attached() for st in e.stages.values())
+            e.train_batch(it)
+    assert all(st.grads.buffer.attached() for st in replaced.stages.values())
+    for a, b in zip(params(plain), params(replaced)):  # the clipping norm of one window taken per tensor: rounding
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_buffer_keeps_each_gradient_and_groups_by_dtype():
+    a = nn.Parameter(torch.ones(2, 3))
+    b = nn.Parameter(torch.ones(4, dtype=torch.float64))
+    c = nn.Parameter(torch.ones(5))
+    c.grad = torch.full((5,), 7.0)
+    buffer = GradBuffer([a, b, c])
+    assert [f.dtype for f in buffer.flats] == [torch.float32, torch.float64]
+    assert buffer.flats[0].tolist() == [0.0] * 6 + [7.0] * 5
+    a.grad.add_(1.0)
+    assert buffer.flats[0][:6].tolist() == [1.0] * 6
+    c.grad = None
+    assert [t.data_ptr() for t in buffer.tensors()] == [a.grad.data_ptr(), b.grad.data_ptr()]
+    buffer.zero_()
+    assert buffer.attached() and all(f.abs().sum() == 0 for f in buffer.flats)
+
+
+def test_a_frozen_parameter_leaves_the_buffer_at_the_next_step(world_of_one):
+    e = engine()
+    data = itertools.cycle(toy_data(4 * K, 4, dtype=torch.float32))
+    e.train_batch(data)
+    st = e.stages[1]
+    frozen = st.stepped[0]
+    frozen.requires_grad_(False)
+    before = frozen.detach().clone()
+    for _ in range(3):
+        e.train_batch(data)
+    assert all(p is not frozen for p in st.grads.buffer.params)
+    assert torch.equal(frozen, before)
+    assert st.grads.buffer.attached()
+

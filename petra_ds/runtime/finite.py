@@ -160,7 +160,7 @@ class FiniteWatch:
 
     def gradients(self, stage: int, m: int, grads: Sequence[Tensor], dx: Any) -> None:
         """After a backward: the parameters' gradients accumulated so far (clean until this micro-batch, or an
-        earlier check would have seen them; ``Stage.grad_tensors``) and the input gradient a stage other than 0
+        earlier check would have seen them; ``StageGrads.tensors``) and the input gradient a stage other than 0
         sends upstream."""
         if not self.check_finite:
             return

@@ -44,6 +44,7 @@ def _fold(h: int, parts: Sequence[int]) -> int:
 class _Scope(threading.local):
     key: tuple[int, ...] | None = None
     folded: int = 0  # the hash of ``key`` (see ``_fold``), so that a layer's seed folds two more parts only
+    generators: tuple = ()  # the generators the scope seeds, found once per micro-batch scope, not per layer
 
 
 _scope = _Scope()
@@ -66,7 +67,7 @@ def _default_devices() -> list[int]:
 @contextmanager
 def keyed_rng(*key: int, devices: Sequence[int] | None = None) -> Iterator[None]:
     """Run the body on generator states seeded from ``key``; the global streams are restored after."""
-    with _Seeded(derive_seed(*key), _default_devices() if devices is None else list(devices)):
+    with _Seeded(derive_seed(*key), _generators(_default_devices() if devices is None else list(devices))):
         yield
 
 
@@ -77,11 +78,9 @@ class _Seeded:
 
     __slots__ = ("_seed", "_generators", "_saved")
 
-    def __init__(self, seed: int, devices: Sequence[int]) -> None:
-        if devices:
-            torch.cuda.init()  # the generators exist once CUDA is (a no-op then)
+    def __init__(self, seed: int, generators: Sequence[torch.Generator]) -> None:
         self._seed = seed
-        self._generators = [torch.random.default_generator, *(torch.cuda.default_generators[d] for d in devices)]
+        self._generators = generators
 
     def __enter__(self) -> None:
         self._saved = [g.get_state() for g in self._generators]
@@ -93,23 +92,40 @@ class _Seeded:
             generator.set_state(state)
 
 
-@contextmanager
-def micro_batch_rng(seed: int, micro_batch: int, stage: int, replica: int = 0) -> Iterator[None]:
+def _generators(devices: Sequence[int]) -> tuple[torch.Generator, ...]:
+    """The CPU generator and those of CUDA ``devices``."""
+    if devices:
+        torch.cuda.init()  # the generators exist once CUDA is (a no-op then)
+    return (torch.random.default_generator, *(torch.cuda.default_generators[d] for d in devices))
+
+
+class micro_batch_rng:
     """Everything a stage computes for one micro-batch runs under this scope.
 
     Ops outside reversible layers draw from the (seed, micro_batch, stage, replica) stream, so a
     non-reversible stage's recomputation matches its forward; reversible layers derive their own
     per-layer streams from the same key (see :func:`layer_rng`). Data-parallel replicas see different
-    data under the same micro-batch index, so ``replica`` gives each its own masks.
+    data under the same micro-batch index, so ``replica`` gives each its own masks. A class, not a generator
+    function: a stage enters it at every instruction.
     """
-    previous = _scope.key, _scope.folded
-    _scope.key = (int(seed), int(micro_batch), int(stage), int(replica))
-    _scope.folded = _fold(_START, _scope.key)
-    try:
-        with _Seeded(_scope.folded & _MASK63, _default_devices()):
-            yield
-    finally:
-        _scope.key, _scope.folded = previous
+
+    __slots__ = ("_key", "_previous", "_seeded")
+
+    def __init__(self, seed: int, micro_batch: int, stage: int, replica: int = 0) -> None:
+        self._key = (int(seed), int(micro_batch), int(stage), int(replica))
+
+    def __enter__(self) -> None:
+        self._previous = _scope.key, _scope.folded, _scope.generators
+        _scope.key, _scope.folded = self._key, _fold(_START, self._key)
+        _scope.generators = _generators(_default_devices())
+        self._seeded = _Seeded(_scope.folded & _MASK63, _scope.generators)
+        self._seeded.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._seeded.__exit__(*exc)
+        finally:
+            _scope.key, _scope.folded, _scope.generators = self._previous
 
 
 def layer_rng(layer: int, branch: int) -> ContextManager[None]:
@@ -120,4 +136,4 @@ def layer_rng(layer: int, branch: int) -> ContextManager[None]:
     """
     if _scope.key is None:
         return _GLOBAL_STREAM
-    return _Seeded(_fold(_scope.folded, (layer, branch)) & _MASK63, _default_devices())
+    return _Seeded(_fold(_scope.folded, (layer, branch)) & _MASK63, _scope.generators)

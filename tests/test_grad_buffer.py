@@ -80,10 +80,14 @@ def test_a_buffer_keeps_each_gradient_and_groups_by_dtype():
 
 
 def test_a_frozen_parameter_leaves_the_buffer_at_the_next_step(world_of_one):
+    """Frozen after steps that gave it a momentum: no later step moves it (a zero gradient left in the buffer
+    would, through the momentum), and the buffer is rebuilt without it."""
     e = engine()
     data = itertools.cycle(toy_data(4 * K, 4, dtype=torch.float32))
-    e.train_batch(data)
+    for _ in range(4):
+        e.train_batch(data)
     st = e.stages[1]
+    assert e.stage_steps[1] >= 2
     frozen = st.stepped[0]
     frozen.requires_grad_(False)
     before = frozen.detach().clone()

@@ -95,6 +95,16 @@ class StageGrads:
             return self.buffer.tensors()
         return [g for p in self.stepped if (g := p.grad) is not None]
 
+    def for_step(self) -> None:
+        """Before a step: every parameter that trains has a gradient (zero where no backward reached it), and a
+        frozen one has none, so that the optimizer skips it (a zero gradient would still move it by its momentum
+        or weight decay)."""
+        for p in self.params:
+            if not p.requires_grad:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     def attach(self) -> None:
         """After something replaced gradients (a checkpoint load): views again, values kept."""
         self.buffer.attach()

@@ -44,14 +44,11 @@ class StageStep:
     def __call__(self, step: int) -> Messages:
         """Take the stage's ``step``-th step (1-based); returns the messages it produced."""
         st, j = self.stage, self.stage.index
-        trainable = [p for p in st.params if p.requires_grad]  # asked at each step: a layer may be frozen later
-        for p in trainable:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        st.grads.for_step()  # asked at each step: a layer may be frozen later
         if self.average is not None or self.ties:  # they rewrite the gradients the backwards reported
             self.finite.flush_gradients()
         if self.average is not None:
-            self.average([p.grad for p in trainable] + running_stat_tensors(st.norms),
+            self.average(st.grads.tensors() + running_stat_tensors(st.norms),
                          f"the data-parallel reduction of stage {j}")
         produced: Messages = dict(self.ties.gradients(j, step, self.take))
         norm = None

@@ -412,7 +412,8 @@ def print_report(report: dict) -> None:
               + ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in t["seconds_per_call"].items())
               + f"; PETRA/DeepSpeed {t['petra/deepspeed']:.2f}x, PETRA/torch {t['petra/torch']:.2f}x, "
               f"PETRA/plain {t['petra/plain']:.2f}x; PETRA's arithmetic alone (plain + its graph-free forwards) "
-              f"{t['arithmetic_floor/deepspeed']:.2f}x DeepSpeed; PETRA {t['petra_us_per_stage_clock']:.0f} us per stage-clock, "
+              f"{t['arithmetic_floor/deepspeed']:.2f}x DeepSpeed; "
+              f"PETRA {t['petra_us_per_stage_clock']:.0f} us per stage-clock, "
               f"DeepSpeed {t['deepspeed_us_per_micro_batch_per_stage']:.0f} us per micro-batch per stage")
 
 

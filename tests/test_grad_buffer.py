@@ -8,7 +8,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from torch import nn
 
 import petra_ds
-from petra_ds.runtime.grad_buffer import GradBuffer
+from petra_ds.runtime.grad_buffer import GradBuffer, StageGrads
 from petra_ds.tools.toy import toy_data, toy_layer_specs
 
 J, K = 3, 2
@@ -97,3 +97,17 @@ def test_a_frozen_parameter_leaves_the_buffer_at_the_next_step(world_of_one):
     assert torch.equal(frozen, before)
     assert st.grads.buffer.attached()
 
+
+
+def test_a_parameter_unfrozen_again_rejoins_the_buffer_with_its_applied_gradient_cleared():
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    grads = StageGrads([a, b], [a, b])
+    b.requires_grad_(False)
+    grads.for_step()
+    grads.clear()
+    assert [p is b for p in grads.buffer.params] == [False] and b.grad is None
+    b.requires_grad_(True)
+    b.grad = torch.full((2,), 5.0)  # what the next backwards accumulate outside the buffer; the step applies it
+    grads.for_step()
+    grads.clear()
+    assert grads.buffer.attached() and b.grad.tolist() == [0.0, 0.0] and a.grad.tolist() == [0.0] * 3

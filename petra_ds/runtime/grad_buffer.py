@@ -114,9 +114,9 @@ class StageGrads:
         train now, if that changed), the others' to None."""
         if self._current():
             self.buffer.zero_()
-        else:
-            for p in self.buffer.params:
+            for p in self._unbuffered:
+                p.grad = None
+        else:  # every applied gradient dropped first: the new buffer keeps none of them
+            for p in self.params:
                 p.grad = None
             self._build()
-        for p in self._unbuffered:
-            p.grad = None

@@ -79,7 +79,8 @@ class StageGrads:
 
     def _build(self) -> None:
         self.buffer = GradBuffer([p for p in self.stepped if p.requires_grad])
-        self._unbuffered = [p for p in self.params if all(p is not q for q in self.buffer.params)]
+        held = {id(p) for p in self.buffer.params}
+        self._unbuffered = [p for p in self.params if id(p) not in held]
 
     def _current(self) -> bool:
         """Whether the buffer still holds the stepped parameters that train (none frozen or unfrozen since)."""

@@ -134,8 +134,10 @@ def _serve(rank: int, world: int, conn: Any, parent: int) -> None:
 # --- the test process's side ---
 
 #: what the fork server imports once, beside ``petra_ds``: the examples' heavy imports (scikit-learn's digits,
-#: torchvision, matplotlib's pyplot, the Hugging Face decoders), about 6 s per rank of every example launch
-EXAMPLE_IMPORTS = ("sklearn.datasets", "torchvision", "matplotlib.pyplot", "petra_ds.models.decoder", "datasets")
+#: torchvision, matplotlib's pyplot, the Hugging Face decoders and Reformer, DeepSpeed's Muon, which imports
+#: torch's inductor), about 13 s per rank of every example launch
+EXAMPLE_IMPORTS = ("sklearn.datasets", "torchvision", "matplotlib.pyplot", "petra_ds.models.decoder",
+                   "petra_ds.models.reformer", "deepspeed.runtime.zero.muon.muon_optimizer", "datasets")
 
 
 def context() -> Any:

@@ -10,7 +10,9 @@
 #   tests  pytest -m gpu: every test passes, test_a_steady_state_train_batch_synchronises_once included
 #   bench  petra/plain seconds per train_batch: RevGPT bf16 <= 1.5x, RevNet18 bf16 <= 1.7x, RevGPT fp32 <= 1.36x;
 #          petra/petra_unchecked (what check_finite costs) <= 1.03x; RevNet18's peak with fifo_offload <= plain's,
-#          its time within 1.05x of petra's; memory_report names what stays allocated between calls (within 5%)
+#          its time within 1.05x of petra's; petra_offload_auto prints each stage's decision ("fifo_offload auto:
+#          stage j ...") and is never slower than the faster of petra and petra_offload by more than 5%;
+#          memory_report names what stays allocated between calls (within 5%)
 #   lm     steady tokens/s PETRA / backprop: >= 0.65x at micro-batch 4 x k = 4, >= 0.5x at 1 x k = 16
 # Afterwards, on a CPU machine with the files brought back: predict 10 and 8 GPUs from what this one measured,
 #     python -m benchmarks.gpu predict --inputs runs/gpu/gpu.json

@@ -106,6 +106,12 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         return {"error": f"{type(failure).__name__}: {failure}"}
 
 
+def _named(ref: str) -> Any:
+    """The function ``"module:function"`` names (a spec's probe or setup)."""
+    module_name, function = ref.split(":")
+    return getattr(importlib.import_module(module_name), function)
+
+
 def _train(spec: dict[str, Any]) -> dict[str, Any]:
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
@@ -179,6 +185,8 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
         engine.clock_observers.append(lambda eng, clock: memory.append((clock, eng.memory_report())))
     if spec.get("load_dir"):
         engine.load_checkpoint(spec["load_dir"])
+    if spec.get("setup"):  # "module:function", called with the engine before it trains
+        _named(spec["setup"])(engine)
     if spec.get("nan_micro_batch") is not None:  # one micro-batch with a NaN feature
         x, y = data[spec["nan_micro_batch"]]
         x = x.clone()
@@ -204,10 +212,7 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
         losses.append(engine.drain().item())
     evals = [engine.eval_batch(iter(data)).item() for _ in range(spec["eval_batches"])]
     params = {names[id(p)]: p.detach().clone() for p in model.parameters()}
-    probe = None
-    if spec.get("probe"):
-        module_name, function = spec["probe"].split(":")
-        probe = getattr(importlib.import_module(module_name), function)(engine)
+    probe = _named(spec["probe"])(engine) if spec.get("probe") else None
     return {
         "probe": probe, "hook_order": hooks,
         "rank": engine.global_rank, "stages": sorted(engine.stages), "parts": petra_parts(model),

@@ -221,7 +221,8 @@ def test_a_checkpoint_holds_the_host_copies_and_reloads_them_offloaded():
 def test_the_config_names_the_allowed_values():
     assert PetraConfig().fifo_offload == "none"
     assert PetraConfig.from_dict({"fifo_offload": "cpu"}).fifo_offload == "cpu"
-    with pytest.raises(PetraConfigError, match=r"\"petra.fifo_offload\" must be one of \('none', 'cpu'\).*'gpu'"):
+    with pytest.raises(PetraConfigError,
+                       match=r"\"petra.fifo_offload\" must be one of \('none', 'cpu', 'auto'\).*'gpu'"):
         PetraConfig.from_dict({"fifo_offload": "gpu"})
 
 
@@ -305,6 +306,74 @@ def test_toy_resumes_bit_for_bit_from_a_checkpoint_with_offloaded_entries(tmp_pa
     assert resumed[0]["clock"] == first[0]["clock"]
     got = merged_params(resumed)
     assert max((got[n] - whole[n]).abs().max().item() for n in whole) == 0.0
+
+
+# --- "auto": offload where the copies hide under the stage's compute ---
+
+class CountingTimer:
+    """Marks 0, 1, 2, ...: a forward, marked before and after, takes 1 s."""
+
+    def __init__(self) -> None:
+        self.marks = itertools.count()
+
+    def mark(self) -> int:
+        return next(self.marks)
+
+    def seconds(self, start: int, end: int) -> float:
+        return float(end - start)
+
+
+#: between the toy's two kinds of stored entry (stage 0's micro-batch, 192 B; stage 2's input, 256 B): with
+#: 1 s forwards, copies of 2 x 192 B hide under 3 s, copies of 2 x 256 B do not
+LINK = 2 * 224 / 3
+_planners: list = []
+
+
+def plan_with_counted_forwards(engine: Any) -> None:
+    from petra_ds.runtime.offload_plan import OffloadPlanner
+
+    _planners[:] = [engine.observe(OffloadPlanner(engine, LINK, CountingTimer()))]
+
+
+def planner_probe(engine: Any) -> dict:
+    (planner,) = _planners
+    return {"decisions": planner.decisions, "watching": planner in engine.observers,
+            "offloads": {j: st.offloads_inputs for j, st in engine.stages.items()}}
+
+
+def test_auto_offloads_the_stages_whose_copies_hide_and_trains_the_same_bits():
+    """The planner's rule on the toy's two ranks, forwards timed by a counting clock: stage 0 (small entries)
+    offloads after the first train_batch, stage 2 keeps its FIFO on the device; training equals training without
+    any offload bit for bit, and the planner stops watching once both decided."""
+    plain = run(**TOY)
+    auto = run(**{**TOY, "memory_trace": True, "setup": "test_fifo_offload:plan_with_counted_forwards",
+                  "probe": "test_fifo_offload:planner_probe"})
+    got, want = merged_params(auto), merged_params(plain)
+    assert max((got[n] - want[n]).abs().max().item() for n in want) == 0.0
+    for j, steps in merged_grads(plain).items():
+        for a, b in zip(steps, merged_grads(auto)[j], strict=True):
+            assert all(torch.equal(a[n], b[n]) for n in a), j
+    assert [[repr(x) for x in r["losses"]] for r in auto] == [[repr(x) for x in r["losses"]] for r in plain]
+    decisions = {j: d for r in auto for j, d in r["probe"]["decisions"].items()}
+    assert {j: (d["offload"], d["entry_bytes"], d["forward_s"]) for j, d in decisions.items()} == \
+        {0: (True, 192, 1.0), 2: (False, 256, 1.0)}
+    assert not any(r["probe"]["watching"] for r in auto)
+    assert {j: o for r in auto for j, o in r["probe"]["offloads"].items()} == {0: True, 1: False, 2: False, 3: False}
+    host = {j: [report[j]["fifo_host"] for clock, report in r["memory"] if j in report]
+            for r in auto for j in r["stages"]}
+    k = TOY["k"]  # decided at the end of the first train_batch: then every entry of stage 0's but its head left
+    waiting = [max(0, sum(1 for m in range(k * TOY["train_batches"]) if m <= clock < m + delay(0, 4)) - 1)
+               for clock in range(len(host[0]))]
+    assert host[0] == [0] * k + [192 * n for n in waiting[k:]] and max(host[2]) == 0
+
+
+def test_auto_on_a_cpu_is_none_and_says_so():
+    """On a CPU the device is host memory: no planner, nothing offloaded, and the settings print says why."""
+    results = run(**{**TOY, "petra": {"fifo_offload": "auto"}, "probe": "test_fifo_offload:settings_probe"})
+    assert ("input FIFO: stage 2 keeps it on the device; fifo_offload auto: nothing leaves (on a CPU the device is "
+            "host memory)") in results[0]["probe"]
+    got, plain = merged_params(results), merged_params(run(**TOY))
+    assert got.keys() == plain.keys() and all(torch.equal(got[n], plain[n]) for n in plain)
 
 
 REVNET = {"model": "revnet", "k": 2, "train_batches": 3, "micro_batch": 2, "optimizer": SGD, "dropout": 0.0}

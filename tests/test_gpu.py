@@ -305,17 +305,50 @@ def _offload_runs(_spec: dict) -> dict:
     torch.cuda.set_device(0)
     petra_ds.init_distributed(dist_backend="nccl")
     found = {}
-    for offload in ("none", "cpu"):
+    for offload in ("none", "cpu", "auto"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                result = run_rank({**OFFLOAD, "petra": {"input_buffer": "all", "fifo_offload": offload}})
+                result = run_rank({**OFFLOAD, "petra": {"input_buffer": "all", "fifo_offload": offload},
+                                   "setup": "test_gpu:keep_the_planner", "probe": "test_gpu:planner_decisions"})
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         result["syncs"] = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
         found[offload] = _cpu(result)
     return found
+
+
+_planners: list = []
+
+
+def keep_the_planner(engine) -> None:
+    """The engine's own ``fifo_offload: "auto"`` planner, if it made one (it leaves the observers once decided)."""
+    from petra_ds.runtime.offload_plan import OffloadPlanner
+
+    _planners[:] = [o for o in engine.observers if isinstance(o, OffloadPlanner)]
+
+
+def planner_decisions(engine) -> dict | None:
+    return _planners[0].decisions if _planners else None
+
+
+def test_fifo_offload_auto_on_cuda_decides_every_stage_and_changes_no_bit():
+    """"auto" measures the link and each stage's forward in the first train_batch and decides each stage that keeps
+    inputs (stage 0's micro-batches, stages 1 and 2's FIFOs), by the rule of ``runtime/offload_plan.py``; whatever
+    it decides, training equals training without the offload bit for bit."""
+    from petra_ds.runtime.offload_plan import copies_hide
+
+    (found,) = launch({}, world_size=1, target=_offload_runs, timeout=600, fresh="spawn")
+    plain, auto = found["none"], found["auto"]
+    for n in plain["params"]:
+        assert torch.equal(auto["params"][n], plain["params"][n]), n
+    decisions = auto["probe"]
+    assert plain["probe"] is None and sorted(decisions) == [0, 1, 2], decisions
+    for d in decisions.values():
+        assert d["forward_s"] > 0 and d["entry_bytes"] > 0
+        assert d["offload"] == (d["copies_s"] <= 3 * d["forward_s"]) == copies_hide(
+            d["entry_bytes"], 2 * d["entry_bytes"] / d["copies_s"], d["forward_s"])
 
 
 def test_fifo_offload_on_cuda_changes_no_bit_and_adds_no_host_sync():

@@ -13,6 +13,7 @@ freshly built:
     petra_overlap  the same with "petra": {"reconstruct_overlap": true}
     petra_unchecked  petra with "petra": {"check_finite": false} (what the NaN / Inf watch costs)
     petra_offload  petra with "petra": {"fifo_offload": "cpu"} (the FIFOs in pinned host memory between clocks)
+    petra_offload_auto  petra with "petra": {"fifo_offload": "auto"} (only the stages whose copies hide)
 
 RevNet18 takes the paper's partition (J = 10, one layer per stage: each reconstructing stage holds one
 block, so the overlap has nothing to hide there); RevGPT's J = 4 stages hold 3 blocks each (its middle
@@ -50,7 +51,9 @@ from .example_runs import ROOT
 
 MODELS = ("revnet18", "revgpt")
 DTYPES = ("fp32", "bf16")
-VARIANTS = ("plain", "petra", "petra_overlap", "petra_unchecked", "petra_offload")
+VARIANTS = ("plain", "petra", "petra_overlap", "petra_unchecked", "petra_offload", "petra_offload_auto")
+#: the ``fifo_offload`` of each variant that sets one
+OFFLOADS = {"petra_offload": "cpu", "petra_offload_auto": "auto"}
 #: every variant's optimizer: torch's fused AdamW (no JIT build; skips a non-finite step on the device), and clipping
 OPTIMIZER = {"lr": 1e-4, "weight_decay": 0.01, "fused": True}
 CLIPPING = 1.0
@@ -197,7 +200,7 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
 
 
 def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.device, overlap: bool = False,
-              check_finite: bool = True, offload: bool = False) -> dict:
+              check_finite: bool = True, offload: str = "none") -> dict:
     """PetraEngine, all J stages in this process; timed after ceil(2(J-1)/k) + 1 calls fill the pipeline."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
@@ -212,7 +215,7 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
               "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}}, "steps_per_print": 10**9,
               "gradient_clipping": CLIPPING,
               "petra": {"stages_per_rank": J, "reconstruct_overlap": overlap, "check_finite": check_finite,
-                        "fifo_offload": "cpu" if offload else "none"}}
+                        "fifo_offload": offload}}
     if bf16:
         config["bf16"] = {"enabled": True}
     engine, *_ = petra_ds.initialize(model=module, config=config)
@@ -343,10 +346,10 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_plain(name, args, bf16, device)
             else:
                 result = run_petra(name, args, bf16, device, overlap=variant == "petra_overlap",
-                                   check_finite=variant != "petra_unchecked", offload=variant == "petra_offload")
+                                   check_finite=variant != "petra_unchecked", offload=OFFLOADS.get(variant, "none"))
             runs.append({"model": name, "dtype": dtype, "variant": variant, "round": round_, **result})
             peak = result["peak_bytes"]
-            print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:13s} "
+            print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:18s} "
                   f"{result['median_seconds'] * 1e3:9.1f} ms/call"
                   + (f", peak {peak / 2**20:.1f} MiB" if peak is not None else ""), flush=True)
             report = {  # rewritten after every run: a run cut short by a time limit keeps what it measured

@@ -100,6 +100,8 @@ def run_settings(engine: DeepSpeedEngine, config: dict) -> dict:
             "scope": "off" if clip <= 0 else ("each stage's own parameters" if petra else "all parameters (one norm)")},
         "lr_schedule_config": config.get("scheduler"),
         "delay_compensation": _plain(engine.petra_config.delay_compensation) if petra else None,
+        "fifo_offload": engine.petra_config.fifo_offload if petra else None,
+        "device": engine.device.type,
         "per_stage": stages,
     }
 
@@ -139,8 +141,16 @@ def format_settings(settings: dict) -> str:
         lines.append(f"  gradient clipping: off, from {clip['from']}")
     if s["method"] == "petra":
         lines.append(f"  delay compensation: {_describe_compensation(s['delay_compensation'])}")
-        lines.append(f"  input FIFO: {_describe_fifos(s['per_stage'])}")
+        lines.append(f"  input FIFO: {_describe_fifos(s['per_stage'])}" + _auto_offload(s))
     return "\n".join(lines)
+
+
+def _auto_offload(s: dict) -> str:
+    if s.get("fifo_offload") != "auto":
+        return ""
+    if s.get("device") == "cuda":
+        return "; fifo_offload auto: each stage decides after its first forwards, and says so"
+    return "; fifo_offload auto: nothing leaves (on a CPU the device is host memory)"
 
 
 def _describe_fifos(stages: list[dict]) -> str:

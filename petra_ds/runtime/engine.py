@@ -30,6 +30,7 @@ from .config import PetraConfig, check_stages_per_rank
 from .ledger import memory_report
 from .local_stages import LocalStages
 from .observe import Callbacks, Holdings, Observer, hook_table
+from .offload_plan import OffloadPlanner, link_bytes_per_s
 from .optimizers import StageOptimizers, StageSchedulers, single_or_combined, stage_optimizers, stage_schedulers
 from .stage import StageOptions
 from .transport import Transport
@@ -85,6 +86,8 @@ class PetraEngine(PipelineEngine):
         #: what watches the clocks (``observe``); the gradient-quality study is one of them when enabled
         self._observers: tuple[Observer, ...] = (self._callbacks,)
         self._hooks = hook_table(self._observers)
+        if petra_config.fifo_offload == "auto" and self.device.type == "cuda":
+            self.observe(OffloadPlanner(self, link_bytes_per_s(self.device)))
         self.gradient_quality: Observer | None = None
         #: a checkpoint being written in the background (``"async_save"``) until it is committed, and the host
         #: memory such saves copy into, reused from one save to the next (both ``checkpoint.py``'s)

@@ -26,8 +26,9 @@ from torch import Tensor
 
 from ..util.nested import map_tensors, tensors_in
 
-#: the values ``"petra.fifo_offload"`` takes: "none" keeps every entry on the device, "cpu" offloads to host memory
-FIFO_OFFLOADS = ("none", "cpu")
+#: the values ``"petra.fifo_offload"`` takes: "none" keeps every entry on the device, "cpu" offloads to host memory,
+#: "auto" offloads where the copies hide under the stage's compute (``runtime/offload_plan.py``)
+FIFO_OFFLOADS = ("none", "cpu", "auto")
 
 
 class Copies(Protocol):
@@ -181,6 +182,17 @@ class InputFifo:
             return
         host, stored = moved(x, self.copies.to_host)
         self._entries.append(Entry(m, None, next(tensors_in(x)).device, host, stored))
+
+    def start_offloading(self, copies: Copies) -> None:
+        """Offload from now on: every entry but the head leaves for host memory now, later ones as they are
+        stored."""
+        if self.copies is not None:
+            return
+        self.copies = copies
+        kept = list(self._entries)
+        self._entries.clear()
+        for e in kept:
+            self.append(e.micro_batch, e.value)
 
     def pop(self, m: int) -> Any:
         """The head, micro-batch ``m``'s input, on the device with the compute stream ordered after its copy;

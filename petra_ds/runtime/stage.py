@@ -118,6 +118,8 @@ class Stage:
         self.reversible = all(isinstance(l, nn.Module) and is_reversible(l) for l in self.layers)
         self.reconstructs = reconstructs(index, petra_stages, self.reversible, options.input_buffer)
         self.keeps_input = not (self.is_first or self.is_last or self.reconstructs)
+        #: whether it stores inputs for its delayed backwards: a FIFO, or stage 0's micro-batches
+        self.has_input_fifo = self.keeps_input or (self.is_first and not self.is_last)
         self.modules = []
         for layer in self.layers:
             module = layer_module(layer)
@@ -467,9 +469,19 @@ class Stage:
 
     @property
     def offloads_inputs(self) -> bool:
-        """Whether this stage keeps its inputs (a FIFO, or stage 0's micro-batches) and offloads them to host
-        memory (``fifo_offload: "cpu"``)."""
-        return (self.keeps_input or (self.is_first and not self.is_last)) and self.fifo.offloads
+        """Whether this stage's stored inputs wait in host memory (``fifo_offload``)."""
+        return self.has_input_fifo and self.fifo.offloads
+
+    def offload_inputs(self) -> None:
+        """Keep the stored inputs in host memory from now on (``fifo_offload: "auto"`` once it decided)."""
+        copies = StreamCopies()
+        self.fifo.start_offloading(copies)
+        self.raw.start_offloading(copies)
+
+    def kept_entry_bytes(self) -> int | None:
+        """The bytes of the next stored input read (None while none is stored)."""
+        kept = self.raw if self.is_first else self.fifo
+        return tensor_bytes(kept.on_device()[:1]) if len(kept) else None
 
     def _rebuilt_input(self) -> Activation | None:
         rebuilt = self.reconstruction

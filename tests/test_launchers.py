@@ -139,3 +139,22 @@ def test_torchruns_shared_store_is_refused_to_a_restarted_worker_and_named_befor
     assert len(records) == 1 and SEPARATE_STORE in records[0].getMessage()
     with pytest.raises(RuntimeError, match=SEPARATE_STORE):
         check_elastic_store({**env, "TORCHELASTIC_RESTART_COUNT": "1"})
+
+
+@pytest.mark.parametrize("env,threads", [
+    ({"LOCAL_SIZE": "2"}, max(1, os.cpu_count() // 2)),  # DeepSpeed's launcher, 2 ranks here
+    ({"LOCAL_WORLD_SIZE": "4"}, max(1, os.cpu_count() // 4)),  # torchrun's name for it
+    ({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, None),  # the user's choice stands
+    ({"LOCAL_SIZE": "1"}, None), ({}, None)])
+def test_ranks_on_a_cpu_machine_share_its_cores(env, threads):
+    """Ranks sharing a CPU machine compute on a share of its cores each, not on all of them each (two processes
+    with a thread per core each on this 2-core machine ran 3.7x slower than with a thread each)."""
+    from petra_ds.runtime.distributed import share_cores
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(7)
+    try:
+        assert share_cores(env) == threads
+        assert torch.get_num_threads() == (7 if threads is None else threads)
+    finally:
+        torch.set_num_threads(before)

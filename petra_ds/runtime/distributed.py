@@ -117,6 +117,7 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
     global _group_timeout
     ensure_single_process_env()
     check_elastic_store(os.environ)
+    share_cores(os.environ)
     timeout = timeout or default_pg_timeout
     note = shm_comm_build_note() if cpu_comm_op and os.environ.get("RANK", "0") == "0" else None
     if note:
@@ -124,6 +125,21 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
     with nullcontext() if cpu_comm_op else _shm_comm_op_off():
         deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout, **kwargs)
     _group_timeout = timeout
+
+
+def share_cores(env: Any) -> int | None:
+    """On a CPU machine each of the ranks a launcher started here computes on its share of the cores, unless
+    ``OMP_NUM_THREADS`` says otherwise: torch's default, a thread per core in every rank, oversubscribes them, and
+    DeepSpeed's launcher sets ``OMP_NUM_THREADS`` only with ``--bind_cores_to_rank`` (torchrun sets 1). Returns
+    the threads set (None: left alone)."""
+    from deepspeed.accelerator import get_accelerator
+
+    local = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 1)
+    if local <= 1 or "OMP_NUM_THREADS" in env or get_accelerator().device_name() != "cpu":
+        return None
+    threads = max(1, (os.cpu_count() or 1) // local)
+    torch.set_num_threads(threads)
+    return threads
 
 
 #: what makes torchrun's restarted workers safe: a fresh store per attempt (pytorch/pytorch#135712)

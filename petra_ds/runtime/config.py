@@ -115,8 +115,8 @@ class PetraConfig:
         if self.fifo_offload not in FIFO_OFFLOADS:
             raise PetraConfigError(
                 f'"petra.fifo_offload" must be one of {FIFO_OFFLOADS} ("cpu": a non-reversible stage keeps its input '
-                f'FIFO, stage 0 its micro-batches, in host memory; "auto": only where the copies hide under its compute), '
-                f'got {self.fifo_offload!r}')
+                f'FIFO, stage 0 its micro-batches, in host memory; "auto": only where the copies hide under its '
+                f'compute), got {self.fifo_offload!r}')
         if not isinstance(self.async_save, bool):
             raise PetraConfigError(f'"petra.async_save" must be true or false, got {self.async_save!r}')
         if self.param_buffer and self.delay_compensation.method != "none":

@@ -13,7 +13,9 @@ and around every instruction ``before_instruction`` / ``after_instruction``.
 
 ``forwards_done`` comes once per clock after its forwards and the activations' batch, before any
 backward or parameter change (what the gradient-quality probe needs). Observers that change what the
-engine computes do not exist: every hook runs with the training math already decided.
+engine computes do not exist: every hook runs with the training math already decided. (The engine's own
+``fifo_offload: "auto"`` planner, ``runtime/offload_plan.py``, is an observer that moves where FIFO entries wait,
+never a bit of what is computed.)
 """
 
 from __future__ import annotations

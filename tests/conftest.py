@@ -21,13 +21,16 @@ def pytest_configure(config):
 
 
 def _share_the_cores():
-    """Each xdist worker computes on its share of the cores. torch's default, one thread per core in every worker,
-    oversubscribes them: two workers with 2 threads each on 2 cores ran the host-overhead counts 3.7x slower than
-    with one thread each (53 s against 14 s), the spinning threads waiting on each other. The processes the tests
-    start already run one thread each (``subprocess_env``, ``petra_ds.tools.spawn``)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    """Each xdist worker computes on its share of the cores, by the rule ranks sharing a machine follow
+    (``petra_ds.runtime.distributed.share_cores``, the workers counted as its ranks). torch's default, one thread
+    per core in every worker, oversubscribes them: two workers with 2 threads each on 2 cores ran the host-overhead
+    counts 3.7x slower than with one thread each (53 s against 14 s). The processes the tests start already run
+    one thread each (``subprocess_env``, ``petra_ds.tools.spawn``). Only in a worker: the session process imports
+    no DeepSpeed."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from petra_ds.runtime.distributed import share_cores
+
+        share_cores({**os.environ, "LOCAL_WORLD_SIZE": os.environ["PYTEST_XDIST_WORKER_COUNT"]})
 
 
 def pytest_unconfigure(config):

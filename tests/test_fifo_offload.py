@@ -350,8 +350,9 @@ def test_auto_offloads_the_stages_whose_copies_hide_and_trains_the_same_bits():
                   "probe": "test_fifo_offload:planner_probe"})
     got, want = merged_params(auto), merged_params(plain)
     assert max((got[n] - want[n]).abs().max().item() for n in want) == 0.0
+    grads = merged_grads(auto)
     for j, steps in merged_grads(plain).items():
-        for a, b in zip(steps, merged_grads(auto)[j], strict=True):
+        for a, b in zip(steps, grads[j], strict=True):
             assert all(torch.equal(a[n], b[n]) for n in a), j
     assert [[repr(x) for x in r["losses"]] for r in auto] == [[repr(x) for x in r["losses"]] for r in plain]
     decisions = {j: d for r in auto for j, d in r["probe"]["decisions"].items()}

@@ -161,11 +161,12 @@ def test_the_lm_example_stopped_on_two_processes_continues_on_one(tmp_path):
 def test_the_lm_example_on_two_replicas_continues_as_one(tmp_path):
     """--resume auto after a relaunch on half the processes: J = 2 stages on one pipeline rank, 2 data-parallel
     replicas of micro-batch 2 (--global-batch 8 --micro-batches 2), continue from the newest checkpoint as 1
-    replica of micro-batch 4 reading the same samples. No dropout (masks are drawn per replica) and SGD (Adam
-    would divide float32 rounding by a near-zero second moment): the layer weights at the end equal the
-    uninterrupted two-replica run's to float32 reduction-order rounding, and so do the training losses."""
+    replica of micro-batch 4 reading the same samples and drawing the same dropout masks (RevGPT's attention and
+    residual dropout, by the two replicas' row blocks). SGD (Adam would divide float32 rounding by a near-zero
+    second moment): the layer weights at the end equal the uninterrupted two-replica run's to float32
+    reduction-order rounding, and so do the training losses."""
     small = dict(zip(SMALL[::2], SMALL[1::2]), **{"--max-steps": "6", "--eval-every": "5"})
-    args = ["--model", "revgpt", "--dropout", "0", "--seed", "3", "--stages", "2", "--global-batch", "8",
+    args = ["--model", "revgpt", "--dropout", "0.1", "--seed", "3", "--stages", "2", "--global-batch", "8",
             "--micro-batches", "2", "--optimizer", json.dumps({"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}),
             "--data-files", *_files(tmp_path), *[x for kv in small.items() for x in kv]]
     whole, parts = tmp_path / "whole", tmp_path / "parts"

@@ -56,24 +56,31 @@ def test_revgpt_with_tied_embeddings_moves_from_two_ranks_to_four_to_one(tmp_pat
     assert same_bits(merged_params(last), merged_params(whole))
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
-def test_a_run_resumes_on_another_data_parallel_degree_with_the_global_batch_kept(tmp_path, before, after):
-    """J = 4 on 2 pipeline ranks and ``before`` replicas of 4 / ``before`` rows each, saved mid-flight (FIFO entries,
-    stage 0's micro-batches, messages, and at k = 4 stages 0 and 2 halfway through their accumulation), resumed on
-    ``after`` replicas of 4 / ``after`` rows: the same samples, and the parameters at the end within 1e-6 relative
-    of the uninterrupted run (float64; a mean over 4 rows against the mean of two means over 2). The global
-    micro-batch must stay: the same degree change at the same micro-batch size is refused, naming both."""
-    ckpt = str(tmp_path / "ckpt")
-    common = {"pipe": 2, "stages_per_rank": 2, "k": 4, "train_batches": 6, "dropout": 0.0,
+@pytest.mark.parametrize("degrees", [(2, 1), pytest.param((1, 2), marks=pytest.mark.slow),
+                                     pytest.param((2, 1, 2), marks=pytest.mark.slow)])
+def test_a_run_resumes_on_another_data_parallel_degree_with_the_global_batch_kept(tmp_path, degrees):
+    """J = 4 on 2 pipeline ranks, with dropout, and ``degrees[0]`` replicas of 4 / D rows each, saved mid-flight
+    (FIFO entries, stage 0's micro-batches, messages, and at k = 4 stages 0 and 2 halfway through their
+    accumulation), resumed on the next degree (and saved again): the same samples and the same dropout masks (each
+    replica draws by the row blocks of the first degree), and the parameters at the end within 1e-6 relative of the
+    uninterrupted run (float64; a mean over 4 rows against the mean of two means over 2). The global micro-batch
+    must stay: the same degree change at the same micro-batch size is refused, naming both."""
+    first, *later = degrees
+    common = {"pipe": 2, "stages_per_rank": 2, "k": 4, "train_batches": 6, "dropout": 0.1,
               "petra": {"input_buffer": "non_reversible"}}  # SGD with momentum (Adam divides rounding by ~0)
-    whole = launch({**common, "dp": before, "micro_batch": 4 // before, "save_dir": ckpt, "save_after": 2})
-    resumed = launch({**common, "dp": after, "micro_batch": 4 // after, "load_dir": ckpt})
-    assert len(resumed) == 2 * after and resumed[0]["clock"] == whole[0]["clock"]
+    ckpt = str(tmp_path / "ckpt0")
+    whole = launch({**common, "dp": first, "micro_batch": 4 // first, "save_dir": ckpt, "save_after": 2})
+    for hop, dp in enumerate(later, 1):
+        saving = {"save_dir": str(tmp_path / f"ckpt{hop}"), "save_after": 4} if hop < len(later) else {}
+        resumed = launch({**common, "dp": dp, "micro_batch": 4 // dp, "load_dir": ckpt, **saving})
+        ckpt = saving.get("save_dir", ckpt)
+    assert len(resumed) == 2 * later[-1] and resumed[0]["clock"] == whole[0]["clock"]
     want, got = merged_params(whole), merged_params(resumed)
     assert want.keys() == got.keys() and want
     for name in want:
         error = (got[name] - want[name]).abs().max() / want[name].abs().max()
         assert error <= 1e-6, (name, float(error))
+    before, after = degrees[-2:]
     refused = launch({**common, "dp": after, "micro_batch": 4 // before, "load_dir": ckpt, "return_error": True})
     message = refused[0]["error"]
     assert f"data_parallel: {before} in the checkpoint, {after} in this run" in message, message

@@ -265,7 +265,7 @@ def _stage_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
         raise ValueError(f"checkpoint {path}: its stage files were written at different clocks")
     stages = {j: rs[0]["stage"] if written == ours["data_parallel"] else
               replicas.regroup([r["stage"] for r in rs], part, parts) for j, rs in records.items()}
-    return {**first["run"], "stages": stages}, first["client_state"]
+    return {"row_blocks": written, **first["run"], "stages": stages}, first["client_state"]
 
 
 def _rank_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:

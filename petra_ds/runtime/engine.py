@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..nn.accumulate import parameters_fixed
 from ..nn.batchnorm import BatchNormPolicy
+from ..nn.rng import RowBlocks
 from ..pipeline.module import layer_module, stage_layers, stage_reversible, stages_per_rank_of
 from ..pipeline.ties import TiedWeights
 from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, EvalForward, EvalSchedule, FedMicroBatches,
@@ -32,6 +33,7 @@ from .local_stages import LocalStages
 from .observe import Callbacks, Holdings, Observer, hook_table
 from .offload_plan import OffloadPlanner, link_bytes_per_s
 from .optimizers import StageOptimizers, StageSchedulers, single_or_combined, stage_optimizers, stage_schedulers
+from .replicas import row_blocks
 from .stage import StageOptions
 from .transport import Transport
 
@@ -58,11 +60,13 @@ class PetraEngine(PipelineEngine):
         self.reversible = stage_reversible(module)
         options = StageOptions(
             gradient_accumulation_steps=self.micro_batches, seed=petra_config.seed,
-            replica=self.grid.data_parallel_id, input_buffer=petra_config.input_buffer,
+            rows=RowBlocks(self.grid.data_parallel_id), input_buffer=petra_config.input_buffer,
             param_buffer=petra_config.param_buffer, bn_policy=BatchNormPolicy(petra_config.bn_running_stats),
             autocast_dtype=torch.bfloat16 if bf16 else None, device_type=self.device.type,
             check_reversible=petra_config.check_reversible, reconstruct_overlap=petra_config.reconstruct_overlap,
             compile=petra_config.compile, fifo_offload=petra_config.fifo_offload)
+        #: keyed random draws go by row blocks of the global micro-batch: this run's first degree's replicas
+        self.row_blocks, self._options = self.grid.data_parallel_size, options
         replicas = self.grid.data_parallel_size > 1
         #: this rank's stages by index, with their step units (``runtime/step.py``), ties and NaN watch
         self.stages = LocalStages(
@@ -429,6 +433,7 @@ class PetraEngine(PipelineEngine):
         messages it received for the next clock, included), which loads wherever that stage lives next."""
         return {"clock": self.timeline.clock, "feed": self.timeline.feed.intervals,
                 "global_steps": self.global_steps, "global_samples": self.global_samples,
+                "row_blocks": self.row_blocks,
                 "stages": {j: self._stage_state(i, j) for i, j in enumerate(self.local_stage_ids)}}
 
     def _stage_state(self, i: int, j: int) -> dict[str, Any]:
@@ -444,6 +449,8 @@ class PetraEngine(PipelineEngine):
         fed = FedMicroBatches(tuple(map(tuple, state["feed"])))
         self.timeline = Timeline(self.num_petra_stages, state["clock"], fed)
         self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
+        self.row_blocks = state.get("row_blocks", self.grid.data_parallel_size)
+        self._options.rows = row_blocks(self.grid.data_parallel_id, self.row_blocks, self.grid.data_parallel_size)
         self.inbox = {}
         for i, j in enumerate(self.local_stage_ids):
             own = state["stages"][j]

@@ -14,9 +14,10 @@ of a stage is the same on every replica (optimizer and scheduler state, stashed 
 tied gradients, already averaged over replicas): replica 0's is kept.
 
 The arithmetic is the same up to the order of reductions (one mean over 2b rows against the mean of two
-means over b). Two things make it another run rather than the same one, and are stated where resuming
-is documented: keyed random draws (dropout) depend on the replica's index, and a batch norm in training
-mode normalises over the rows of its own micro-batch.
+means over b). Keyed random draws keep going by the row blocks of the run's first degree (:func:`row_blocks`,
+``nn/row_draws.py``), so dropout masks are the same; a batch norm in training mode, though, normalises over
+the rows of its own micro-batch, which makes a run with one another run (stated where resuming is
+documented).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..nn.rng import RowBlocks
 from ..schedule import channels
 from ..util.nested import map_tensors, tensors_in
 from .fifo import saved_entries
@@ -45,6 +47,17 @@ def sources(replica: int, written: int, ours: int) -> tuple[list[int], int, int]
         return [replica // parts], replica % parts, parts
     raise ValueError(f"a checkpoint of {written} data-parallel replicas resumes on a number of replicas that "
                      f"divides it or that it divides, not {ours}")
+
+
+def row_blocks(replica: int, blocks: int, ours: int) -> RowBlocks:
+    """The row blocks replica ``replica`` of ``ours`` holds in a run whose keyed draws go by ``blocks`` blocks (its
+    first data-parallel degree): its dropout masks are those the replicas of that degree drew for its rows."""
+    if blocks % ours and ours % blocks:
+        raise ValueError(f"this run's random draws are keyed by {blocks} row blocks of the global micro-batch (the "
+                         f"data-parallel degree it started with): {ours} replicas can neither join nor cut them. "
+                         f"Resume on a number of replicas that divides {blocks} or that {blocks} divides")
+    olds, part, parts = sources(replica, blocks, ours)
+    return RowBlocks(olds[0], len(olds), part, parts)
 
 
 def regroup(states: list[dict[str, Any]], part: int, parts: int) -> dict[str, Any]:

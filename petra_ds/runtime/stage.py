@@ -28,7 +28,7 @@ from ..nn.batchnorm import BatchNormPolicy, batch_norms, norms_running_stats
 from ..nn.check import check_reversible
 from ..nn.reversible import (Activation, GraphTape, SequentialTape, as_tuple, assign_rng_keys, detach_leaf,
                              is_reversible, reconstruct, reconstruct_and_backward, shaped_like)
-from ..nn.rng import micro_batch_rng
+from ..nn.rng import RowBlocks, micro_batch_rng
 from ..pipeline.module import layer_module
 from ..schedule import reconstructs
 from .compensation import NoCompensation
@@ -45,9 +45,9 @@ class StageOptions:
 
     gradient_accumulation_steps: int = 1
     seed: int = 0
-    #: data-parallel replica: part of the keyed-RNG key, so replicas draw different dropout masks and each
-    #: replica's reconstruction replays its own
-    replica: int = 0
+    #: the data-parallel replica's row blocks (``nn.rng.RowBlocks``; its index in a run's first degree): the keyed
+    #: RNG's key, so replicas draw different dropout masks and each replica's reconstruction replays its own
+    rows: RowBlocks = RowBlocks(0)
     input_buffer: str = "non_reversible"  # or "all": every stage keeps its exact inputs
     param_buffer: bool = False  # weight stashing: the backward uses the forward's parameters
     bn_policy: BatchNormPolicy = BatchNormPolicy()
@@ -212,8 +212,8 @@ class Stage:
 
     @contextmanager
     def scope(self, m: int, update_bn: bool) -> Iterator[None]:
-        """Keyed RNG of (seed, m, stage, replica); batch norms update their running statistics iff ``update_bn``."""
-        with micro_batch_rng(self.options.seed, m, self.index, self.options.replica), \
+        """Keyed RNG of (seed, m, stage, replica's rows); batch norms update running statistics iff ``update_bn``."""
+        with micro_batch_rng(self.options.seed, m, self.index, self.options.rows), \
                 norms_running_stats(self.norms, update_bn):
             yield
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from .reversible import Activation, Reversible, Tape, add_grad, vjp_into
+from .reversible import Activation, Reversible, Tape, add_grad, as_dtype, vjp_into
 from .rng import layer_rng
 
 F_BRANCH, G_BRANCH = 0, 1
@@ -42,7 +42,7 @@ def _plain(t: Tensor) -> Tensor:
 def _undo(y: Tensor, residual: Tensor) -> Tensor:
     """``y - residual`` in ``y``'s dtype, outside any graph (no detached views needed)."""
     with torch.no_grad():
-        return y - residual.to(y.dtype)
+        return y - as_dtype(residual, y.dtype)
 
 
 class AdditiveCoupling(Reversible):
@@ -64,14 +64,14 @@ class AdditiveCoupling(Reversible):
     def forward(self, x: Activation, **f_inputs: Any) -> tuple[Tensor, Tensor]:
         """``f_inputs`` go to F only: at generation, an attention's key/value cache and the first position."""
         x1, x2 = x
-        y1 = x1 + self._f(x2, **f_inputs).to(x1.dtype)
-        y2 = x2 + self._g(y1).to(x2.dtype)
+        y1 = x1 + as_dtype(self._f(x2, **f_inputs), x1.dtype)
+        y2 = x2 + as_dtype(self._g(y1), x2.dtype)
         return y1, y2
 
     def inverse(self, y: Activation) -> tuple[Tensor, Tensor]:
         y1, y2 = y
-        x2 = y2 - self._g(y1).to(y2.dtype)
-        x1 = y1 - self._f(x2).to(y1.dtype)
+        x2 = y2 - as_dtype(self._g(y1), y2.dtype)
+        x1 = y1 - as_dtype(self._f(x2), y1.dtype)
         return x1, x2
 
     def reconstruct(self, y: Activation) -> tuple[tuple[Tensor, Tensor], Tape]:
@@ -112,11 +112,11 @@ class SwapCoupling(Reversible):
 
     def forward(self, x: Activation) -> tuple[Tensor, Tensor]:
         x1, x2 = x
-        return x2, x1 + self._f(x2).to(x1.dtype)
+        return x2, x1 + as_dtype(self._f(x2), x1.dtype)
 
     def inverse(self, y: Activation) -> tuple[Tensor, Tensor]:
         y1, y2 = y
-        return y2 - self._f(y1).to(y2.dtype), y1
+        return y2 - as_dtype(self._f(y1), y2.dtype), y1
 
     def reconstruct(self, y: Activation) -> tuple[tuple[Tensor, Tensor], Tape]:
         y1, y2 = y
@@ -166,11 +166,11 @@ class HalfCoupling(Reversible):
     def forward(self, x: Activation, **f_inputs: Any) -> tuple[Tensor, Tensor]:
         """``f_inputs`` go to F: at generation, an attention's key/value cache and the first position."""
         xa, xb = x[self._a], x[self._b]
-        return self._pair(xa + self._f(xb, **f_inputs).to(xa.dtype), xb)
+        return self._pair(xa + as_dtype(self._f(xb, **f_inputs), xa.dtype), xb)
 
     def inverse(self, y: Activation) -> tuple[Tensor, Tensor]:
         ya, yb = y[self._a], y[self._b]
-        return self._pair(ya - self._f(yb).to(ya.dtype), yb)
+        return self._pair(ya - as_dtype(self._f(yb), ya.dtype), yb)
 
     def reconstruct(self, y: Activation) -> tuple[tuple[Tensor, Tensor], Tape]:
         ya, yb = y[self._a], y[self._b]

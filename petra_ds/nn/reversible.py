@@ -40,6 +40,12 @@ def detach_leaf(x: Activation) -> Activation:
     return shaped_like(x, [t.detach().requires_grad_(t.is_floating_point()) for t in as_tuple(x)])
 
 
+def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)``, without the call where ``t`` already has it: a call that changes nothing still costs the
+    host a few microseconds, and a coupling would make several per block and micro-batch."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def vjp_into(output: Tensor, grad_output: Tensor | None, leaf: Tensor, owner: Any) -> Tensor | None:
     """Backpropagate ``grad_output`` through ``output``'s graph; return ``leaf``'s gradient.
 
@@ -48,11 +54,11 @@ def vjp_into(output: Tensor, grad_output: Tensor | None, leaf: Tensor, owner: An
     """
     if grad_output is None or not output.requires_grad:
         return None
-    return backprop([output], [grad_output.to(output.dtype)], [leaf], owner)[0]
+    return backprop([output], [as_dtype(grad_output, output.dtype)], [leaf], owner)[0]
 
 
 def add_grad(a: Tensor, b: Tensor | None) -> Tensor:
-    return a if b is None else a + b.to(a.dtype)
+    return a if b is None else a + as_dtype(b, a.dtype)
 
 
 def _grad_or_zeros(leaf: Tensor, grad: Tensor | None) -> Tensor | None:
@@ -83,7 +89,7 @@ class GraphTape(Tape):
         for out, grad in zip(as_tuple(self.outputs), as_tuple(dy)):
             if grad is not None and out.requires_grad:
                 outs.append(out)
-                grads.append(grad.to(out.dtype))
+                grads.append(as_dtype(grad, out.dtype))
         inputs = as_tuple(self.inputs)
         found = backprop(outs, grads, inputs, self.owner) if outs else [None] * len(inputs)
         dx = [_grad_or_zeros(leaf, g) for leaf, g in zip(inputs, found)]

@@ -15,8 +15,8 @@ tied gradients, already averaged over replicas): replica 0's is kept.
 
 The arithmetic is the same up to the order of reductions (one mean over 2b rows against the mean of two
 means over b). Keyed random draws keep going by the row blocks of the run's first degree (:func:`row_blocks`,
-``nn/row_draws.py``), so dropout masks are the same; a batch norm in training mode, though, normalises over
-the rows of its own micro-batch, which makes a run with one another run (stated where resuming is
+``nn/row_draws.py``), so dropout masks are the same. A batch norm in training mode, though, normalises over
+the rows of its own micro-batch: with one, the run resumed is another run (stated where resuming is
 documented).
 """
 

@@ -128,7 +128,7 @@ class ConstantMomentumNAdam:
 
 
 def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False, param_buffer=False,
-                     compensation=None, clip=0.0, optimizer=None, kept_every=None):
+                     compensation=None, clip=0.0, optimizer=None, kept_first=None):
     """PETRA's clock in one loop. Returns (final params by name, grads per stage per step).
 
     ``compensation`` ({"method": ..., its parameters}, or a list of them) and ``clip`` (per-stage gradient
@@ -160,7 +160,7 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
     else:
         opts = [optimizer(list(p.values()), j, moved(j)) for j, p in enumerate(params)]
     reconstructs = [0 < j < J - 1 and all(is_reversible(l) for _, l in s) and not input_buffer_all
-                    and not (kept_every and j % kept_every == 0) for j, s in enumerate(stages)]
+                    and not (kept_first and j <= kept_first) for j, s in enumerate(stages)]
     inputs, stash, acts, grads_in = {}, {}, {}, {}
     counts, recorded = [0] * J, [[] for _ in range(J)]
 

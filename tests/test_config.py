@@ -19,7 +19,7 @@ def test_defaults_and_bf16_taken_out_of_deepspeeds_hands():
     ({"stages_per_rnak": 2}, r"unknown key\(s\) \['stages_per_rnak'\] in the \"petra\" config section"),
     ({"stages_per_rank": 0}, r'"petra.stages_per_rank" must be an integer >= 1, got 0'),
     ({"input_buffer": "some"}, r'"petra.input_buffer" must be one of'),
-    ({"input_buffer": "every_1"}, r'or "every_N" with N >= 2'),
+    ({"input_buffer": "first_0"}, r'or "first_N" with N >= 1'),
     ({"param_buffer": "yes"}, r'"petra.param_buffer" must be true or false'),
     ({"bn_running_stats": "eval"}, r'"petra.bn_running_stats" must be one of'),
 ])

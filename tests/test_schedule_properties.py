@@ -3,7 +3,7 @@
 tests/test_schedule.py replays fixed layouts and checks, over random window sequences, that the
 pipeline drains with the right number of backwards and steps. Here every random configuration
 (J = ranks x stages_per_rank, k, train_batch calls that feed all, some or none of their k clocks,
-drains, reversible stages, input_buffer "all", "non_reversible" or "every_N", tied weights) is replayed through
+drains, reversible stages, input_buffer "all", "non_reversible" or "first_N", tied weights) is replayed through
 ``petra_ds.verify.replay`` and its report is compared with what the equations say, computed independently
 of ``PetraSchedule``: which micro-batches exist, at which clock each forward, backward, step and
 message happens.
@@ -45,7 +45,7 @@ def runs(draw) -> dict:
     return {
         "ranks": ranks, "S": S, "J": J, "k": k, "plan": plan + [DRAIN],
         "reversible": draw(st.lists(st.booleans(), min_size=J, max_size=J)),
-        "input_buffer": draw(st.sampled_from(INPUT_BUFFERS + ("every_2", "every_3"))),
+        "input_buffer": draw(st.sampled_from(INPUT_BUFFERS + ("first_1", "first_2"))),
         "ties": draw(ties_for(J)),
     }
 

@@ -19,7 +19,7 @@ import petra_ds
 from petra_ds.runtime.config import (BN_RUNNING_STATS, INPUT_BUFFERS, NON_FINITE, PetraConfig, PetraConfigError,
                                      split_config)
 from petra_ds.runtime.messages import MessageLayoutError
-from petra_ds.schedule import kept_every
+from petra_ds.schedule import kept_first
 from petra_ds.tools.toy import toy_data, toy_layer_specs
 
 BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
@@ -79,7 +79,7 @@ def test_settings_that_change_nothing_for_petra_are_accepted(extra):
 
 VALID = {
     "stages_per_rank": st.integers(1, 64),
-    "input_buffer": st.one_of(st.sampled_from(INPUT_BUFFERS), st.integers(2, 64).map(lambda n: f"every_{n}")),
+    "input_buffer": st.one_of(st.sampled_from(INPUT_BUFFERS), st.integers(1, 64).map(lambda n: f"first_{n}")),
     "param_buffer": st.booleans(),
     "bn_running_stats": st.sampled_from(BN_RUNNING_STATS),
     "seed": st.integers(-2**31, 2**63 - 1),
@@ -91,8 +91,8 @@ VALID = {
 _not_int = st.one_of(st.floats(allow_nan=False), st.text(max_size=3), st.booleans(), st.none())
 INVALID = {
     "stages_per_rank": st.one_of(st.integers(max_value=0), _not_int),
-    "input_buffer": st.one_of(st.text(max_size=12).filter(lambda s: s not in INPUT_BUFFERS and kept_every(s) is None),
-                              st.sampled_from(["every_1", "every_0", "every_", "every_x", "every_-2"]), st.integers(),
+    "input_buffer": st.one_of(st.text(max_size=12).filter(lambda s: s not in INPUT_BUFFERS and kept_first(s) is None),
+                              st.sampled_from(["first_0", "first_", "first_x", "first_-2", "every_2"]), st.integers(),
                               st.none()),
     "param_buffer": st.one_of(st.integers(), st.text(max_size=3), st.none()),
     "bn_running_stats": st.one_of(st.text(max_size=12).filter(lambda s: s not in BN_RUNNING_STATS), st.none()),

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from ..schedule import kept_every
+from ..schedule import kept_first
 from ..util.checks import positive_int
 from .compensation import Combined, DelayCompensation, DelayCompensationError
 from .fifo import FIFO_OFFLOADS
@@ -92,9 +92,9 @@ class PetraConfig:
 
     def validate(self) -> None:
         positive_int(self.stages_per_rank, '"petra.stages_per_rank"', PetraConfigError)
-        if self.input_buffer not in INPUT_BUFFERS and kept_every(self.input_buffer) is None:
-            raise PetraConfigError(f'"petra.input_buffer" must be one of {INPUT_BUFFERS} or "every_N" with N >= 2 '
-                                   f'(stages N, 2N, ... keep their inputs), got {self.input_buffer!r}')
+        if self.input_buffer not in INPUT_BUFFERS and kept_first(self.input_buffer) is None:
+            raise PetraConfigError(f'"petra.input_buffer" must be one of {INPUT_BUFFERS} or "first_N" with N >= 1 '
+                                   f'(stages 1 .. N keep their inputs), got {self.input_buffer!r}')
         if not isinstance(self.param_buffer, bool):
             raise PetraConfigError(f'"petra.param_buffer" must be true or false, got {self.param_buffer!r}')
         if self.bn_running_stats not in BN_RUNNING_STATS:

@@ -2,7 +2,7 @@
 message keys. Pure data: nothing here touches a tensor or a process group."""
 
 from . import channels
-from .clock import backward_micro_batch, delay, first_stage_lateness, forward_micro_batch, kept_every, reconstructs
+from .clock import backward_micro_batch, delay, first_stage_lateness, forward_micro_batch, kept_first, reconstructs
 from .instructions import (INSTRUCTIONS, AccumulateAndStep, CommitP2P, DelayedBackward, EvalForward, ForwardPass,
                            LoadMicroBatch, PostP2P, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight,
                            ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad, SendTiedWeight)
@@ -14,5 +14,5 @@ __all__ = [
     "FedMicroBatches", "ForwardPass", "LoadMicroBatch", "PetraSchedule", "PostP2P", "RecvActivation", "RecvGrad",
     "RecvTiedGrad", "RecvTiedWeight", "ReverseReconstruct", "SendActivation", "SendGrad", "SendTiedGrad",
     "SendTiedWeight", "Timeline", "Window", "backward_micro_batch", "delay", "first_stage_lateness",
-    "forward_micro_batch", "channels", "kept_every", "reconstructs",
+    "forward_micro_batch", "channels", "kept_first", "reconstructs",
 ]

@@ -41,18 +41,18 @@ def first_stage_lateness(petra_stages: int, k: int) -> str | None:
 
 def reconstructs(stage: int, petra_stages: int, reversible: bool, input_buffer: str = "non_reversible") -> bool:
     """Whether ``stage`` rebuilds its input by inversion instead of keeping it: a reversible middle
-    stage, unless ``input_buffer="all"`` keeps every input or ``"every_N"`` keeps those of stages N, 2N, ...
-    (a reconstruction then starts at most N - 1 stages above an exact input, which bounds how far the error
-    of reconstructing with newer weights travels down the pipeline). Stage 0 re-reads its data and the last
-    stage keeps its graph within the clock, so neither does. The schedule (and through it the engine), the
-    replay, the timeline, the partition and the stage all ask this function."""
+    stage, unless ``input_buffer="all"`` keeps every input or ``"first_N"`` keeps those of stages 1 .. N.
+    Reconstruction errors grow down the pipeline, each stage rebuilding its input from the one above it with
+    newer weights, and weigh most where the input is small (a language model's embedding output at stage 1):
+    keeping the first stages' inputs stops them where they cost most, at a FIFO's memory per stage. Stage 0
+    re-reads its data and the last stage keeps its graph within the clock, so neither does. The schedule (and
+    through it the engine), the replay, the timeline, the partition and the stage all ask this function."""
     if not (0 < stage < petra_stages - 1 and reversible) or input_buffer == "all":
         return False
-    every = kept_every(input_buffer)
-    return every is None or stage % every != 0
+    return stage > (kept_first(input_buffer) or 0)
 
 
-def kept_every(input_buffer: str) -> int | None:
-    """N of ``input_buffer="every_N"`` (N >= 2), None for any other value."""
-    head, _, n = str(input_buffer).partition("every_")
-    return int(n) if not head and n.isdigit() and int(n) >= 2 else None
+def kept_first(input_buffer: str) -> int | None:
+    """N of ``input_buffer="first_N"`` (N >= 1), None for any other value."""
+    head, _, n = str(input_buffer).partition("first_")
+    return int(n) if not head and n.isdigit() and int(n) >= 1 else None

@@ -48,7 +48,7 @@ class StageOptions:
     #: the data-parallel replica's row blocks (``nn.rng.RowBlocks``; its index in a run's first degree): the keyed
     #: RNG's key, so replicas draw different dropout masks and each replica's reconstruction replays its own
     rows: RowBlocks = RowBlocks(0)
-    input_buffer: str = "non_reversible"  # or "all": every stage keeps its exact inputs
+    input_buffer: str = "non_reversible"  # "all": every stage keeps its exact inputs; "first_N": stages 1 .. N
     param_buffer: bool = False  # weight stashing: the backward uses the forward's parameters
     bn_policy: BatchNormPolicy = BatchNormPolicy()
     autocast_dtype: torch.dtype | None = None  # e.g. torch.bfloat16; streams stay in their dtype

@@ -429,8 +429,9 @@ class PetraEngine(PipelineEngine):
 
     def petra_state(self) -> dict[str, Any]:
         """What is in flight between two ``train_batch`` calls (``checkpoint.py`` writes it): where the run is,
-        how many row blocks its random draws are keyed by (its first data-parallel degree), and under ``"stages"`` each local stage's own state by index (its optimizer and scheduler, and the
-        messages it received for the next clock, included), which loads wherever that stage lives next."""
+        how many row blocks its random draws are keyed by (its first data-parallel degree), and under ``"stages"``
+        each local stage's own state by index (its optimizer and scheduler, and the messages it received for the
+        next clock, included), which loads wherever that stage lives next."""
         return {"clock": self.timeline.clock, "feed": self.timeline.feed.intervals,
                 "global_steps": self.global_steps, "global_samples": self.global_samples,
                 "row_blocks": self.row_blocks,

@@ -52,11 +52,12 @@ def sources(replica: int, written: int, ours: int) -> tuple[list[int], int, int]
 def row_blocks(replica: int, blocks: int, ours: int) -> RowBlocks:
     """The row blocks replica ``replica`` of ``ours`` holds in a run whose keyed draws go by ``blocks`` blocks (its
     first data-parallel degree): its dropout masks are those the replicas of that degree drew for its rows."""
-    if blocks % ours and ours % blocks:
+    try:
+        olds, part, parts = sources(replica, blocks, ours)
+    except ValueError:
         raise ValueError(f"this run's random draws are keyed by {blocks} row blocks of the global micro-batch (the "
                          f"data-parallel degree it started with): {ours} replicas can neither join nor cut them. "
-                         f"Resume on a number of replicas that divides {blocks} or that {blocks} divides")
-    olds, part, parts = sources(replica, blocks, ours)
+                         f"Resume on a number of replicas that divides {blocks} or that {blocks} divides") from None
     return RowBlocks(olds[0], len(olds), part, parts)
 
 

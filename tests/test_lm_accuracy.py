@@ -139,3 +139,12 @@ def test_backprop_runs_follow_the_recipes_unless_named_and_none_when_the_flag_is
     assert arms(None) == sorted([("backprop", "adamw"), ("backprop", "muon10"), *petra])
     assert arms(["muon10"]) == sorted([("backprop", "muon10"), *petra])
     assert arms([]) == petra
+
+
+@pytest.mark.parametrize("flags, named", [(["--global-batch", "30", "--k", "30"], "--backprop-k 4"),
+                                          (["--global-batch", "30", "--backprop-k", "2", "--k", "4"], "--k 4")])
+def test_a_k_that_does_not_divide_the_global_batch_stops_before_any_run(flags, named, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "stdlib_corpus", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit):
+        bench.main(flags)
+    assert f"{named} does not divide --global-batch 30" in capsys.readouterr().err

@@ -431,6 +431,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", default="runs/lm_accuracy/report.json")
     parser.add_argument("--run-dir", default="runs/lm_accuracy")
     args = parser.parse_args(argv)
+    for flag, k in [("--backprop-k", args.backprop_k)] + [("--k", k) for k in args.k]:
+        if args.global_batch % k:
+            parser.error(f"{flag} {k} does not divide --global-batch {args.global_batch}: every run takes the same "
+                         f"sequences per step in k equal micro-batches; pick a divisor of {args.global_batch}")
     for recipe in args.recipes:
         recipe_parts(recipe)
     for recipe in args.backprop_optimizers or []:

@@ -71,6 +71,22 @@ def test_nc_turns_clipping_off_on_both_sides_and_pairs_petra_with_that_backprop(
     assert row["gap_to_own_optimizer"] == pytest.approx(0.05 / 4.50)
 
 
+def test_f2_keeps_the_first_two_stages_inputs_on_petras_side_only(tmp_path):
+    run_dir = str(tmp_path / "runs")
+    job = {"arm": "petra", "recipe": "muon10+wp+f2+nc", "lr": 2e-3, "J": 16, "k": 30, "seed": 1, "steps": 1500}
+    assert bench.recipe_parts(job["recipe"]) == ("muon10", ["weight_prediction"])
+    assert bench.backprop_recipe(job["recipe"]) == "muon10+nc"
+    bench.write_config(_args(run_dir=run_dir), job)
+    cmd = bench.command(_args(run_dir=run_dir), ["t.txt", "v.txt"], job, "o")
+    with open(cmd[cmd.index("--deepspeed_config") + 1]) as f, open(os.path.join(bench.ROOT,
+                                                                                "ds_configs/petra_lm.json")) as g:
+        shipped = json.load(g)
+        assert json.load(f) == {**shipped, "gradient_clipping": 0,
+                                "petra": {**shipped["petra"], "input_buffer": "first_2"}}
+    assert bench.config_overrides(job["recipe"], "backprop") == {"gradient_clipping": 0}
+    assert bench.RUN_NAME.match(bench.run_name(job))["recipe"] == job["recipe"]
+
+
 def test_a_run_validated_on_other_sequences_is_compared_by_its_revalidated_loss_or_not_at_all():
     """Rows carry the loss of the final weights on the protocol's sequences; a run that could not be revalidated
     (final_val_loss None) is in no cell."""

@@ -97,23 +97,29 @@ COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr
 #: what a recipe's suffix sets in the DeepSpeed config, on either side: "nc" turns gradient clipping off
 #: (DeepSpeed clips the global gradient norm at 1.0 when a config says nothing, PETRA each stage's own norm)
 CONFIG_SUFFIXES = {"nc": {"gradient_clipping": 0}}
+#: what a recipe's suffix sets in the "petra" section (PETRA's side only): "fN", stages 1..N keep their exact
+#: inputs ("input_buffer": "first_N") instead of reconstructing them
+PETRA_SUFFIXES = {f"f{n}": {"input_buffer": f"first_{n}"} for n in (1, 2, 4)}
 
 
 def recipe_parts(recipe: str) -> tuple[str, list]:
     """("nadam95", ["weight_prediction", "adaptive_momentum"]) for "nadam95+wp+am" (a method with parameters is
     its config object); config suffixes are not part of it (see :func:`config_overrides`)."""
     name, *extras = recipe.split("+")
-    if name not in OPTIMIZERS or any(e not in COMPENSATIONS and e not in CONFIG_SUFFIXES for e in extras):
+    known = {**COMPENSATIONS, **CONFIG_SUFFIXES, **PETRA_SUFFIXES}
+    if name not in OPTIMIZERS or any(e not in known for e in extras):
         raise SystemExit(f"unknown recipe {recipe!r}: an optimizer {sorted(OPTIMIZERS)} followed by +"
-                         f"{'/+'.join([*COMPENSATIONS, *CONFIG_SUFFIXES])} suffixes")
+                         f"{'/+'.join(known)} suffixes")
     return name, [COMPENSATIONS[e] for e in extras if e in COMPENSATIONS]
 
 
-def config_overrides(recipe: str) -> dict:
-    """What the recipe's config suffixes set in the DeepSpeed config ({} for none)."""
+def config_overrides(recipe: str, arm: str = "petra") -> dict:
+    """What the recipe's config suffixes set in the DeepSpeed config of ``arm``'s side ({} for none)."""
     out: dict = {}
     for extra in recipe.split("+")[1:]:
         out.update(CONFIG_SUFFIXES.get(extra, {}))
+        if arm == "petra" and extra in PETRA_SUFFIXES:
+            out.setdefault("petra", {}).update(PETRA_SUFFIXES[extra])
     return out
 
 
@@ -188,7 +194,7 @@ def shipped_config(args: argparse.Namespace, job: dict) -> str:
 def config_path(args: argparse.Namespace, job: dict) -> str:
     """The DeepSpeed config a run trains with: the side's shipped one, or, when the recipe has config suffixes,
     the run's own copy of it with them applied (written by :func:`write_config`)."""
-    if config_overrides(job["recipe"]):
+    if config_overrides(job["recipe"], job["arm"]):
         return os.path.join(args.run_dir, "configs", f"{run_name(job)}.json")
     return shipped_config(args, job)
 
@@ -196,11 +202,13 @@ def config_path(args: argparse.Namespace, job: dict) -> str:
 def write_config(args: argparse.Namespace, job: dict) -> None:
     """Write the run's own config when its recipe changes the shipped one (before the run, not when it is read
     back)."""
-    overrides = config_overrides(job["recipe"])
+    overrides = config_overrides(job["recipe"], job["arm"])
     if not overrides:
         return
     with open(os.path.join(ROOT, shipped_config(args, job))) as f:
-        section = {**json.load(f), **overrides}
+        section = json.load(f)
+    petra = {**section.get("petra", {}), **overrides.pop("petra", {})}
+    section = {**section, **overrides, **({"petra": petra} if petra else {})}
     path = os.path.join(ROOT, config_path(args, job))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_text_atomic(path, json.dumps(section, indent=1))

@@ -4,6 +4,7 @@ DeepSpeed's and torch's pipelines.
 
     python -m benchmarks.host_overhead [flags]
     python -m benchmarks.host_overhead --tiny --parts ops syncs
+    python -m benchmarks.host_overhead --parts instructions --output benchmarks/results/host_instructions_cpu.json
 
 Writes benchmarks/results/host_overhead_cpu.json (``--tiny``: host_overhead_cpu_tiny.json). 2 cores, default
 flags: about 2 min (report: the benchmark's own docstring); ``--tiny --parts ops syncs`` 12 s (measured).

@@ -23,6 +23,9 @@ One process hosts all J stages (the paper's single-device setting, the same engi
   before its reconstruction (PETRA's arithmetic without its machinery: the floor of its host time), all with the
   same layers, micro-batches and optimizer;
   PETRA's host microseconds per stage-clock (time / (k J)) beside DeepSpeed's per micro-batch per stage.
+- ``instructions`` (not run by default: it needs valgrind, and minutes): the same variants' host instructions per
+  ``train_batch``, counted by callgrind (``.host_instructions``), medians over ``--instruction-rounds``: the
+  ratios of ``time`` without the machine's noise.
 
 Writes ``benchmarks/results/host_overhead_cpu.json`` (``--output`` to choose) and prints a summary.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import os
 import platform
@@ -41,9 +45,14 @@ from typing import Any, Callable
 
 import torch
 
+from petra_ds.util.files import write_text_atomic
+
+from . import host_instructions
 from .example_runs import one_cpu_process, save_report
 
-PARTS = ("ops", "syncs", "time")
+PARTS = ("ops", "syncs", "time", "instructions")
+#: what a run without --parts measures (instructions need valgrind and minutes)
+DEFAULT_PARTS = ("ops", "syncs", "time")
 MODELS = ("revgpt", "revnet18")
 #: what changes an op count is kept from the GPU benchmark (blocks, stages, heads, k); the rest is narrowed
 FULL = {"k": 4, "revgpt_blocks": 12, "revgpt_heads": 12, "revgpt_d": 96, "revgpt_seq": 16, "revgpt_batch": 2,
@@ -58,11 +67,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     tiny = "--tiny" in argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="small sizes (what the tests check)")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS))
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     for name, value in (TINY if tiny else FULL).items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=value)
+    parser.add_argument("--instruction-rounds", type=int, default=3,
+                        help="instructions: rounds of one window per variant (each window --calls calls)")
     parser.add_argument("--output", default=None)
+    parser.add_argument("--windows-to", default=None, help=argparse.SUPPRESS)  # set by the run under callgrind
     return parser.parse_args(argv)
 
 
@@ -277,10 +289,13 @@ def count_syncs(name: str, args: argparse.Namespace, bf16: bool) -> dict:
 
 # --- host time on layers of negligible cost ---
 
-def time_variants(args: argparse.Namespace) -> dict:
-    """Seconds per ``train_batch`` of each variant on the same negligible layers, rounds interleaved."""
-    m = model("revgpt", args, d=8, seq=4, blocks=args.time_blocks, stages=args.time_stages, heads=2)
-    k = args.k
+def negligible_model(args: argparse.Namespace) -> dict[str, Any]:
+    """The RevGPT of negligible compute that host time and instructions are measured on (d 8, seq 4)."""
+    return model("revgpt", args, d=8, seq=4, blocks=args.time_blocks, stages=args.time_stages, heads=2)
+
+
+def variant_calls(m: dict, k: int) -> dict[str, Callable[[], Any]]:
+    """One ``train_batch`` of each variant on ``m``'s layers, warmed up to steady state."""
     builders = {"petra": lambda: _petra_call(m, k), "deepspeed_1f1b_one_stage": lambda: _deepspeed_call(m, k),
                 "torch_1f1b_one_stage": lambda: _torch_call(m, k), "plain": lambda: _plain_call(m, k),
                 "plain_and_petra_forwards": lambda: _plain_call(m, k, again=_reevaluated_layers(m))}
@@ -288,7 +303,14 @@ def time_variants(args: argparse.Namespace) -> dict:
     for call in calls.values():
         for _ in range(fill_calls(m["J"], k) + 1):
             call()
-    rounds: dict[str, list[float]] = {name: [] for name in builders}
+    return calls
+
+
+def time_variants(args: argparse.Namespace) -> dict:
+    """Seconds per ``train_batch`` of each variant on the same negligible layers, rounds interleaved."""
+    m, k = negligible_model(args), args.k
+    calls = variant_calls(m, k)
+    rounds: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)
     # a round times every variant in turn, a few calls each, starting at the next variant each round: a slow
     # spell of the machine hits them all alike
@@ -376,6 +398,23 @@ def _plain_call(m: dict, k: int, bf16: bool = False, again: int = 0) -> Callable
     return call
 
 
+def count_instructions(args: argparse.Namespace) -> dict:
+    """Host instructions per ``train_batch`` of each variant of ``time``, counted by callgrind in a second run of
+    this benchmark (:mod:`.host_instructions`)."""
+    m = negligible_model(args)
+    sizes = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in FULL]
+    counts = host_instructions.count(["--parts", "instructions", *sizes], args.instruction_rounds, args.calls)
+    return host_instructions.summarize(counts, m["J"], args.k)
+
+
+def run_windows(args: argparse.Namespace) -> None:
+    """Under callgrind: build every variant, then run its counted windows and write their order."""
+    one_cpu_process()
+    calls = variant_calls(negligible_model(args), args.k)
+    order = host_instructions.windows(calls, args.instruction_rounds, args.calls)
+    write_text_atomic(os.path.join(args.windows_to, "order.json"), json.dumps(order))
+
+
 # --- the report ---
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
@@ -386,6 +425,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
                               "torch": torch.__version__, "sizes": {n: getattr(args, n) for n in FULL}}
     if "time" in args.parts:  # first, in a process that has built nothing else: the counting parts' engines and
         report["time"] = time_variants(args)  # garbage slowed PETRA's host by a fifth when it came after them
+    if "instructions" in args.parts:
+        report["instructions"] = count_instructions(args)
     if "ops" in args.parts:
         report["ops"] = [count_ops(name, args, bf16, check_finite)
                          for name in args.models for bf16 in (False, True) for check_finite in (True, False)]
@@ -406,6 +447,13 @@ def print_report(report: dict) -> None:
               f"(check_finite +{row['check_finite_cost']:.1%}); per stage: {stages}")
     for row in report.get("syncs", []):
         print(f"host syncs per train_batch {row['model']:8s} {row['dtype']}: {row['syncs']} {row['where']}")
+    if "instructions" in report:
+        t = report["instructions"]
+        print(f"host instructions per train_batch (negligible layers, J={t['J']}, k={t['k']}, callgrind): "
+              + ", ".join(f"{n} {c / 1e6:.1f} M" for n, c in t["median_per_call"].items())
+              + f"; PETRA/DeepSpeed {t['petra/deepspeed']:.2f}x, PETRA/torch {t['petra/torch']:.2f}x, "
+              f"PETRA/plain {t['petra/plain']:.2f}x; PETRA's arithmetic alone "
+              f"{t['arithmetic_floor/deepspeed']:.2f}x DeepSpeed")
     if "time" in report:
         t = report["time"]
         print(f"host time per train_batch (negligible layers, J={t['J']}, k={t['k']}): "
@@ -420,6 +468,9 @@ def print_report(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.windows_to:
+        run_windows(args)
+        return 0
     one_cpu_process()
     report = run(args, argv)
     print_report(report)

@@ -93,3 +93,23 @@ def test_the_accuracy_benchmark_reports_each_method_against_petra(tmp_path, monk
     assert sorted(report["results"]) == sorted(methods)
     assert report["gaps_points_final"] == pytest.approx(gaps)
     assert report["gap_points_final"] == (pytest.approx(2.0) if "backprop" in methods else None)
+
+
+def test_the_accuracy_benchmark_gives_every_method_the_same_split_of_the_global_batch(tmp_path, monkeypatch):
+    from subprocess_env import load_benchmark
+
+    bench = load_benchmark("accuracy")
+    commands = {}
+
+    def fake_run(cmd, out):
+        commands[os.path.basename(out)] = cmd
+        return {"final_eval_acc": 0.9, "best_eval_acc": 0.9, "samples_per_s": 1.0, "stages": 1}, [], 0.0
+
+    monkeypatch.setattr(bench, "run_example", fake_run)
+    monkeypatch.setattr(sys, "argv", ["accuracy.py", "--methods", "backprop", "petra", "--global-batch", "64",
+                                      "--micro-batches", "8", "--output", str(tmp_path / "r.json")])
+    bench.main()
+    for cmd in commands.values():
+        assert cmd[cmd.index("--global-batch") + 1] == "64" and cmd[cmd.index("--micro-batches") + 1] == "8"
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (report["global_batch"], report["micro_batches"]) == (64, 8)

@@ -402,7 +402,7 @@ def count_instructions(args: argparse.Namespace) -> dict:
     """Host instructions per ``train_batch`` of each variant of ``time``, counted by callgrind in a second run of
     this benchmark (:mod:`.host_instructions`)."""
     m = negligible_model(args)
-    sizes = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in FULL]
+    sizes = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in (*FULL, "instruction_rounds")]
     counts = host_instructions.count(["--parts", "instructions", *sizes], args.instruction_rounds, args.calls)
     return host_instructions.summarize(counts, m["J"], args.k)
 

@@ -404,8 +404,8 @@ def loss_panel(ax, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=["adamw+wp", "nadam95", "nadam95+wp", "muon", "muon+wp"],
-                        help="PETRA methods: optimizer[+wp][+am][+lr]...[+nc][+f2] (weight prediction, adaptive momentum, "
-                             "lr rescaling, ...; nc: no gradient clipping; fN: stages 1..N keep their inputs)")
+                        help="PETRA methods: optimizer[+wp][+am][+lr]...[+nc][+f2] (weight prediction, adaptive "
+                             "momentum, lr rescaling, ...; nc: no gradient clipping; fN: stages 1..N keep their inputs)")
     parser.add_argument("--backprop-optimizers", nargs="*", default=None,
                         help="backprop's optimizers, optimizer[+nc] (default: those the recipes use; the flag alone: "
                              "no backprop run, the --earlier report's serve)")

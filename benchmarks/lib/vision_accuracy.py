@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--global-batch", type=int, default=None, metavar="N",
                         help="samples per optimizer step, for every method (default: each config's own)")
     parser.add_argument("--micro-batches", type=int, default=None, metavar="K",
-                        help="split --global-batch into K micro-batches, for every method (default: the example's "
-                             "choice for PETRA's depth, 1F1B's config)")
+                        help="split --global-batch into K micro-batches, for every method (default: the example "
+                             "chooses, for PETRA the fewest that keep stage 0 one optimizer step behind)")
     parser.add_argument("--petra-config", default="ds_configs/petra_digits.json")
     parser.add_argument("--backprop-config", default="ds_configs/backprop_digits.json")
     parser.add_argument("--output", default="runs/benchmarks/accuracy_digits.json",

@@ -26,6 +26,8 @@ from typing import Callable
 
 from petra_ds.runtime.distributed import free_port
 
+from .example_runs import ROOT
+
 #: CPython's ctypes trampoline into a Python callback (libc's own symbols are not named in its debug info)
 MARK = "closure_fcn"
 _COMPARE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
@@ -48,18 +50,13 @@ def run_window(window: Callable[[], None]) -> None:
     libc.lfind(ctypes.byref(key), elements, ctypes.byref(count), ctypes.sizeof(ctypes.c_int), _COMPARE(compare))
 
 
-def windows(calls: dict[str, Callable[[], None]], rounds: int, per_window: int) -> list[str]:
-    """Each round runs one window per variant, starting at the next variant each round; returns the windows'
-    variants in order."""
-    names, order = list(calls), []
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            def window(name: str = name) -> None:
-                for _ in range(per_window):
-                    calls[name]()
-            run_window(window)
-            order.append(name)
-    return order
+def windows(calls: dict[str, Callable[[], None]], order: list[str], per_window: int) -> None:
+    """One window of ``per_window`` calls per name of ``order``, in that order."""
+    for name in order:
+        def window(name: str = name) -> None:
+            for _ in range(per_window):
+                calls[name]()
+        run_window(window)
 
 
 def dump_totals(directory: str) -> list[int]:
@@ -101,8 +98,7 @@ def count(argv: list[str], rounds: int, per_window: int) -> dict[str, list[float
                sys.executable, "-m", "benchmarks.host_overhead", *argv, "--windows-to", directory]
         # its own one-process world: this process's rendezvous port is taken
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-        done = subprocess.run(cmd, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__)))), capture_output=True, text=True)
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"the run under callgrind failed ({done.returncode}):\n{done.stderr[-3000:]}")
         totals = dump_totals(directory)

@@ -306,22 +306,24 @@ def variant_calls(m: dict, k: int) -> dict[str, Callable[[], Any]]:
     return calls
 
 
+def interleaved(names: list[str], rounds: int) -> list[str]:
+    """The order variants are measured in: each round every variant in turn, starting at the next variant each
+    round, so that a slow spell of the machine hits them all alike."""
+    return [name for r in range(rounds) for name in names[r % len(names):] + names[:r % len(names)]]
+
+
 def time_variants(args: argparse.Namespace) -> dict:
     """Seconds per ``train_batch`` of each variant on the same negligible layers, rounds interleaved."""
     m, k = negligible_model(args), args.k
     calls = variant_calls(m, k)
     rounds: dict[str, list[float]] = {name: [] for name in calls}
-    names = list(calls)
-    # a round times every variant in turn, a few calls each, starting at the next variant each round: a slow
-    # spell of the machine hits them all alike
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            seconds = []
-            for _ in range(args.calls):
-                start = time.process_time()
-                calls[name]()
-                seconds.append(time.process_time() - start)
-            rounds[name].append(statistics.median(seconds))
+    for name in interleaved(list(calls), args.rounds):
+        seconds = []
+        for _ in range(args.calls):
+            start = time.process_time()
+            calls[name]()
+            seconds.append(time.process_time() - start)
+        rounds[name].append(statistics.median(seconds))
     medians = {name: statistics.median(values) for name, values in rounds.items()}
     J = m["J"]
     return {"J": J, "k": k, "blocks": args.time_blocks, "rounds": rounds, "seconds_per_call": medians,
@@ -411,7 +413,8 @@ def run_windows(args: argparse.Namespace) -> None:
     """Under callgrind: build every variant, then run its counted windows and write their order."""
     one_cpu_process()
     calls = variant_calls(negligible_model(args), args.k)
-    order = host_instructions.windows(calls, args.instruction_rounds, args.calls)
+    order = interleaved(list(calls), args.instruction_rounds)
+    host_instructions.windows(calls, order, args.calls)
     write_text_atomic(os.path.join(args.windows_to, "order.json"), json.dumps(order))
 
 

@@ -68,11 +68,9 @@ RUNS = {
     "bf16_dropout": {"optimizer": FROZEN, "dropout": 0.1, "bf16": True, "track_reconstruction": True},
     "bf16_dropout_overlap": {"optimizer": FROZEN, "dropout": 0.1, "bf16": True, "track_reconstruction": True,
                              "petra": {"reconstruct_overlap": True}},
-    # "petra": {"compile": ...}: inductor, and inductor replaying CUDA graphs, with keyed dropout
+    # "petra": {"compile": true}: inductor with keyed dropout
     "dropout_compiled": {"optimizer": FROZEN, "dropout": 0.1, "track_reconstruction": True,
                          "petra": {"compile": True}},
-    "dropout_cuda_graphs": {"optimizer": FROZEN, "dropout": 0.1, "track_reconstruction": True,
-                            "petra": {"compile": "reduce-overhead"}},
 }
 
 
@@ -222,10 +220,10 @@ def test_reconstruction_with_dropout_on_cuda_is_exact_to_fp32_rounding(name):
     assert max(errors) < RECONSTRUCTION_TOL, errors
 
 
-@pytest.mark.parametrize("name", ["dropout_compiled", "dropout_cuda_graphs"])
-def test_compiled_stages_on_cuda_train_as_eager_ones_do(name):
-    """Compiled F, G and layers (inductor; its CUDA graphs with "reduce-overhead") against eager on the same
-    frozen run: the same gradients to fp32 rounding, and the reconstruction with keyed dropout still exact."""
+def test_compiled_stages_on_cuda_train_as_eager_ones_do():
+    """Compiled F, G and layers (inductor) against eager on the same frozen run: the same gradients to fp32
+    rounding, and the reconstruction with keyed dropout still exact."""
+    name = "dropout_compiled"
     eager, compiled = runs()["dropout"], runs()[name]
     for j, steps in eager["grads"].items():
         for a, b in zip(steps, compiled["grads"][j]):
@@ -248,6 +246,12 @@ def test_benchmark_script_runs_on_the_gpu(tmp_path):
             offloaded, kept = row["petra_offload_memory_report"], row["petra_memory_report"]
             assert offloaded["fifo_host"] > 0 and offloaded["input_buffer"] < kept["input_buffer"], row
     assert {row["model"] for row in report["memory"]} == {"revnet18", "revgpt"}
+
+
+def synchronising_calls(caught: list) -> list[str]:
+    """The warnings ``set_sync_debug_mode("warn")`` raises for a synchronising call; not its once-per-process
+    notice that the mode is a prototype (torch 2.11 words both with "synchroniz")."""
+    return [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
 
 
 def _steady_state_syncs(_spec: dict) -> dict:
@@ -277,7 +281,7 @@ def _steady_state_syncs(_spec: dict) -> dict:
                 engine.train_batch(stream)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        found[name] = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        found[name] = synchronising_calls(caught)
     return found
 
 
@@ -314,7 +318,7 @@ def _offload_runs(_spec: dict) -> dict:
                                    "setup": "test_gpu:keep_the_planner", "probe": "test_gpu:planner_decisions"})
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        result["syncs"] = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        result["syncs"] = synchronising_calls(caught)
         found[offload] = _cpu(result)
     return found
 

@@ -56,32 +56,8 @@ def test_compile_takes_true_false_or_a_backend_name(value):
         PetraConfig.from_dict({"compile": value})
 
 
-class Replayed(torch.nn.Module):
-    """Writes its result into one buffer it keeps, as a replayed CUDA graph writes its static outputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(3))
-        self.register_buffer("out", torch.zeros(3))
-
-    def forward(self, x):
-        self.out.copy_(x * 2)
-        return self.out, x * self.weight
-
-
-def test_a_layer_compiled_for_cuda_graphs_returns_outputs_that_outlive_the_next_call():
-    """What ``"compile": "reduce-overhead"`` does to a whole (non-reversible) layer, checked with a layer that
-    reuses its output buffer: each call's outputs are its own, equal to the eager ones; names and state dict stay."""
-    from petra_ds.runtime.compiled import compile_owning_outputs
-
-    layer, eager = Replayed(), Replayed()
-    keys = layer.state_dict().keys()
-    first, _ = eager(torch.ones(3))
-    eager(torch.full((3,), 5.0))
-    assert torch.equal(first, torch.full((3,), 10.0))  # the plain layer overwrote its first output
-    compile_owning_outputs(layer, {"backend": "eager"})
-    first, scaled = layer(torch.ones(3))
-    second, _ = layer(torch.full((3,), 5.0))
-    assert torch.equal(first, torch.full((3,), 2.0)) and torch.equal(second, torch.full((3,), 10.0))
-    assert first.untyped_storage().data_ptr() != layer.out.untyped_storage().data_ptr()
-    assert scaled.requires_grad and layer.state_dict().keys() == keys
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_inductor_modes_that_replay_cuda_graphs_are_refused_with_what_to_set(mode):
+    with pytest.raises(PetraConfigError, match=f'"petra.compile": \'{mode}\' replays CUDA graphs.*Set it to true'):
+        PetraConfig.from_dict({"compile": mode})
+    assert PetraConfig.from_dict({"compile": "max-autotune-no-cudagraphs"}).compile == "max-autotune-no-cudagraphs"

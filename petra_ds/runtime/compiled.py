@@ -11,26 +11,24 @@ per block, and it is what makes the reconstruction exact.
 Random ops inside compiled code draw from torch's generators as eager ops do (inductor's
 ``fallback_random``), so the keyed scopes give the forward and the reconstruction the same masks.
 
-CUDA graphs (:data:`CUDA_GRAPH_MODES`) replay into the same output buffers, so a graph's outputs last until its
-next replay. F's and G's outputs are consumed inside their coupling, but a whole layer's outputs leave it (the
-next layer's input, the stage's message, a FIFO entry): such a layer returns copies made outside the graph.
+Inductor's CUDA-graph modes (:data:`CUDA_GRAPH_MODES`) are refused by the config: a replay writes into the
+buffers of the graph's earlier results, and a stage keeps results across other replays, from its reconstruction
+until its VJP reads them (an H100 run failed so, copies of whole layers' outputs notwithstanding).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
 
 from ..nn.coupling import AdditiveCoupling, HalfCoupling, SwapCoupling
 from ..nn.reversible import Reversible, ReversibleSequential
-from ..util.nested import map_tensors
 
-#: inductor's modes: "reduce-overhead" replays CUDA graphs (static shapes, as PETRA's messages are)
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-#: the modes whose compiled code replays CUDA graphs on a GPU
+#: inductor's modes that compile_layers takes
+MODES = ("default", "max-autotune-no-cudagraphs")
+#: inductor's modes whose compiled code replays CUDA graphs on a GPU (the config refuses them)
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
@@ -41,22 +39,8 @@ def compile_layers(layers: Iterable[object], how: bool | str = True) -> None:
     torch._inductor.config.fallback_random = True
     options = {"mode": how} if how in MODES else {"backend": "inductor" if how is True else how}
     for layer in layers:
-        parts = _compiled_parts(layer)
-        if how in CUDA_GRAPH_MODES and parts == [layer]:
-            compile_owning_outputs(layer, options)
-            continue
-        for module in parts:
+        for module in _compiled_parts(layer):
             module.compile(**options)
-
-
-def compile_owning_outputs(module: nn.Module, options: dict) -> None:
-    """Compile ``module``'s forward in place and return copies of its outputs, made outside the compiled code
-    (``nn.Module.compile`` would compile its hooks too), so that they outlive the graph's next replay."""
-    module.forward = functools.partial(_copies_of, torch.compile(module.forward, **options))
-
-
-def _copies_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return map_tensors(torch.clone, fn(*args, **kwargs))
 
 
 def _compiled_parts(layer: object) -> list[nn.Module]:

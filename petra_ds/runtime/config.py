@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from ..schedule import kept_first
 from ..util.checks import positive_int
 from .compensation import Combined, DelayCompensation, DelayCompensationError
+from .compiled import CUDA_GRAPH_MODES
 from .fifo import FIFO_OFFLOADS
 
 INPUT_BUFFERS = ("non_reversible", "all")
@@ -111,6 +112,12 @@ class PetraConfig:
         if not isinstance(self.compile, (bool, str)) or self.compile == "":
             raise PetraConfigError(f'"petra.compile" must be true, false or a torch.compile backend\'s name (e.g. '
                                    f'"inductor", "aot_eager"), got {self.compile!r}')
+        if self.compile in CUDA_GRAPH_MODES:
+            raise PetraConfigError(
+                f'"petra.compile": {self.compile!r} replays CUDA graphs, and a replay overwrites the outputs a stage '
+                f'keeps across other replays, from its reconstruction until its VJP reads them (an H100 with torch '
+                f'2.11 stopped training so). Set it to true (inductor without CUDA graphs) or '
+                f'"max-autotune-no-cudagraphs"')
         if not isinstance(self.reconstruct_overlap, bool):
             raise PetraConfigError(
                 f'"petra.reconstruct_overlap" must be true or false, got {self.reconstruct_overlap!r}')

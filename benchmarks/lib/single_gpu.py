@@ -365,5 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     write_text_atomic(output, json.dumps(report, indent=1))
     print_report(report)
     print(f"saved {output}")
+    from petra_ds.runtime.shutdown import shutdown
+
+    shutdown()  # the groups end here: an H100 run that left NCCL's to the interpreter's exit ran on for minutes
     return 0
 

@@ -12,7 +12,7 @@ would it reach on 8 and 10 GPUs?
   the timeline model from a one-GPU report. Writes benchmarks/results/predict_gpus_<inputs>.json. 2 cores: 19 s
   (measured).
 - gpu_session.sh: the GPU tests, the one-GPU benchmark and the LM example's tokens/s, logs and JSON under
-  runs/gpu/. Up to 15 min on an H100 (its header).
+  runs/gpu/. About 11 min on an H100 (its header).
 
 docs/benchmarks.md has the durations' sources. ``<word> --help`` lists a sub-benchmark's flags.
 """

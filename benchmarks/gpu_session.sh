@@ -3,11 +3,14 @@
 # the LM example's tokens/s, PETRA against backprop with the same optimizer. Each step has its own time limit,
 # writes its log and JSON under $OUT (default runs/gpu) and one line to $OUT/steps.txt; a table comes last.
 #
-#     bash benchmarks/gpu_session.sh                 # up to 15 minutes on an H100: more than one lease holds
+#     bash benchmarks/gpu_session.sh                 # about 11 minutes on an H100
 #     STEPS="tests bench" bash benchmarks/gpu_session.sh
+#     STEPS=compile LM_SHAPES="4 4;1 16" bash benchmarks/gpu_session.sh
 #
-# Measured on an H100: tests 190 s, bench at most 360 s, lm 50-115 s per run (4 runs; the run directories stay in
-# $LM_DATA, a fresh temporary folder unless set, and only each summary is copied to $OUT).
+# Measured on an H100: tests 190 s, bench at most 360 s, lm 50-115 s per run (the run directories stay in $LM_DATA,
+# a fresh temporary folder unless set, and only each summary is copied to $OUT). The default steps fit one
+# 15-minute lease with its start; "compile" (PETRA with "compile": true against eager, bf16) and the LM example at
+# micro-batch 1 x k = 16 (LM_SHAPES) are for a second one.
 #
 # What it should show (the targets of the host-light clock; BENCHMARKS.md has the measured numbers):
 #   tests  pytest -m gpu: every test passes, test_a_steady_state_train_batch_synchronises_once included
@@ -17,6 +20,7 @@
 #          stage j ...") and is never slower than the faster of petra and petra_offload by more than 5%;
 #          memory_report names what stays allocated between calls (within 5%)
 #   lm     steady tokens/s PETRA / backprop: >= 0.65x at micro-batch 4 x k = 4, >= 0.5x at 1 x k = 16
+#   compile  petra_compiled/petra per train_batch: below 1.0x is what would make "compile": true worth its minutes
 # Afterwards, on a CPU machine with the files brought back: predict 10 and 8 GPUs from what this one measured,
 #     python -m benchmarks.gpu predict --inputs runs/gpu/gpu.json
 set -u
@@ -42,6 +46,10 @@ esac
 case " $STEPS " in *" bench "*)
   step bench 360 python -m benchmarks.gpu --rounds 2 --calls 8 --output "$OUT/gpu.json" ;;
 esac
+case " $STEPS " in *" compile "*)
+  step compile 420 python -m benchmarks.gpu --rounds 1 --calls 8 --dtypes bf16 --variants petra petra_compiled \
+    --output "$OUT/gpu_compiled.json" ;;
+esac
 case " $STEPS " in *" lm "*)
   # text no setting was tuned on: this machine's Python standard-library sources, [a-h]*.py / [t-z]*.py
   LM_DATA=${LM_DATA:-$(mktemp -d)}
@@ -53,7 +61,8 @@ for name, pattern in (("train.txt", "[a-h]*.py"), ("valid.txt", "[t-z]*.py")):
         for path in sorted(glob.glob(os.path.join(lib, pattern))):
             out.write(open(path, errors="replace").read())
 PY
-  for shape in "4 4" "1 16"; do
+  IFS=';' read -ra shapes <<< "${LM_SHAPES:-4 4}"
+  for shape in "${shapes[@]}"; do
     set -- $shape
     for method in petra backprop; do
       run="lm_${method}_mb$1_k$2"
@@ -71,8 +80,10 @@ python - "$OUT" <<'PY'
 import json, os, sys
 
 out = sys.argv[1]
-path = os.path.join(out, "gpu.json")
-if os.path.exists(path):
+for name in ("gpu.json", "gpu_compiled.json"):
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        continue
     report = json.load(open(path))
     print(report["device"])
     for row in report["time"]:

@@ -14,6 +14,8 @@ freshly built:
     petra_unchecked  petra with "petra": {"check_finite": false} (what the NaN / Inf watch costs)
     petra_offload  petra with "petra": {"fifo_offload": "cpu"} (the FIFOs in pinned host memory between clocks)
     petra_offload_auto  petra with "petra": {"fifo_offload": "auto"} (only the stages whose copies hide)
+    petra_compiled  petra with "petra": {"compile": true} (inductor; its compiling falls in the warm-up calls).
+                   Not run unless named in ``--variants``: compiling takes minutes
 
 RevNet18 takes the paper's partition (J = 10, one layer per stage: each reconstructing stage holds one
 block, so the overlap has nothing to hide there); RevGPT's J = 4 stages hold 3 blocks each (its middle
@@ -51,7 +53,10 @@ from .example_runs import ROOT
 
 MODELS = ("revnet18", "revgpt")
 DTYPES = ("fp32", "bf16")
-VARIANTS = ("plain", "petra", "petra_overlap", "petra_unchecked", "petra_offload", "petra_offload_auto")
+VARIANTS = ("plain", "petra", "petra_overlap", "petra_unchecked", "petra_offload", "petra_offload_auto",
+            "petra_compiled")
+#: what runs unless ``--variants`` says
+DEFAULT_VARIANTS = VARIANTS[:-1]
 #: the ``fifo_offload`` of each variant that sets one
 OFFLOADS = {"petra_offload": "cpu", "petra_offload_auto": "auto"}
 #: every variant's optimizer: torch's fused AdamW (no JIT build; skips a non-finite step on the device), and clipping
@@ -75,7 +80,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="small sizes, one round: checks the code paths")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
     for name, value in (TINY if tiny else FULL).items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=value)
     parser.add_argument("--output", default=None, help="JSON report (default benchmarks/results/gpu_<device>.json)")
@@ -200,7 +205,7 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
 
 
 def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.device, overlap: bool = False,
-              check_finite: bool = True, offload: str = "none") -> dict:
+              check_finite: bool = True, offload: str = "none", compile: bool = False) -> dict:
     """PetraEngine, all J stages in this process; timed after ceil(2(J-1)/k) + 1 calls fill the pipeline."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
@@ -215,7 +220,7 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
               "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}}, "steps_per_print": 10**9,
               "gradient_clipping": CLIPPING,
               "petra": {"stages_per_rank": J, "reconstruct_overlap": overlap, "check_finite": check_finite,
-                        "fifo_offload": offload}}
+                        "fifo_offload": offload, "compile": compile}}
     if bf16:
         config["bf16"] = {"enabled": True}
     engine, *_ = petra_ds.initialize(model=module, config=config)
@@ -286,7 +291,8 @@ def summarize(runs: list[dict]) -> dict:
             for part in ("host", "device"):  # profiled: see profiled()
                 row_s[f"{variant}_{part}_seconds_per_call"] = statistics.median(r[f"{part}_seconds"] for r in rs)
         for a, b in (("petra", "plain"), ("petra_overlap", "plain"), ("petra_overlap", "petra"),
-                     ("petra", "petra_unchecked")):
+                     ("petra", "petra_unchecked"), ("petra_offload", "plain"), ("petra_offload", "petra"),
+                     ("petra_offload_auto", "petra"), ("petra_compiled", "petra")):
             if row_m.get(f"{a}_peak_bytes") and row_m.get(f"{b}_peak_bytes"):
                 row_m[f"{a}/{b}"] = row_m[f"{a}_peak_bytes"] / row_m[f"{b}_peak_bytes"]
             if f"{a}_seconds_per_call" in row_s and f"{b}_seconds_per_call" in row_s:
@@ -346,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_plain(name, args, bf16, device)
             else:
                 result = run_petra(name, args, bf16, device, overlap=variant == "petra_overlap",
-                                   check_finite=variant != "petra_unchecked", offload=OFFLOADS.get(variant, "none"))
+                                   check_finite=variant != "petra_unchecked", offload=OFFLOADS.get(variant, "none"),
+                                   compile=variant == "petra_compiled")
             runs.append({"model": name, "dtype": dtype, "variant": variant, "round": round_, **result})
             peak = result["peak_bytes"]
             print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:18s} "

@@ -240,11 +240,13 @@ def test_benchmark_script_runs_on_the_gpu(tmp_path):
     assert report["device_type"] == "cuda"
     for row in report["memory"]:
         assert row["petra_peak_bytes"] > 0 and row["plain_peak_bytes"] > 0, row
-        for v in ("petra", "petra_offload"):  # memory_report names no byte CUDA does not hold (it rounds blocks up)
-            assert 0 < row[f"{v}_explained_bytes"] <= row[f"{v}_allocated_after_bytes"], (v, row)
+        for v in ("petra", "petra_offload", "petra_offload_messages"):  # memory_report names no byte CUDA does not
+            assert 0 < row[f"{v}_explained_bytes"] <= row[f"{v}_allocated_after_bytes"], (v, row)  # hold
         if row["model"] == "revnet18":  # its downsampling stages keep FIFOs: in host memory with the offload
             offloaded, kept = row["petra_offload_memory_report"], row["petra_memory_report"]
             assert offloaded["fifo_host"] > 0 and offloaded["input_buffer"] < kept["input_buffer"], row
+        parked = row["petra_offload_messages_memory_report"]  # one process: every message between its stages
+        assert parked["messages"] == 0 and parked["messages_host"] == row["petra_memory_report"]["messages"], row
     assert {row["model"] for row in report["memory"]} == {"revnet18", "revgpt"}
 
 
@@ -309,17 +311,18 @@ def _offload_runs(_spec: dict) -> dict:
     torch.cuda.set_device(0)
     petra_ds.init_distributed(dist_backend="nccl")
     found = {}
-    for offload in ("none", "cpu", "auto"):
+    for name, petra in (("none", {}), ("cpu", {"fifo_offload": "cpu"}), ("auto", {"fifo_offload": "auto"}),
+                        ("messages", {"fifo_offload": "cpu", "message_offload": "cpu"})):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                result = run_rank({**OFFLOAD, "petra": {"input_buffer": "all", "fifo_offload": offload},
+                result = run_rank({**OFFLOAD, "petra": {"input_buffer": "all", **petra},
                                    "setup": "test_gpu:keep_the_planner", "probe": "test_gpu:planner_decisions"})
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         result["syncs"] = synchronising_calls(caught)
-        found[offload] = _cpu(result)
+        found[name] = _cpu(result)
     return found
 
 
@@ -370,3 +373,19 @@ def test_fifo_offload_on_cuda_changes_no_bit_and_adds_no_host_sync():
     entries = [entry for _, report in offloaded["memory"] for entry in report.values()]
     assert max(entry["fifo_host"] for entry in entries) > 0
     assert all(entry["input_buffer_micro_batches"] <= 1 for entry in entries)
+
+
+def test_message_offload_on_cuda_changes_no_bit_and_adds_no_host_sync():
+    """With the FIFOs, the messages between the four stages of the process parked in pinned host memory on the side
+    stream and brought back one instruction before their readers: the same bits, no synchronising call more, and
+    between clocks no message left on the device."""
+    (found,) = launch({}, world_size=1, target=_offload_runs, timeout=600, fresh="spawn")
+    plain, parked = found["none"], found["messages"]
+    for n in plain["params"]:
+        assert torch.equal(parked["params"][n], plain["params"][n]), n
+    for j, steps in plain["grads"].items():
+        for a, b in zip(steps, parked["grads"][j], strict=True):
+            assert all(torch.equal(a[n], b[n]) for n in a), j
+    assert len(parked["syncs"]) == len(plain["syncs"]), (parked["syncs"], plain["syncs"])
+    entries = [entry for _, report in parked["memory"] for entry in report.values()]
+    assert max(entry["messages_host"] for entry in entries) > 0 and all(entry["messages"] == 0 for entry in entries)

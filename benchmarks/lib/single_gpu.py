@@ -13,7 +13,10 @@ freshly built:
     petra_overlap  the same with "petra": {"reconstruct_overlap": true}
     petra_unchecked  petra with "petra": {"check_finite": false} (what the NaN / Inf watch costs)
     petra_offload  petra with "petra": {"fifo_offload": "cpu"} (the FIFOs in pinned host memory between clocks)
-    petra_offload_auto  petra with "petra": {"fifo_offload": "auto"} (only the stages whose copies hide)
+    petra_offload_auto  petra with "petra": {"fifo_offload": "auto"} (only the stages whose copies hide). Not run
+                   unless named: on an H100 it offloaded every stage "cpu" does
+    petra_offload_messages  petra_offload with "message_offload": "cpu" too (the messages between stages in host
+                   memory between their send and the instruction before their reader)
     petra_compiled  petra with "petra": {"compile": true} (inductor; its compiling falls in the warm-up calls).
                    Not run unless named in ``--variants``: compiling takes minutes
 
@@ -53,12 +56,12 @@ from .example_runs import ROOT
 
 MODELS = ("revnet18", "revgpt")
 DTYPES = ("fp32", "bf16")
-VARIANTS = ("plain", "petra", "petra_overlap", "petra_unchecked", "petra_offload", "petra_offload_auto",
-            "petra_compiled")
+VARIANTS = ("plain", "petra", "petra_overlap", "petra_unchecked", "petra_offload", "petra_offload_messages",
+            "petra_offload_auto", "petra_compiled")
 #: what runs unless ``--variants`` says
-DEFAULT_VARIANTS = VARIANTS[:-1]
+DEFAULT_VARIANTS = VARIANTS[:-2]
 #: the ``fifo_offload`` of each variant that sets one
-OFFLOADS = {"petra_offload": "cpu", "petra_offload_auto": "auto"}
+OFFLOADS = {"petra_offload": "cpu", "petra_offload_messages": "cpu", "petra_offload_auto": "auto"}
 #: every variant's optimizer: torch's fused AdamW (no JIT build; skips a non-finite step on the device), and clipping
 OPTIMIZER = {"lr": 1e-4, "weight_decay": 0.01, "fused": True}
 CLIPPING = 1.0
@@ -208,7 +211,8 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
 
 
 def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.device, overlap: bool = False,
-              check_finite: bool = True, offload: str = "none", compile: bool = False) -> dict:
+              check_finite: bool = True, offload: str = "none", messages: bool = False,
+              compile: bool = False) -> dict:
     """PetraEngine, all J stages in this process; timed after ceil(2(J-1)/k) + 1 calls fill the pipeline."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
@@ -223,7 +227,8 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
               "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}}, "steps_per_print": 10**9,
               "gradient_clipping": CLIPPING,
               "petra": {"stages_per_rank": J, "reconstruct_overlap": overlap, "check_finite": check_finite,
-                        "fifo_offload": offload, "compile": compile}}
+                        "fifo_offload": offload, "message_offload": "cpu" if messages else "none",
+                        "compile": compile}}
     if bf16:
         config["bf16"] = {"enabled": True}
     engine, *_ = petra_ds.initialize(model=module, config=config)
@@ -242,13 +247,13 @@ def breakdown(engine: Any, batches: list, result: dict) -> dict:
     """Where PETRA's device bytes are between calls: ``memory_report()`` by part (summed over stages), the distinct
     device storages behind them (``ledger.stage_tensors``) and the benchmark's micro-batches (what should account for
     ``memory_allocated``), and the workspace, the peak less what stays allocated."""
-    from petra_ds.runtime.ledger import stage_tensors, storage_bytes
+    from petra_ds.runtime.ledger import HOST_PARTS, stage_tensors, storage_bytes
     from petra_ds.util.nested import tensors_in
 
     report = engine.memory_report()
     tensors = {j: stage_tensors(engine, j) for j in engine.stages}
     parts = {part: sum(r[part] for r in report.values()) for part in next(iter(tensors.values()))}
-    held = [batches, *([v for part, v in t.items() if part != "fifo_host"] for t in tensors.values())]
+    held = [batches, *([v for part, v in t.items() if part not in HOST_PARTS] for t in tensors.values())]
     on_device = [t for t in tensors_in(held) if t.device == engine.device]  # not a stray host scalar
     out: dict[str, Any] = {"memory_report": parts, "explained_bytes": storage_bytes(on_device, set())}
     if result["allocated_after_bytes"] is not None:
@@ -295,6 +300,7 @@ def summarize(runs: list[dict]) -> dict:
                 row_s[f"{variant}_{part}_seconds_per_call"] = statistics.median(r[f"{part}_seconds"] for r in rs)
         for a, b in (("petra", "plain"), ("petra_overlap", "plain"), ("petra_overlap", "petra"),
                      ("petra", "petra_unchecked"), ("petra_offload", "plain"), ("petra_offload", "petra"),
+                     ("petra_offload_messages", "plain"), ("petra_offload_messages", "petra"),
                      ("petra_offload_auto", "petra"), ("petra_compiled", "petra")):
             if row_m.get(f"{a}_peak_bytes") and row_m.get(f"{b}_peak_bytes"):
                 row_m[f"{a}/{b}"] = row_m[f"{a}_peak_bytes"] / row_m[f"{b}_peak_bytes"]
@@ -356,10 +362,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 result = run_petra(name, args, bf16, device, overlap=variant == "petra_overlap",
                                    check_finite=variant != "petra_unchecked", offload=OFFLOADS.get(variant, "none"),
-                                   compile=variant == "petra_compiled")
+                                   messages=variant == "petra_offload_messages", compile=variant == "petra_compiled")
             runs.append({"model": name, "dtype": dtype, "variant": variant, "round": round_, **result})
             peak = result["peak_bytes"]
-            print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:18s} "
+            print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:22s} "
                   f"{result['median_seconds'] * 1e3:9.1f} ms/call"
                   + (f", peak {peak / 2**20:.1f} MiB" if peak is not None else ""), flush=True)
             report = {  # rewritten after every run: a run cut short by a time limit keeps what it measured

@@ -101,6 +101,7 @@ def run_settings(engine: DeepSpeedEngine, config: dict) -> dict:
         "lr_schedule_config": config.get("scheduler"),
         "delay_compensation": _plain(engine.petra_config.delay_compensation) if petra else None,
         "fifo_offload": engine.petra_config.fifo_offload if petra else None,
+        "message_offload": engine.petra_config.message_offload if petra else None,
         "device": engine.device.type,
         "per_stage": stages,
     }
@@ -142,6 +143,8 @@ def format_settings(settings: dict) -> str:
     if s["method"] == "petra":
         lines.append(f"  delay compensation: {_describe_compensation(s['delay_compensation'])}")
         lines.append(f"  input FIFO: {_describe_fifos(s['per_stage'])}" + _auto_offload(s))
+        if s.get("message_offload") == "cpu":
+            lines.append("  messages between stages of one rank: wait in host memory (message_offload)")
     return "\n".join(lines)
 
 

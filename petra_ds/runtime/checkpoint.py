@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 LATEST = "latest"
 #: ``petra`` keys that do not change training: a checkpoint resumes under other values
 DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible", "reconstruct_overlap", "compile", "fifo_offload",
-                   "async_save")
+                   "message_offload", "async_save")
 
 
 def partial_dir(save_dir: str, tag: str) -> str:

@@ -12,6 +12,7 @@ from ..util.checks import positive_int
 from .compensation import Combined, DelayCompensation, DelayCompensationError
 from .compiled import CUDA_GRAPH_MODES
 from .fifo import FIFO_OFFLOADS
+from .transport import MESSAGE_OFFLOADS
 
 INPUT_BUFFERS = ("non_reversible", "all")
 BN_RUNNING_STATS = ("backward", "forward")
@@ -65,6 +66,10 @@ class PetraConfig:
     #: device) or "cpu" (host memory; each entry is copied out as it is stored, and back one clock before its
     #: backward reads it). The same bits either way: a memory setting, not a training one
     fifo_offload: str = "none"
+    #: where a message between two stages of one rank waits for the instruction that reads it (``Inbox`` in
+    #: ``runtime/transport.py``): "none" (on the device) or "cpu" (host memory from its send until the compute
+    #: instruction before its reader). For one process hosting many stages; the same bits either way
+    message_offload: str = "none"
     #: ``save_checkpoint`` copies what it writes to host memory and returns; a thread writes the files while
     #: training goes on, and rank 0 commits the checkpoint once every rank has written (``runtime/background_save.py``).
     #: ``engine.wait_for_checkpoint()`` waits for it (the next save and every load do). Not a training setting
@@ -126,6 +131,10 @@ class PetraConfig:
                 f'"petra.fifo_offload" must be one of {FIFO_OFFLOADS} ("cpu": a non-reversible stage keeps its input '
                 f'FIFO, stage 0 its micro-batches, in host memory; "auto": only where the copies hide under its '
                 f'compute), got {self.fifo_offload!r}')
+        if self.message_offload not in MESSAGE_OFFLOADS:
+            raise PetraConfigError(
+                f'"petra.message_offload" must be one of {MESSAGE_OFFLOADS} ("cpu": messages between stages of one '
+                f'rank wait in host memory until the instruction before their reader), got {self.message_offload!r}')
         if not isinstance(self.async_save, bool):
             raise PetraConfigError(f'"petra.async_save" must be true or false, got {self.async_save!r}')
         if self.param_buffer and self.delay_compensation.method != "none":

@@ -28,6 +28,7 @@ from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, EvalForwa
                         Timeline, Window, channels)
 from . import checkpoint
 from .config import PetraConfig, check_stages_per_rank
+from .fifo import StreamCopies
 from .ledger import memory_report
 from .local_stages import LocalStages
 from .observe import Callbacks, Holdings, Observer, hook_table
@@ -35,7 +36,7 @@ from .offload_plan import OffloadPlanner, link_bytes_per_s
 from .optimizers import StageOptimizers, StageSchedulers, single_or_combined, stage_optimizers, stage_schedulers
 from .replicas import row_blocks
 from .stage import StageOptions
-from .transport import Transport
+from .transport import Inbox, Transport
 
 if TYPE_CHECKING:
     from .background_save import BackgroundSave, HostStaging
@@ -78,8 +79,9 @@ class PetraEngine(PipelineEngine):
         #: reads found them (DeepSpeed's count of skipped steps becomes this list)
         self.skipped_steps: list[tuple[int, int]] = self.stages.skipped_steps
         self.timeline = Timeline(self.num_petra_stages)
-        #: messages received for the next clock, by ``channels.Key`` (the receiving stage first)
-        self.inbox: dict[channels.Key, tuple] = {}
+        #: messages received for the next clock, by ``channels.Key`` (the receiving stage first); with
+        #: ``message_offload`` those between this rank's stages wait in host memory
+        self.inbox = Inbox(StreamCopies() if petra_config.message_offload == "cpu" else None)
         self._outbox: dict[int, dict[channels.Key, tuple]] = {j: {} for j in self.local_stage_ids}
         self._running_clock, self._window_losses, self._data, self._window_loss = 0, [], None, math.nan
         #: every message and collective of this rank (``PETRA_DS_COMM_TRACE=<dir>`` records them)
@@ -134,12 +136,13 @@ class PetraEngine(PipelineEngine):
     def holdings(self, stage: int) -> Holdings:
         """What ``stage`` keeps alive now beyond its model and optimizer (a read-only view)."""
         own = self.stages[stage].held()
-        inbox = [(key.kind == channels.DATA, v) for key, v in self.inbox.items() if key.stage == stage]
+        inbox = [(key.kind == channels.DATA, v) for key, v in self.inbox.on_device() if key.stage == stage]
         loaded = tuple(v for data, v in inbox if data)  # stage 0's micro-batches read, not yet run
         mine = tuple(v for data, v in inbox if not data) + tuple(self._outbox[stage].values())
         return Holdings(data=(*own["data"], *loaded), inputs=own["inputs"], outputs=own["outputs"],
                         param_stash=own["param_stash"], messages=(*mine, *own["messages"]),
-                        offloaded=own["offloaded"])
+                        offloaded=own["offloaded"],
+                        messages_host=tuple(v for key, v in self.inbox.on_host() if key.stage == stage))
 
     # --- optimizers and schedulers, one per local stage (DeepSpeed's constructor calls these) ---
 
@@ -276,6 +279,7 @@ class PetraEngine(PipelineEngine):
         for clock, cmds in enumerate(schedule, start=start):
             self._running_clock = clock
             watched = bool(self._hooks["before_instruction"] or self._hooks["after_instruction"])
+            parks = self.inbox.copies is not None
             labelled = torch.autograd._profiler_enabled()
             for i, cmd in enumerate(cmds):
                 if training and i == cmds.forwards_end:
@@ -283,6 +287,8 @@ class PetraEngine(PipelineEngine):
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
+                if parks:
+                    self.inbox.prefetch_next(cmds, i)
                 if watched:
                     self._notify("before_instruction", cmd)
                 if labelled:  # a trace shows each instruction as one labelled range
@@ -382,8 +388,9 @@ class PetraEngine(PipelineEngine):
     # --- instructions: messages (each names its channel and key; transport.py moves them) ---
 
     def _exec_send(self, cmd: SendActivation | SendGrad | SendTiedGrad | SendTiedWeight) -> None:
-        key = cmd.key()
-        self.transport.send(cmd.channel(), key, cmd.payload(self._outbox[cmd.stage].pop(key)))
+        key, channel = cmd.key(), cmd.channel()
+        payload = cmd.payload(self._outbox[cmd.stage].pop(key))
+        self.transport.send(channel, key, self.inbox.park(payload) if channel[2] in self.stages else payload)
 
     def _exec_recv(self, cmd: RecvActivation | RecvGrad | RecvTiedGrad | RecvTiedWeight) -> None:
         self.transport.recv(cmd.channel(), cmd.key())
@@ -452,7 +459,7 @@ class PetraEngine(PipelineEngine):
         self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
         self.row_blocks = state.get("row_blocks", self.grid.data_parallel_size)
         self._options.rows = row_blocks(self.grid.data_parallel_id, self.row_blocks, self.grid.data_parallel_size)
-        self.inbox = {}
+        self.inbox.clear()
         for i, j in enumerate(self.local_stage_ids):
             own = state["stages"][j]
             for obj, sd, wanted in ((self.stage_optimizers[i], own["optimizer"], optimizer_states),
@@ -460,7 +467,7 @@ class PetraEngine(PipelineEngine):
                 if wanted and obj is not None and sd is not None:
                     obj.load_state_dict(sd)
             self.stages.load_stage_state(j, own)
-            self.inbox.update({channels.Key(*key): value for key, value in own["inbox"].items()})
+            self.inbox.update({channels.Key(*key): self.inbox.park(v) for key, v in own["inbox"].items()})
 
     # --- introspection ---
 

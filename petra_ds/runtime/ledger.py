@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 #: a storage's identity: (device, address of its first byte)
 StorageKey = tuple[str, int]
+#: the parts of :func:`stage_tensors` in host memory (offloaded), not on the stage's device
+HOST_PARTS = ("fifo_host", "messages_host")
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -49,8 +51,9 @@ def storage_keys(tensors: Iterable[Tensor]) -> set[StorageKey]:
 def stage_tensors(engine: PetraEngine, stage: int) -> dict[str, Any]:
     """The tensors behind each byte count of :func:`memory_report` for local stage ``stage``: parameters,
     gradients, optimizer state, the input buffer on the device, the host copies of its offloaded entries
-    (``fifo_host``), the parameter buffer, stage 0's raw micro-batches, messages held and the delay compensation's
-    state. All on the stage's device but ``fifo_host``."""
+    (``fifo_host``), the parameter buffer, stage 0's raw micro-batches, messages held, the host copies of its parked
+    messages (``messages_host``) and the delay compensation's state. All on the stage's device but
+    :data:`HOST_PARTS`."""
     st = engine.stages[stage]
     optimizer = engine.stage_optimizers[stage - engine.local_stage_ids[0]]
     state = {} if optimizer is None else optimizer.state
@@ -58,7 +61,8 @@ def stage_tensors(engine: PetraEngine, stage: int) -> dict[str, Any]:
     return {"params": st.params, "grads": [p.grad for p in st.params if p.grad is not None],
             "optimizer_state": [list(s.values()) for s in state.values()], "input_buffer": held.inputs,
             "fifo_host": held.offloaded, "param_buffer": held.param_stash, "raw_micro_batches": held.data,
-            "messages": held.messages, "delay_compensation": st.compensation.state_dict()}
+            "messages": held.messages, "messages_host": held.messages_host,
+            "delay_compensation": st.compensation.state_dict()}
 
 
 def memory_report(engine: PetraEngine) -> dict[int, dict[str, int]]:

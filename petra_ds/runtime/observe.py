@@ -108,9 +108,10 @@ class Holdings:
       empty between clocks;
     - ``param_stash``: the weight-stashing ablation's parameters;
     - ``messages``: messages received for, or produced by, this stage and not yet consumed;
-    - ``offloaded``: the host copies of the FIFO entries and stage 0's micro-batches offloaded (``fifo_offload``).
-      Host memory, not the stage's device: outside :meth:`categories`, which lists what the stage keeps where it
-      computes.
+    - ``offloaded``: the host copies of the FIFO entries and stage 0's micro-batches offloaded (``fifo_offload``);
+    - ``messages_host``: the host copies of messages for this stage parked by ``message_offload``.
+      The last two are host memory, not the stage's device: outside :meth:`categories`, which lists what the stage
+      keeps where it computes.
     """
 
     data: tuple
@@ -119,6 +120,7 @@ class Holdings:
     param_stash: tuple
     messages: tuple
     offloaded: tuple = ()
+    messages_host: tuple = ()
 
     def categories(self) -> dict[str, Any]:
         return {"data": self.data, "inputs": self.inputs, "outputs": self.outputs,

@@ -1,0 +1,171 @@
+"""``"petra": {"message_offload": "cpu"}``: a message between two stages of one rank waits in host memory from its
+send until the compute instruction before its reader (``petra_ds/runtime/transport.py``: ``Inbox``).
+
+The inbox's copies are checked with the fake copy stream of the FIFO tests (a read before its copy ran raises);
+training with the offload equals training without it bit for bit, all stages in one process and on two ranks, and
+resumes from a checkpoint bit for bit; the memory report moves exactly the parked messages' bytes from the device
+to the host."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from petra_ds.runtime.config import PetraConfig, PetraConfigError
+from petra_ds.runtime.fifo import StreamCopies
+from petra_ds.runtime.transport import Inbox
+from petra_ds.schedule import DelayedBackward, ForwardPass, PostP2P
+from petra_ds.schedule.channels import Key
+
+from harness import launch, merged_grads, merged_params
+from test_fifo_offload import FakeCopies, pair
+
+SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+
+
+def test_the_config_names_the_allowed_values():
+    assert PetraConfig().message_offload == "none"
+    assert PetraConfig.from_dict({"message_offload": "cpu"}).message_offload == "cpu"
+    with pytest.raises(PetraConfigError, match=r"\"petra.message_offload\" must be one of \('none', 'cpu'\).*'gpu'"):
+        PetraConfig.from_dict({"message_offload": "gpu"})
+
+
+# --- the inbox, driven by a fake copy stream ---
+
+def test_a_parked_message_comes_back_as_the_same_views_before_its_reader_and_not_twice():
+    torch.set_default_dtype(torch.float64)
+    log: list = []
+    inbox = Inbox(FakeCopies(log))
+    sent = (pair(1, 0), torch.arange(4))  # an activation pair (two views of one storage) and its labels
+    key, other = Key(2, "act", 1), Key(1, "grad", 0)
+    inbox[key] = inbox.park(sent)
+    inbox[other] = inbox.park((pair(0, 1),))
+    assert log == [("offload", 0), ("offload", 1)] and not list(inbox.on_device())
+    assert [k for k, _ in inbox.on_host()] == [key, other]
+    cmds = [ForwardPass(1, 2, consumes=Key(1, "act", 2)), PostP2P(batch="act"), ForwardPass(2, 1, consumes=key),
+            DelayedBackward(1, 0, consumes=other)]
+    inbox.prefetch_next(cmds, 0)  # before cmds[0] runs: the message of the next reader, cmds[2], starts back
+    inbox.prefetch_next(cmds, 1)  # already on its way: no second copy
+    assert log[2:] == [("prefetch", 2)] and [k for k, _ in inbox.on_device()] == [key]
+    inbox.copies.run()
+    (x1, x2), labels = inbox.pop(key)
+    assert log[-1] == ("wait", 2)
+    (want1, want2), want_labels = sent
+    assert torch.equal(x1, want1) and torch.equal(x2, want2) and torch.equal(labels, want_labels)
+    assert x1.untyped_storage().data_ptr() == x2.untyped_storage().data_ptr()  # one copy, the same two views
+    assert (x1.storage_offset(), x2.storage_offset()) == (want1.storage_offset(), want2.storage_offset())
+    inbox.prefetch_next(cmds, 2)
+    assert log[-1] == ("prefetch", 3)
+    with pytest.raises(RuntimeError, match=r"read before its prefetch completed \(copy 3\)"):
+        inbox.pop(other)  # the read waits for its copy back on the compute stream
+
+
+def test_a_message_read_without_a_prefetch_is_fetched_by_its_read():
+    torch.set_default_dtype(torch.float64)
+    inbox = Inbox(StreamCopies())  # on CPU: plain copies, nothing to wait for
+    sent = (pair(3, 0),)
+    inbox[Key(1, "act", 3)] = parked = inbox.park(sent)
+    assert inbox[Key(1, "act", 3)] is parked.host  # indexing gives the host copy (what a checkpoint saves)
+    ((a, b),) = inbox.pop(Key(1, "act", 3))
+    assert torch.equal(a, sent[0][0]) and torch.equal(b, sent[0][1]) and a.data_ptr() != sent[0][0].data_ptr()
+
+
+def test_without_the_offload_nothing_is_parked_or_copied():
+    inbox = Inbox()
+    fields = (pair(0, 0),)
+    assert inbox.park(fields) is fields
+    inbox[Key(1, "act", 0)] = fields
+    assert inbox.pop(Key(1, "act", 0)) is fields
+
+
+# --- training, with and without the offload ---
+
+@functools.lru_cache(maxsize=None)
+def _run(spec_json: str) -> list[dict]:
+    return launch(json.loads(spec_json))
+
+
+def run(**spec: Any) -> list[dict]:
+    return _run(json.dumps(spec, sort_keys=True))
+
+
+def assert_same_training(spec: dict) -> tuple[list[dict], list[dict]]:
+    """The run with ``message_offload: "cpu"`` against the run without: parameters, every step's gradients and
+    the losses bit for bit. Returns (plain, offloaded) results, both with a memory report per clock."""
+    petra = spec.get("petra", {})
+    plain = run(**{**spec, "memory_trace": True})
+    parked = run(**{**spec, "memory_trace": True, "petra": {**petra, "message_offload": "cpu"}})
+    got, want = merged_params(parked), merged_params(plain)
+    assert got.keys() == want.keys() and max((got[n] - want[n]).abs().max().item() for n in got) == 0.0
+    grads, grads_ref = merged_grads(parked), merged_grads(plain)
+    assert grads.keys() == grads_ref.keys()
+    for j in grads:
+        assert len(grads[j]) == len(grads_ref[j]) > 0
+        for step, step_ref in zip(grads[j], grads_ref[j], strict=True):
+            assert all(torch.equal(step[n], step_ref[n]) for n in step_ref), j
+    assert [[repr(x) for x in r["losses"]] for r in parked] == [[repr(x) for x in r["losses"]] for r in plain]
+    return plain, parked
+
+
+def held_messages(results: list[dict]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(clock, stage) -> (message bytes on the device, on the host) at each clock's end, over the ranks."""
+    return {(clock, j): (entry["messages"], entry["messages_host"])
+            for r in results for clock, report in r["memory"] for j, entry in report.items()}
+
+
+TOY = {"k": 2, "train_batches": 4, "optimizer": SGD, "dropout": 0.1}
+
+
+def test_all_stages_in_one_process_train_the_same_bits_and_hold_no_message_on_the_device():
+    """J = 4 in one process: every message is between stages of the rank, so between clocks each stage's
+    messages are all in host memory, exactly the bytes the run without the offload holds on the device."""
+    plain, parked = assert_same_training({**TOY, "pipe": 1, "stages_per_rank": 4,
+                                          "probe": "test_fifo_offload:settings_probe"})
+    before, after = held_messages(plain), held_messages(parked)
+    assert before.keys() == after.keys()
+    for at, (device, host) in after.items():
+        assert device == 0 and host == before[at][0] and before[at][1] == 0, at
+    assert max(host for _, host in after.values()) > 0
+    said = "messages between stages of one rank: wait in host memory (message_offload)"
+    assert said in parked[0]["probe"] and said not in plain[0]["probe"]
+
+
+def test_two_ranks_park_only_the_messages_between_their_own_stages():
+    """J = 4 on two ranks, two stages each: stage 0 -> 1 and 2 -> 3 (and back) stay on one rank and are parked;
+    1 -> 2 and 2 -> 1 cross ranks and stay in their receive buffers. Same bits; the bytes move, none appear."""
+    plain, parked = assert_same_training({**TOY, "pipe": 2, "stages_per_rank": 2})
+    before, after = held_messages(plain), held_messages(parked)
+    assert before.keys() == after.keys()
+    for at, (device, host) in after.items():
+        assert device + host == before[at][0], at
+    assert max(host for _, host in after.values()) > 0 and max(device for device, _ in after.values()) > 0
+
+
+@pytest.mark.parametrize("resume_with", ["cpu", "none"])
+def test_a_run_resumes_bit_for_bit_from_a_checkpoint_saved_with_parked_messages(tmp_path, resume_with):
+    """Saved between windows (messages in host memory: the file holds their host copies), loaded by new engines
+    with the offload or without it (it does not change training, so a checkpoint resumes under either): the
+    uninterrupted run's parameters."""
+    common = {**TOY, "pipe": 1, "stages_per_rank": 4, "train_batches": 5, "petra": {"message_offload": "cpu"}}
+    whole = merged_params(run(**{**common, "petra": {}}))
+    ckpt = str(tmp_path / "ckpt")
+    first = launch({**common, "save_dir": ckpt, "save_after": 2, "save_tag": "c4"})
+    assert max((merged_params(first)[n] - whole[n]).abs().max().item() for n in whole) == 0.0
+    resumed = launch({**common, "petra": {"message_offload": resume_with}, "load_dir": ckpt})
+    assert resumed[0]["clock"] == first[0]["clock"]
+    got = merged_params(resumed)
+    assert max((got[n] - whole[n]).abs().max().item() for n in whole) == 0.0
+
+
+REVNET = {"model": "revnet", "k": 4, "train_batches": 3, "micro_batch": 2, "optimizer": SGD, "dropout": 0.0}
+
+
+def test_revnet18_with_every_stage_in_one_process_trains_the_same_bits():
+    """RevNet18 at J = 10 in one process, the paper's single-GPU setting, with its FIFOs offloaded too."""
+    plain, parked = assert_same_training({**REVNET, "pipe": 1, "stages_per_rank": 10,
+                                          "petra": {"fifo_offload": "cpu"}})
+    assert all(device == 0 for device, _ in held_messages(parked).values())

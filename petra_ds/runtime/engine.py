@@ -390,7 +390,7 @@ class PetraEngine(PipelineEngine):
     def _exec_send(self, cmd: SendActivation | SendGrad | SendTiedGrad | SendTiedWeight) -> None:
         key, channel = cmd.key(), cmd.channel()
         payload = cmd.payload(self._outbox[cmd.stage].pop(key))
-        self.transport.send(channel, key, self.inbox.park(payload) if channel[2] in self.stages else payload)
+        self.transport.send(channel, key, self.inbox.park(payload) if channel[2] in self.local_stage_ids else payload)
 
     def _exec_recv(self, cmd: RecvActivation | RecvGrad | RecvTiedGrad | RecvTiedWeight) -> None:
         self.transport.recv(cmd.channel(), cmd.key())

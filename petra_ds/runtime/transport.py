@@ -437,6 +437,10 @@ class Inbox(MutableMapping):
     def __contains__(self, key: object) -> bool:
         return key in self._items
 
+    def update(self, other: dict[Key, Any]) -> None:
+        """Add ``other``'s messages as they are (parked ones stay parked)."""
+        self._items.update(other)
+
     def __iter__(self) -> Iterator[Key]:
         return iter(self._items)
 

@@ -381,3 +381,18 @@ def merged_grads(results: list[dict]) -> dict[int, list[dict[str, torch.Tensor]]
         for j, steps in result["grads"].items():
             out.setdefault(j, steps)
     return out
+
+
+def assert_same_bits(got: list[dict], want: list[dict]) -> None:
+    """Two runs of the same training (a memory or speed setting apart): parameters, every step's gradients and
+    the losses bit for bit, on every rank."""
+    params, params_ref = merged_params(got), merged_params(want)
+    assert params.keys() == params_ref.keys()
+    assert max((params[n] - params_ref[n]).abs().max().item() for n in params) == 0.0
+    grads, grads_ref = merged_grads(got), merged_grads(want)
+    assert grads.keys() == grads_ref.keys()
+    for j in grads:
+        assert len(grads[j]) == len(grads_ref[j]) > 0
+        for step, step_ref in zip(grads[j], grads_ref[j], strict=True):
+            assert all(torch.equal(step[n], step_ref[n]) for n in step_ref), j
+    assert [[repr(x) for x in r["losses"]] for r in got] == [[repr(x) for x in r["losses"]] for r in want]

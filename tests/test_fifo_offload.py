@@ -24,7 +24,7 @@ from petra_ds.runtime.stage import Stage, StageOptions
 from petra_ds.schedule import DelayedBackward, ForwardPass, PetraSchedule, Timeline, delay
 from petra_ds.tools.toy import Mix
 
-from harness import launch, merged_grads, merged_params
+from harness import assert_same_bits, launch, merged_grads, merged_params
 
 SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 
@@ -244,15 +244,7 @@ def assert_same_training(spec: dict) -> list[dict]:
     petra = spec.get("petra", {})
     plain = run(**spec)
     offloaded = run(**{**spec, "memory_trace": True, "petra": {**petra, "fifo_offload": "cpu"}})
-    got, want = merged_params(offloaded), merged_params(plain)
-    assert got.keys() == want.keys() and max((got[n] - want[n]).abs().max().item() for n in got) == 0.0
-    grads, grads_ref = merged_grads(offloaded), merged_grads(plain)
-    assert grads.keys() == grads_ref.keys()
-    for j in grads:
-        assert len(grads[j]) == len(grads_ref[j]) > 0
-        for step, step_ref in zip(grads[j], grads_ref[j]):
-            assert all(torch.equal(step[n], step_ref[n]) for n in step_ref), j
-    assert [[repr(x) for x in r["losses"]] for r in offloaded] == [[repr(x) for x in r["losses"]] for r in plain]
+    assert_same_bits(offloaded, plain)
     entries = [entry for r in offloaded for _, report in r["memory"] for entry in report.values()]
     assert max(entry["fifo_host"] for entry in entries) > 0
     assert all(entry["input_buffer_micro_batches"] <= 1 for entry in entries)  # between clocks: the head at most

@@ -326,6 +326,13 @@ def _offload_runs(_spec: dict) -> dict:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def offload_runs() -> dict:
+    """The runs of :func:`_offload_runs`, launched once for the tests that read them."""
+    (found,) = launch({}, world_size=1, target=_offload_runs, timeout=600, fresh="spawn")
+    return found
+
+
 _planners: list = []
 
 
@@ -346,7 +353,7 @@ def test_fifo_offload_auto_on_cuda_decides_every_stage_and_changes_no_bit():
     it decides, training equals training without the offload bit for bit."""
     from petra_ds.runtime.offload_plan import copies_hide
 
-    (found,) = launch({}, world_size=1, target=_offload_runs, timeout=600, fresh="spawn")
+    found = offload_runs()
     plain, auto = found["none"], found["auto"]
     for n in plain["params"]:
         assert torch.equal(auto["params"][n], plain["params"][n]), n
@@ -358,19 +365,23 @@ def test_fifo_offload_auto_on_cuda_decides_every_stage_and_changes_no_bit():
             d["entry_bytes"], 2 * d["entry_bytes"] / d["copies_s"], d["forward_s"])
 
 
+def assert_trained_alike(plain: dict, other: dict) -> None:
+    """The same parameters and every step's gradients bit for bit, and no synchronising call more."""
+    for n in plain["params"]:
+        assert torch.equal(other["params"][n], plain["params"][n]), n
+    for j, steps in plain["grads"].items():
+        for a, b in zip(steps, other["grads"][j], strict=True):
+            assert all(torch.equal(a[n], b[n]) for n in a), j
+    assert len(other["syncs"]) == len(plain["syncs"]), (other["syncs"], plain["syncs"])
+
+
 def test_fifo_offload_on_cuda_changes_no_bit_and_adds_no_host_sync():
     """Entries copied to pinned host memory on a side stream and back one clock before their backward, ordered
     by events: the same parameters and gradients bit for bit, no synchronising call more than without the offload,
     and between clocks only each FIFO's head on the device."""
-    (found,) = launch({}, world_size=1, target=_offload_runs, timeout=600, fresh="spawn")
-    plain, offloaded = found["none"], found["cpu"]
-    for n in plain["params"]:
-        assert torch.equal(offloaded["params"][n], plain["params"][n]), n
-    for j, steps in plain["grads"].items():
-        for a, b in zip(steps, offloaded["grads"][j], strict=True):
-            assert all(torch.equal(a[n], b[n]) for n in a), j
-    assert len(offloaded["syncs"]) == len(plain["syncs"]), (offloaded["syncs"], plain["syncs"])
-    entries = [entry for _, report in offloaded["memory"] for entry in report.values()]
+    found = offload_runs()
+    assert_trained_alike(found["none"], found["cpu"])
+    entries = [entry for _, report in found["cpu"]["memory"] for entry in report.values()]
     assert max(entry["fifo_host"] for entry in entries) > 0
     assert all(entry["input_buffer_micro_batches"] <= 1 for entry in entries)
 
@@ -379,13 +390,7 @@ def test_message_offload_on_cuda_changes_no_bit_and_adds_no_host_sync():
     """With the FIFOs, the messages between the four stages of the process parked in pinned host memory on the side
     stream and brought back one instruction before their readers: the same bits, no synchronising call more, and
     between clocks no message left on the device."""
-    (found,) = launch({}, world_size=1, target=_offload_runs, timeout=600, fresh="spawn")
-    plain, parked = found["none"], found["messages"]
-    for n in plain["params"]:
-        assert torch.equal(parked["params"][n], plain["params"][n]), n
-    for j, steps in plain["grads"].items():
-        for a, b in zip(steps, parked["grads"][j], strict=True):
-            assert all(torch.equal(a[n], b[n]) for n in a), j
-    assert len(parked["syncs"]) == len(plain["syncs"]), (parked["syncs"], plain["syncs"])
-    entries = [entry for _, report in parked["memory"] for entry in report.values()]
+    found = offload_runs()
+    assert_trained_alike(found["none"], found["messages"])
+    entries = [entry for _, report in found["messages"]["memory"] for entry in report.values()]
     assert max(entry["messages_host"] for entry in entries) > 0 and all(entry["messages"] == 0 for entry in entries)

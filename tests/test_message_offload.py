@@ -21,7 +21,7 @@ from petra_ds.runtime.transport import Inbox
 from petra_ds.schedule import DelayedBackward, ForwardPass, PostP2P
 from petra_ds.schedule.channels import Key
 
-from harness import launch, merged_grads, merged_params
+from harness import assert_same_bits, launch, merged_params
 from test_fifo_offload import FakeCopies, pair
 
 SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
@@ -99,15 +99,7 @@ def assert_same_training(spec: dict) -> tuple[list[dict], list[dict]]:
     petra = spec.get("petra", {})
     plain = run(**{**spec, "memory_trace": True})
     parked = run(**{**spec, "memory_trace": True, "petra": {**petra, "message_offload": "cpu"}})
-    got, want = merged_params(parked), merged_params(plain)
-    assert got.keys() == want.keys() and max((got[n] - want[n]).abs().max().item() for n in got) == 0.0
-    grads, grads_ref = merged_grads(parked), merged_grads(plain)
-    assert grads.keys() == grads_ref.keys()
-    for j in grads:
-        assert len(grads[j]) == len(grads_ref[j]) > 0
-        for step, step_ref in zip(grads[j], grads_ref[j], strict=True):
-            assert all(torch.equal(step[n], step_ref[n]) for n in step_ref), j
-    assert [[repr(x) for x in r["losses"]] for r in parked] == [[repr(x) for x in r["losses"]] for r in plain]
+    assert_same_bits(parked, plain)
     return plain, parked
 
 

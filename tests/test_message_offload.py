@@ -114,9 +114,11 @@ TOY = {"k": 2, "train_batches": 4, "optimizer": SGD, "dropout": 0.1}
 
 def test_all_stages_in_one_process_train_the_same_bits_and_hold_no_message_on_the_device():
     """J = 4 in one process: every message is between stages of the rank, so between clocks each stage's
-    messages are all in host memory, exactly the bytes the run without the offload holds on the device."""
-    plain, parked = assert_same_training({**TOY, "pipe": 1, "stages_per_rank": 4,
+    messages are all in host memory, exactly the bytes the run without the offload holds on the device; an
+    evaluation afterwards (its own schedule, its messages parked too) gives the same losses."""
+    plain, parked = assert_same_training({**TOY, "pipe": 1, "stages_per_rank": 4, "eval_batches": 2,
                                           "probe": "test_fifo_offload:settings_probe"})
+    assert [r["evals"] for r in parked] == [r["evals"] for r in plain] and len(plain[0]["evals"]) == 2
     before, after = held_messages(plain), held_messages(parked)
     assert before.keys() == after.keys()
     for at, (device, host) in after.items():

@@ -17,7 +17,7 @@ import torch
 
 from petra_ds.runtime.config import PetraConfig, PetraConfigError
 from petra_ds.runtime.fifo import StreamCopies
-from petra_ds.runtime.transport import Inbox
+from petra_ds.runtime.transport import Inbox, Parked
 from petra_ds.schedule import DelayedBackward, ForwardPass, PostP2P
 from petra_ds.schedule.channels import Key
 
@@ -42,8 +42,8 @@ def test_a_parked_message_comes_back_as_the_same_views_before_its_reader_and_not
     inbox = Inbox(FakeCopies(log))
     sent = (pair(1, 0), torch.arange(4))  # an activation pair (two views of one storage) and its labels
     key, other = Key(2, "act", 1), Key(1, "grad", 0)
-    inbox[key] = inbox.park(sent)
-    inbox[other] = inbox.park((pair(0, 1),))
+    inbox[key] = inbox.park(key, sent)
+    inbox[other] = inbox.park(other, (pair(0, 1),))
     assert log == [("offload", 0), ("offload", 1)] and not list(inbox.on_device())
     assert [k for k, _ in inbox.on_host()] == [key, other]
     cmds = [ForwardPass(1, 2, consumes=Key(1, "act", 2)), PostP2P(batch="act"), ForwardPass(2, 1, consumes=key),
@@ -68,16 +68,25 @@ def test_a_message_read_without_a_prefetch_is_fetched_by_its_read():
     torch.set_default_dtype(torch.float64)
     inbox = Inbox(StreamCopies())  # on CPU: plain copies, nothing to wait for
     sent = (pair(3, 0),)
-    inbox[Key(1, "act", 3)] = parked = inbox.park(sent)
+    inbox[Key(1, "act", 3)] = parked = inbox.park(Key(1, "act", 3), sent)
     assert inbox[Key(1, "act", 3)] is parked.host  # indexing gives the host copy (what a checkpoint saves)
     ((a, b),) = inbox.pop(Key(1, "act", 3))
     assert torch.equal(a, sent[0][0]) and torch.equal(b, sent[0][1]) and a.data_ptr() != sent[0][0].data_ptr()
 
 
+def test_only_what_an_instruction_of_this_rank_reads_is_parked():
+    inbox, fields = Inbox(StreamCopies()), (pair(0, 0),)
+    assert isinstance(inbox.park(Key(1, "grad", 0), fields), Parked)
+    assert isinstance(inbox.park(Key(1, "eval", 0), fields), Parked)
+    assert inbox.park(Key(1, "act", 0), fields, receiver_here=False) is fields  # another rank's: its exchange's
+    assert inbox.park(Key(1, "tied_weight", 0), fields) is fields  # applied as the commit receives it
+    assert inbox.park(Key(0, "data", 0), fields) is fields  # read in the clock that loads it
+
+
 def test_without_the_offload_nothing_is_parked_or_copied():
     inbox = Inbox()
     fields = (pair(0, 0),)
-    assert inbox.park(fields) is fields
+    assert inbox.park(Key(1, "act", 0), fields) is fields
     inbox[Key(1, "act", 0)] = fields
     assert inbox.pop(Key(1, "act", 0)) is fields
 
@@ -163,3 +172,12 @@ def test_revnet18_with_every_stage_in_one_process_trains_the_same_bits():
     plain, parked = assert_same_training({**REVNET, "pipe": 1, "stages_per_rank": 10,
                                           "petra": {"fifo_offload": "cpu"}})
     assert all(device == 0 for device, _ in held_messages(parked).values())
+
+
+def test_revgpt_with_tied_embeddings_in_one_process_trains_the_same_bits():
+    """Tied embedding and head: the owner's new weights and the reader's gradient of them travel as messages too,
+    between stages of the one process; the tied weights a commit applies are never parked."""
+    plain, parked = assert_same_training({"model": "revgpt", "tie_embeddings": True, "k": 2, "micro_batch": 2,
+                                          "dropout": 0.1, "train_batches": 3, "optimizer": SGD, "pipe": 1,
+                                          "stages_per_rank": 4})
+    assert max(host for _, host in held_messages(parked).values()) > 0

@@ -390,7 +390,7 @@ class PetraEngine(PipelineEngine):
     def _exec_send(self, cmd: SendActivation | SendGrad | SendTiedGrad | SendTiedWeight) -> None:
         key, channel = cmd.key(), cmd.channel()
         payload = cmd.payload(self._outbox[cmd.stage].pop(key))
-        self.transport.send(channel, key, self.inbox.park(payload) if channel[2] in self.local_stage_ids else payload)
+        self.transport.send(channel, key, self.inbox.park(key, payload, channel[2] in self.local_stage_ids))
 
     def _exec_recv(self, cmd: RecvActivation | RecvGrad | RecvTiedGrad | RecvTiedWeight) -> None:
         self.transport.recv(cmd.channel(), cmd.key())
@@ -467,7 +467,8 @@ class PetraEngine(PipelineEngine):
                 if wanted and obj is not None and sd is not None:
                     obj.load_state_dict(sd)
             self.stages.load_stage_state(j, own)
-            self.inbox.update({channels.Key(*key): self.inbox.park(v) for key, v in own["inbox"].items()})
+            for key, value in own["inbox"].items():
+                self.inbox[channels.Key(*key)] = self.inbox.park(channels.Key(*key), value)
 
     # --- introspection ---
 

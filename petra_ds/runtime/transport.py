@@ -54,7 +54,7 @@ from deepspeed import comm as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..schedule.channels import Channel, Key, channel_name
+from ..schedule.channels import ACT, EVAL, GRAD, Channel, Key, channel_name
 from ..util.files import replace_atomically
 from ..util.nested import tensors_in
 from . import messages
@@ -344,6 +344,9 @@ class Transport:
 #: the values ``"petra.message_offload"`` takes: "none" keeps messages on the device, "cpu" parks the messages
 #: between stages of one rank in host memory
 MESSAGE_OFFLOADS = ("none", "cpu")
+#: the kinds of message a compute instruction reads from the inbox, which ``message_offload`` parks (tied weights
+#: are applied as a commit receives them, and stage 0's data is read in the clock that loads it)
+PARKED_KINDS = (ACT, GRAD, EVAL)
 
 
 @dataclass
@@ -368,10 +371,10 @@ class Inbox(MutableMapping):
         self.copies = copies
         self._items: dict[Key, Any] = {}
 
-    def park(self, fields: tuple) -> Any:
-        """What to hand the transport for a message to a stage of this rank: ``fields`` itself, or with the offload
-        a :class:`Parked` whose host copy has started."""
-        if self.copies is None:
+    def park(self, key: Key, fields: tuple, receiver_here: bool = True) -> Any:
+        """What to hand over as message ``key``: ``fields`` itself, or, with the offload, for a message an
+        instruction of a stage of this rank reads, a :class:`Parked` whose host copy has started."""
+        if self.copies is None or not receiver_here or key.kind not in PARKED_KINDS:
             return fields
         first = next(iter(tensors_in(fields)), None)
         if first is None:

@@ -181,3 +181,14 @@ def test_revgpt_with_tied_embeddings_in_one_process_trains_the_same_bits():
                                           "dropout": 0.1, "train_batches": 3, "optimizer": SGD, "pipe": 1,
                                           "stages_per_rank": 4})
     assert max(host for _, host in held_messages(parked).values()) > 0
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param({"petra": {"reconstruct_overlap": True, "fifo_offload": "cpu"}}, id="overlap-and-fifo-offload"),
+    pytest.param({"dp": 2, "petra": {"delay_compensation": "weight_prediction"}}, id="two-replicas-prediction"),
+])
+def test_it_composes_with_the_other_settings_of_a_stage(extra):
+    """With the FIFOs offloaded too and the reconstruction overlapped, and on two data-parallel replicas with
+    weight prediction: the same bits, and no message left on the device between clocks."""
+    plain, parked = assert_same_training({**TOY, "pipe": 1, "stages_per_rank": 4, **extra})
+    assert all(device == 0 for device, _ in held_messages(parked).values())

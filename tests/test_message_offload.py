@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from petra_ds.runtime.config import PetraConfig, PetraConfigError
-from petra_ds.runtime.fifo import StreamCopies
-from petra_ds.runtime.transport import Inbox, Parked
+from petra_ds.runtime.fifo import Entry, StreamCopies
+from petra_ds.runtime.transport import Inbox
 from petra_ds.schedule import DelayedBackward, ForwardPass, PostP2P
 from petra_ds.schedule.channels import Key
 
@@ -76,8 +76,8 @@ def test_a_message_read_without_a_prefetch_is_fetched_by_its_read():
 
 def test_only_what_an_instruction_of_this_rank_reads_is_parked():
     inbox, fields = Inbox(StreamCopies()), (pair(0, 0),)
-    assert isinstance(inbox.park(Key(1, "grad", 0), fields), Parked)
-    assert isinstance(inbox.park(Key(1, "eval", 0), fields), Parked)
+    assert isinstance(inbox.park(Key(1, "grad", 0), fields), Entry)
+    assert isinstance(inbox.park(Key(1, "eval", 0), fields), Entry)
     assert inbox.park(Key(1, "act", 0), fields, receiver_here=False) is fields  # another rank's: its exchange's
     assert inbox.park(Key(1, "tied_weight", 0), fields) is fields  # applied as the commit receives it
     assert inbox.park(Key(0, "data", 0), fields) is fields  # read in the clock that loads it

@@ -142,6 +142,29 @@ class Entry:
     stored: Any = None
     ready: Any = None
 
+    @classmethod
+    def offloaded(cls, m: int, x: Any, copies: Copies) -> Entry:
+        """Micro-batch ``m``'s ``x``, its copy to host memory started; the caller drops the device copy, whose
+        memory is free once the copy has read it."""
+        host, stored = moved(x, copies.to_host)
+        return cls(m, None, next(tensors_in(x)).device, host, stored)
+
+    def fetch(self, copies: Copies) -> None:
+        """Start the entry back to its device (a no-op when it is there or on its way); its host copy is dropped,
+        its memory free once the copy has read it."""
+        if self.value is None:
+            self.value, self.ready = moved(self.host, lambda buffers: copies.to_device(buffers, self.device))
+            self.host = self.stored = None
+
+    def settled(self, copies: Copies | None) -> Any:
+        """The entry where it is, its copy written (the host waits for a host copy: only between windows)."""
+        if self.value is None:
+            copies.finish(self.stored)
+            return self.host
+        if self.ready is not None:
+            copies.wait(self.ready)
+        return self.value
+
 
 def saved_entries(state: Any) -> list[tuple[int, Any]]:
     """A saved FIFO's (micro-batch, input) pairs (:meth:`InputFifo.state`); stage 0's micro-batches were a
@@ -177,11 +200,8 @@ class InputFifo:
     def append(self, m: int, x: Any) -> None:
         """Keep ``x``, micro-batch ``m``'s input. Offloaded unless it is the next one read: the device copy is
         dropped here, its memory free once the copy has read it."""
-        if self.copies is None or not self._entries:
-            self._entries.append(Entry(m, x))
-            return
-        host, stored = moved(x, self.copies.to_host)
-        self._entries.append(Entry(m, None, next(tensors_in(x)).device, host, stored))
+        offload = self.copies is not None and len(self._entries) > 0
+        self._entries.append(Entry.offloaded(m, x, self.copies) if offload else Entry(m, x))
 
     def start_offloading(self, copies: Copies) -> None:
         """Offload from now on: every entry but the head leaves for host memory now, later ones as they are
@@ -209,13 +229,9 @@ class InputFifo:
         return entry.value
 
     def _prefetch_head(self) -> None:
-        """Start the head back to the device (a no-op when it is there); its host copy is dropped, its memory
-        free once the copy has read it."""
-        if not self._entries or self._entries[0].value is not None:
-            return
-        head = self._entries[0]
-        head.value, head.ready = moved(head.host, lambda buffers: self.copies.to_device(buffers, head.device))
-        head.host = head.stored = None
+        """Start the head back to the device (a no-op when it is there)."""
+        if self._entries:
+            self._entries[0].fetch(self.copies)
 
     def on_device(self) -> tuple:
         """The entries held on the device (the head, and every entry without an offload)."""
@@ -228,16 +244,7 @@ class InputFifo:
     def state(self) -> list[tuple[int, Any]]:
         """Every entry as (micro-batch, input) for a checkpoint, an offloaded one as its host copy. Waits for
         the copies (the host, for a host copy): only between windows."""
-        out = []
-        for e in self._entries:
-            if e.value is not None:
-                if e.ready is not None:
-                    self.copies.wait(e.ready)
-                out.append((e.micro_batch, e.value))
-            else:
-                self.copies.finish(e.stored)
-                out.append((e.micro_batch, e.host))
-        return out
+        return [(e.micro_batch, e.settled(self.copies)) for e in self._entries]
 
     def load(self, entries: Iterable[tuple[int, Any]]) -> None:
         """Replace the entries by ``entries`` (a checkpoint's, on the device), kept as if stored in this order."""

@@ -46,7 +46,6 @@ import json
 import os
 from collections.abc import MutableMapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Container, Iterator, Sequence
 
 import torch
@@ -58,7 +57,7 @@ from ..schedule.channels import ACT, EVAL, GRAD, Channel, Key, channel_name
 from ..util.files import replace_atomically
 from ..util.nested import tensors_in
 from . import messages
-from .fifo import Copies, moved
+from .fifo import Copies, Entry
 
 #: the environment variable naming the directory the communication traces go to (a diagnostic for short
 #: runs: each rank rewrites its whole trace at the end of every window)
@@ -349,22 +348,11 @@ MESSAGE_OFFLOADS = ("none", "cpu")
 PARKED_KINDS = (ACT, GRAD, EVAL)
 
 
-@dataclass
-class Parked:
-    """A message in host memory (``host``, written once ``stored`` has passed), read on ``device``; ``fetched``
-    is its device copy once started back (readable once ``ready`` has passed)."""
-
-    host: tuple
-    stored: Any
-    device: torch.device
-    fetched: tuple | None = None
-    ready: Any = None
-
-
 class Inbox(MutableMapping):
     """What this rank's stages received (and stage 0 loaded) for the instructions of the next clock, by
-    :class:`Key`. :meth:`pop` hands an instruction its message on the device; indexing and :meth:`items` give
-    each message where it is (a parked one's host copy, written: what a checkpoint saves)."""
+    :class:`Key`. A parked message is a FIFO :class:`Entry` (``runtime/fifo.py``) of its own. :meth:`pop` hands an
+    instruction its message on the device; indexing and :meth:`items` give each message where it is (a parked one's
+    host copy, written: what a checkpoint saves)."""
 
     def __init__(self, copies: Copies | None = None) -> None:
         """``copies``: how parked messages move (None: nothing is parked)."""
@@ -373,20 +361,18 @@ class Inbox(MutableMapping):
 
     def park(self, key: Key, fields: tuple, receiver_here: bool = True) -> Any:
         """What to hand over as message ``key``: ``fields`` itself, or, with the offload, for a message an
-        instruction of a stage of this rank reads, a :class:`Parked` whose host copy has started."""
+        instruction of a stage of this rank reads, an :class:`Entry` whose host copy has started."""
         if self.copies is None or not receiver_here or key.kind not in PARKED_KINDS:
             return fields
-        first = next(iter(tensors_in(fields)), None)
-        if first is None:
+        if next(iter(tensors_in(fields)), None) is None:
             return fields
-        host, stored = moved(fields, self.copies.to_host)
-        return Parked(host, stored, first.device)
+        return Entry.offloaded(key.index, fields, self.copies)
 
     def prefetch(self, key: Key) -> None:
         """Start a parked message back to its device (nothing for one already there or on its way)."""
         value = self._items.get(key)
-        if isinstance(value, Parked):
-            self._fetch(value)
+        if isinstance(value, Entry):
+            value.fetch(self.copies)
 
     def prefetch_next(self, cmds: Sequence[Any], i: int) -> None:
         """Before instruction ``i`` of a clock runs: start back the message of the next instruction that reads one."""
@@ -399,37 +385,29 @@ class Inbox(MutableMapping):
     def pop(self, key: Key, *default: Any) -> Any:
         """Remove the message ``key`` and return it on its device (after its copy back, on the compute stream)."""
         value = self._items.pop(key, *default)
-        if not isinstance(value, Parked):
+        if not isinstance(value, Entry):
             return value
-        self._fetch(value)
+        value.fetch(self.copies)
         self.copies.wait(value.ready)
-        return value.fetched
-
-    def _fetch(self, value: Parked) -> None:
-        if value.fetched is None:
-            device = value.device
-            value.fetched, value.ready = moved(value.host, lambda buffers: self.copies.to_device(buffers, device))
+        return value.value
 
     def on_device(self) -> Iterator[tuple[Key, Any]]:
         """(key, message) of what is on the device now: the messages never parked, and parked ones started back."""
         for key, value in self._items.items():
-            if not isinstance(value, Parked):
+            if not isinstance(value, Entry):
                 yield key, value
-            elif value.fetched is not None:
-                yield key, value.fetched
+            elif value.value is not None:
+                yield key, value.value
 
     def on_host(self) -> Iterator[tuple[Key, tuple]]:
-        """(key, host copy) of every parked message."""
+        """(key, host copy) of every parked message still in host memory."""
         for key, value in self._items.items():
-            if isinstance(value, Parked):
+            if isinstance(value, Entry) and value.host is not None:
                 yield key, value.host
 
     def __getitem__(self, key: Key) -> Any:
         value = self._items[key]
-        if isinstance(value, Parked):
-            self.copies.finish(value.stored)
-            return value.host
-        return value
+        return value.settled(self.copies) if isinstance(value, Entry) else value
 
     def __setitem__(self, key: Key, value: Any) -> None:
         self._items[key] = value

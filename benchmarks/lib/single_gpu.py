@@ -56,12 +56,16 @@ from .example_runs import ROOT
 
 MODELS = ("revnet18", "revgpt")
 DTYPES = ("fp32", "bf16")
-VARIANTS = ("plain", "petra", "petra_overlap", "petra_unchecked", "petra_offload", "petra_offload_messages",
-            "petra_offload_auto", "petra_compiled")
-#: what runs unless ``--variants`` says
-DEFAULT_VARIANTS = VARIANTS[:-2]
-#: the ``fifo_offload`` of each variant that sets one
-OFFLOADS = {"petra_offload": "cpu", "petra_offload_messages": "cpu", "petra_offload_auto": "auto"}
+#: each PETRA variant's ``"petra"`` settings beside ``stages_per_rank``
+PETRA_VARIANTS = {
+    "petra": {}, "petra_overlap": {"reconstruct_overlap": True}, "petra_unchecked": {"check_finite": False},
+    "petra_offload": {"fifo_offload": "cpu"},
+    "petra_offload_messages": {"fifo_offload": "cpu", "message_offload": "cpu"},
+    "petra_offload_auto": {"fifo_offload": "auto"}, "petra_compiled": {"compile": True}}
+VARIANTS = ("plain", *PETRA_VARIANTS)
+#: run only when named in ``--variants``
+OPT_IN = ("petra_offload_auto", "petra_compiled")
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in OPT_IN)
 #: every variant's optimizer: torch's fused AdamW (no JIT build; skips a non-finite step on the device), and clipping
 OPTIMIZER = {"lr": 1e-4, "weight_decay": 0.01, "fused": True}
 CLIPPING = 1.0
@@ -174,8 +178,8 @@ def profiled(train_batch: Callable[[], Any], device: torch.device) -> dict:
     waited = sum(e.self_cpu_time_total for e in events if "Synchronize" in e.key or e.key.startswith("cudaMemcpy"))
     # not the engine's labelled ranges ("petra ForwardPass(...)"): on the device each spans the kernels it
     # launched, so counting it too doubled PETRA's kernel time on the H100 (more kernel time than wall time)
-    kernels = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA
-                  and not e.key.startswith("petra ") and not getattr(e, "is_user_annotation", False))
+    kernels = sum(e.self_device_time_total for e in events
+                  if e.device_type == DeviceType.CUDA and not e.key.startswith("petra "))
     return {"host_seconds": wall - waited / 1e6, "device_seconds": kernels / 1e6}
 
 
@@ -210,10 +214,10 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
     return result | {"leftover_bytes": _release(device, before)}
 
 
-def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.device, overlap: bool = False,
-              check_finite: bool = True, offload: str = "none", messages: bool = False,
-              compile: bool = False) -> dict:
-    """PetraEngine, all J stages in this process; timed after ceil(2(J-1)/k) + 1 calls fill the pipeline."""
+def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.device,
+              petra: dict[str, Any] | None = None) -> dict:
+    """PetraEngine, all J stages in this process, with the ``"petra"`` settings ``petra``; timed after
+    ceil(2(J-1)/k) + 1 calls fill the pipeline."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     import petra_ds
@@ -226,9 +230,7 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
     config = {"train_micro_batch_size_per_gpu": size, "gradient_accumulation_steps": args.k,
               "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}}, "steps_per_print": 10**9,
               "gradient_clipping": CLIPPING,
-              "petra": {"stages_per_rank": J, "reconstruct_overlap": overlap, "check_finite": check_finite,
-                        "fifo_offload": offload, "message_offload": "cpu" if messages else "none",
-                        "compile": compile}}
+              "petra": {"stages_per_rank": J, **(petra or {})}}
     if bf16:
         config["bf16"] = {"enabled": True}
     engine, *_ = petra_ds.initialize(model=module, config=config)
@@ -360,9 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             if variant == "plain":
                 result = run_plain(name, args, bf16, device)
             else:
-                result = run_petra(name, args, bf16, device, overlap=variant == "petra_overlap",
-                                   check_finite=variant != "petra_unchecked", offload=OFFLOADS.get(variant, "none"),
-                                   messages=variant == "petra_offload_messages", compile=variant == "petra_compiled")
+                result = run_petra(name, args, bf16, device, PETRA_VARIANTS[variant])
             runs.append({"model": name, "dtype": dtype, "variant": variant, "round": round_, **result})
             peak = result["peak_bytes"]
             print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:22s} "

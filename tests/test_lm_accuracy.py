@@ -13,7 +13,8 @@ from benchmarks.lib import lm_accuracy as bench
 def _args(**overrides):
     values = {"procs": 1, "petra_config": "ds_configs/petra_lm.json", "backprop_config": "ds_configs/backprop_lm.json",
               "seq_len": 64, "d_model": 128, "layers": 6, "heads": 4, "vocab_size": 2048, "warmup_frac": 0.05,
-              "eval_every": 100, "eval_sequences": 120, "global_batch": 16, "gradient_quality": 0, "backprop_k": 4}
+              "eval_every": 100, "eval_sequences": 120, "global_batch": 16, "gradient_quality": 0, "backprop_k": 4,
+              "save_every": 0}
     return argparse.Namespace(**{**values, **overrides})
 
 
@@ -147,14 +148,15 @@ def test_the_depth_table_reads_the_recommended_and_the_half_k_of_each_depth(tmp_
 
 
 def test_backprop_runs_follow_the_recipes_unless_named_and_none_when_the_flag_is_alone():
-    def arms(named):
-        args = _args(recipes=["muon10+ef", "adamw+wp"], backprop_optimizers=named, lrs=[2e-3], stages=[8], k=[4],
+    def arms(named, recipes=("muon10+ef", "adamw+wp")):
+        args = _args(recipes=list(recipes), backprop_optimizers=named, lrs=[2e-3], stages=[8], k=[4],
                      seeds=[0], steps=1500)
         return sorted((j["arm"], j["recipe"]) for j in bench.jobs(args))
     petra = [("petra", "adamw+wp"), ("petra", "muon10+ef")]
     assert arms(None) == sorted([("backprop", "adamw"), ("backprop", "muon10"), *petra])
     assert arms(["muon10"]) == sorted([("backprop", "muon10"), *petra])
     assert arms([]) == petra
+    assert arms(["muon10"], recipes=()) == [("backprop", "muon10")]  # --recipes alone: backprop only
 
 
 @pytest.mark.parametrize("flags, named", [(["--global-batch", "30", "--k", "30"], "--backprop-k 4"),
@@ -164,3 +166,13 @@ def test_a_k_that_does_not_divide_the_global_batch_stops_before_any_run(flags, n
     with pytest.raises(SystemExit):
         bench.main(flags)
     assert f"{named} does not divide --global-batch 30" in capsys.readouterr().err
+
+
+def test_save_every_makes_a_run_checkpoint_and_continue_where_a_stopped_sitting_left_it():
+    job = {"arm": "petra", "recipe": "muon10+wp", "lr": 2e-3, "J": 32, "k": 62, "seed": 0, "steps": 1500}
+    once = bench.command(_args(), ["t.txt", "v.txt"], job, "o")
+    assert "--save-every" not in once and "--resume" not in once
+    sittings = bench.command(_args(save_every=50), ["t.txt", "v.txt"], job, "o")
+    assert sittings[sittings.index("--save-every") + 1] == "50" and sittings[sittings.index("--resume") + 1] == "auto"
+    at = sittings.index("--save-every")
+    assert sittings[:at] + sittings[at + 4:] == once

@@ -224,6 +224,8 @@ def command(args: argparse.Namespace, files: list[str], job: dict, out: str) -> 
         "--warmup-steps", str(max(1, round(args.warmup_frac * job["steps"]))), "--max-steps", str(job["steps"]),
         "--eval-every", str(args.eval_every), "--eval-sequences", str(args.eval_sequences), "--seed", str(job["seed"]),
         "--global-batch", str(args.global_batch), "--micro-batches", str(job["k"]), "--output-dir", out]
+    if args.save_every:
+        cmd += ["--save-every", str(args.save_every), "--resume", "auto"]
     cmd += ["--optimizer", json.dumps(OPTIMIZERS[optimizer](job["lr"]))]
     if job["arm"] == "petra":
         if not compensation:
@@ -403,9 +405,10 @@ def loss_panel(ax, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipes", nargs="+", default=["adamw+wp", "nadam95", "nadam95+wp", "muon", "muon+wp"],
+    parser.add_argument("--recipes", nargs="*", default=["adamw+wp", "nadam95", "nadam95+wp", "muon", "muon+wp"],
                         help="PETRA methods: optimizer[+wp][+am][+lr]...[+nc][+f2] (weight prediction, adaptive "
-                             "momentum, lr rescaling, ...; nc: no gradient clipping; fN: stages 1..N keep their inputs)")
+                             "momentum, lr rescaling, ...; nc: no gradient clipping; fN: stages 1..N keep their "
+                             "inputs; the flag alone: no PETRA run, only --backprop-optimizers' runs")
     parser.add_argument("--backprop-optimizers", nargs="*", default=None,
                         help="backprop's optimizers, optimizer[+nc] (default: those the recipes use; the flag alone: "
                              "no backprop run, the --earlier report's serve)")
@@ -430,6 +433,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gradient-quality", type=int, default=0, metavar="N",
                         help="PETRA runs record the gradient-quality study every N steps")
     parser.add_argument("--max-chars", type=int, default=3_000_000)
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="runs checkpoint every N steps and continue from their latest checkpoint when started "
+                             "again (a run longer than one sitting: stop it, run the same command later)")
     parser.add_argument("--petra-config", default="ds_configs/petra_lm.json")
     parser.add_argument("--backprop-config", default="ds_configs/backprop_lm.json")
     parser.add_argument("--report-only", action="store_true",

@@ -280,7 +280,6 @@ def test_the_decoder_equals_hugging_face_on_the_oldest_transformers_allowed(tmp_
     default run covers the newest, which CI installs). Needs the package registry, as CI's install does."""
     import os
     import subprocess
-    import sys
     import venv
 
     from petra_ds.models.decoder import OLDEST_TRANSFORMERS

@@ -210,7 +210,7 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
         optimizer.zero_grad(set_to_none=True)
 
     result = timed(train_batch, 2, args.calls, device, before)
-    del layers, optimizer, data
+    layers = optimizer = data = None  # what train_batch held goes before the leftover is measured
     return result | {"leftover_bytes": _release(device, before)}
 
 
@@ -241,7 +241,7 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
     result.update(breakdown(engine, batches, result))
     result["parts"] = [int(p) for p in module.petra_parts]
     result["reconstructing_stages"] = {j: len(st.layers) for j, st in engine.stages.items() if st.reconstructs}
-    del engine, module, data
+    engine = module = data = None  # what train_batch held goes before the leftover is measured
     return result | {"leftover_bytes": _release(device, before)}
 
 

@@ -86,6 +86,10 @@ def test_f2_keeps_the_first_two_stages_inputs_on_petras_side_only(tmp_path):
                                 "petra": {**shipped["petra"], "input_buffer": "first_2"}}
     assert bench.config_overrides(job["recipe"], "backprop") == {"gradient_clipping": 0}
     assert bench.RUN_NAME.match(bench.run_name(job))["recipe"] == job["recipe"]
+    deep = {**job, "recipe": "muon10+wp+f8", "J": 32}
+    assert bench.config_overrides(deep["recipe"]) == {"petra": {"input_buffer": "first_8"}}
+    assert bench.config_overrides("muon10+wp+fa") == {"petra": {"input_buffer": "all"}}
+    assert bench.RUN_NAME.match(bench.run_name(deep))["recipe"] == deep["recipe"]
 
 
 def test_a_run_validated_on_other_sequences_is_compared_by_its_revalidated_loss_or_not_at_all():

@@ -98,8 +98,9 @@ COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr
 #: (DeepSpeed clips the global gradient norm at 1.0 when a config says nothing, PETRA each stage's own norm)
 CONFIG_SUFFIXES = {"nc": {"gradient_clipping": 0}}
 #: what a recipe's suffix sets in the "petra" section (PETRA's side only): "fN", stages 1..N keep their exact
-#: inputs ("input_buffer": "first_N") instead of reconstructing them
-PETRA_SUFFIXES = {f"f{n}": {"input_buffer": f"first_{n}"} for n in (1, 2, 4)}
+#: inputs ("input_buffer": "first_N") instead of reconstructing them; "fa", every stage does ("all")
+PETRA_SUFFIXES = {**{f"f{n}": {"input_buffer": f"first_{n}"} for n in (1, 2, 4, 8, 16)},
+                  "fa": {"input_buffer": "all"}}
 
 
 def recipe_parts(recipe: str) -> tuple[str, list]:
@@ -407,8 +408,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="*", default=["adamw+wp", "nadam95", "nadam95+wp", "muon", "muon+wp"],
                         help="PETRA methods: optimizer[+wp][+am][+lr]...[+nc][+f2] (weight prediction, adaptive "
-                             "momentum, lr rescaling, ...; nc: no gradient clipping; fN: stages 1..N keep their "
-                             "inputs; the flag alone: no PETRA run, only --backprop-optimizers' runs")
+                             "momentum, lr rescaling, ...; nc: no gradient clipping; fN, N in 1, 2, 4, 8, 16: stages "
+                             "1..N keep their inputs; fa: every stage does; the flag alone: no PETRA run, only "
+                             "--backprop-optimizers' runs)")
     parser.add_argument("--backprop-optimizers", nargs="*", default=None,
                         help="backprop's optimizers, optimizer[+nc] (default: those the recipes use; the flag alone: "
                              "no backprop run, the --earlier report's serve)")

@@ -180,3 +180,14 @@ def test_save_every_makes_a_run_checkpoint_and_continue_where_a_stopped_sitting_
     assert sittings[sittings.index("--save-every") + 1] == "50" and sittings[sittings.index("--resume") + 1] == "auto"
     at = sittings.index("--save-every")
     assert sittings[:at] + sittings[at + 4:] == once
+
+
+def test_a_run_continued_from_a_checkpoint_reports_no_wall_time_of_one_sitting(tmp_path, monkeypatch):
+    job = {"arm": "backprop", "recipe": "muon10", "lr": 2e-3, "J": None, "k": 4, "seed": 0, "steps": 100}
+    args = _args(run_dir=str(tmp_path), save_every=50)
+    summary = {"args": {"eval_sequences": 120}, "final_val_loss": 5.0}
+    monkeypatch.setattr(bench, "run_example", lambda cmd, out, env=None: (summary, [{"val_loss": 5.0, "step": 100}],
+                                                                           12.0))
+    assert bench.run_one(args, ["t.txt", "v.txt"], job)["wall_s"] == 12.0
+    os.makedirs(os.path.join(bench.ROOT, args.run_dir, bench.run_name(job), "checkpoints"))
+    assert bench.run_one(args, ["t.txt", "v.txt"], job)["wall_s"] is None

@@ -284,7 +284,9 @@ def run_one(args: argparse.Namespace, files: list[str], job: dict) -> dict:
         (summary, rows), wall = read_run(out), None
     else:
         write_config(args, job)
+        resumed = os.path.isdir(os.path.join(ROOT, out, "checkpoints"))
         summary, rows, wall = run_example(cmd, out, env={"TORCHDYNAMO_DISABLE": "1"})
+        wall = None if resumed else wall  # a continued run's wall time would be its last sitting's
     quality = [r for r in rows if r.get("kind") == "gradient_quality"]
     evals = [r for r in rows if "val_loss" in r]
     seen, final = validated_sequences(summary), summary["final_val_loss"]

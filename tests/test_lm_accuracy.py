@@ -189,5 +189,8 @@ def test_a_run_continued_from_a_checkpoint_reports_no_wall_time_of_one_sitting(t
     monkeypatch.setattr(bench, "run_example", lambda cmd, out, env=None: (summary, [{"val_loss": 5.0, "step": 100}],
                                                                            12.0))
     assert bench.run_one(args, ["t.txt", "v.txt"], job)["wall_s"] == 12.0
-    os.makedirs(os.path.join(bench.ROOT, args.run_dir, bench.run_name(job), "checkpoints"))
+    checkpoints = os.path.join(bench.ROOT, args.run_dir, bench.run_name(job), "checkpoints")
+    os.makedirs(checkpoints)  # made, but nothing saved in it yet: the run starts fresh
+    assert bench.run_one(args, ["t.txt", "v.txt"], job)["wall_s"] == 12.0
+    os.makedirs(os.path.join(checkpoints, "global_step50"))
     assert bench.run_one(args, ["t.txt", "v.txt"], job)["wall_s"] is None

@@ -283,8 +283,10 @@ def run_one(args: argparse.Namespace, files: list[str], job: dict) -> dict:
     if os.path.exists(os.path.join(ROOT, out, "summary.json")):
         (summary, rows), wall = read_run(out), None
     else:
+        from petra_ds.tools.run_checkpoints import checkpoint_dir, tags
+
         write_config(args, job)
-        resumed = os.path.isdir(os.path.join(ROOT, out, "checkpoints"))
+        resumed = bool(tags(checkpoint_dir(os.path.join(ROOT, out))))  # what the example's --resume auto reads
         summary, rows, wall = run_example(cmd, out, env={"TORCHDYNAMO_DISABLE": "1"})
         wall = None if resumed else wall  # a continued run's wall time would be its last sitting's
     quality = [r for r in rows if r.get("kind") == "gradient_quality"]

@@ -105,3 +105,31 @@ def test_a_non_finite_input_is_named_as_such_not_as_a_wrong_inverse():
         layer.F.weight.fill_(float("inf"))
     with pytest.raises(FloatingPointError, match="the output of AdditiveCoupling on a finite input holds"):
         check_reversible(layer, (torch.randn(3, 4), torch.randn(3, 4)))
+
+
+class Scaled(nn.Module):
+    """A map with outputs of order 1e4 on inputs of order 1: rounding of y = x + F(.) is then 1e-3."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = mlp()
+
+    def forward(self, x):
+        return 1e4 * self.inner(x)
+
+
+def test_a_right_inverse_that_rounding_defeats_in_float32_passes_and_a_wrong_one_fails_in_float64():
+    """A trained block's large F and G make a right inverse miss float32's tolerance: the float64 copy
+    tells it from a wrong inverse, which fails in every precision and is named as such."""
+    torch.manual_seed(3)
+    x = tuple(torch.randn(16, 4) for _ in range(2))
+    right = AdditiveCoupling(Scaled(), Scaled())
+    with torch.no_grad():
+        y = right(x)
+        float32_error = max(float((a - b).abs().max()) for a, b in zip(right.inverse(y), x))
+    assert float32_error > 1e-4, "the example must defeat float32's tolerance, or it tests nothing"
+    assert check_reversible(right, x) == pytest.approx(float32_error)
+    assert right.F.inner[0].weight.dtype == torch.float32  # the float64 round trip ran on a copy
+    wrong = ReversibleSequential(AdditiveCoupling(Scaled(), Scaled()), WrongInverse(Scaled(), Scaled()))
+    with pytest.raises(ReversibilityError, match=r"stage3\.layers\.1 \(WrongInverse\) does not invert in float64"):
+        check_reversible(wrong, x, name="stage3")

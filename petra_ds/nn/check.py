@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 from torch import nn
 
 from .batchnorm import running_stats
-from .reversible import Activation, ReversibleSequential, as_tuple, is_reversible
+from .reversible import Activation, ReversibleSequential, as_tuple, is_reversible, shaped_like
 from .rng import micro_batch_rng
 
 _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
@@ -63,6 +64,27 @@ def _round_trip(module: nn.Module, x: Activation, seed: int) -> tuple[Activation
     return y, reconstruction_error(x, x_rec)
 
 
+def _in_float64(module: nn.Module, example: Activation) -> tuple[nn.Module, Activation] | None:
+    """A float64 copy of the module and its input, or None where the module cannot be copied to float64."""
+    try:
+        module64 = copy.deepcopy(module).to(torch.float64)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    return module64, shaped_like(example, [t.to(torch.float64) if t.is_floating_point() else t
+                                           for t in as_tuple(example)])
+
+
+def _first_failure(module: nn.Module, example: Activation, tol: float, seed: int) -> tuple[str | None, float]:
+    """The first layer of a ReversibleSequential whose round trip fails, and its error."""
+    x = example
+    for i, layer in enumerate(module.layers):
+        y, error = _round_trip(layer, x, seed)
+        if not error <= tol * _scale(x):  # NaN counts as a failure
+            return f".layers.{i} ({type(layer).__name__})", error
+        x = y
+    return None, math.nan
+
+
 def check_reversible(
     module: nn.Module,
     example: Activation,
@@ -76,6 +98,10 @@ def check_reversible(
     Runs in the module's current mode under a fixed keyed RNG (dropout draws the same mask in both
     directions) and never touches batch-norm running statistics. For a :class:`ReversibleSequential`
     the error names the first layer that fails.
+
+    A round trip above ``tol`` in a low precision is run again on a float64 copy of the module: a trained
+    block's large F and G amplify rounding (a right inverse, which training's reconstruction meets
+    anyway), whereas a wrong inverse is wrong in every precision. Only the second failure raises.
     """
     name = name or type(module).__name__
     if not is_reversible(module):
@@ -91,21 +117,27 @@ def check_reversible(
                        "check its weights and the learning rate; its inverse was not tested")
     if error <= bound:
         return error
+    precision = ""
+    if as_tuple(example)[0].dtype != torch.float64 and (exact := _in_float64(module, example)) is not None:
+        low_precision_error = error
+        module, example = exact
+        tol = _TOLERANCE[torch.float64]
+        bound = tol * _scale(example)
+        _, error = _round_trip(module, example, seed)
+        if error <= bound:
+            return low_precision_error
+        precision = " in float64"
     culprit, culprit_error = name, error
     if isinstance(module, ReversibleSequential):
-        x = example
-        for i, layer in enumerate(module.layers):
-            y, layer_error = _round_trip(layer, x, seed)
-            if not layer_error <= tol * _scale(x):  # NaN counts as a failure
-                culprit, culprit_error = f"{name}.layers.{i} ({type(layer).__name__})", layer_error
-                break
-            x = y
+        layer, layer_error = _first_failure(module, example, tol, seed)
+        if layer is not None:
+            culprit, culprit_error = name + layer, layer_error
     if not math.isfinite(culprit_error):  # finite input and output: the inverse itself made the NaN / Inf
         raise ReversibilityError(
             f"{culprit} does not invert: its inverse() returns {'NaN' if math.isnan(culprit_error) else 'Inf'} "
             "on the finite output of a finite input (an overflow or a division by zero inside inverse()); "
             "fix its inverse() or declare it non-reversible")
     raise ReversibilityError(
-        f"{culprit} does not invert: max |inverse(forward(x)) - x| = {culprit_error:.3e} "
+        f"{culprit} does not invert{precision}: max |inverse(forward(x)) - x| = {culprit_error:.3e} "
         f"exceeds the tolerance {bound:.1e}; fix its inverse() or declare it non-reversible"
     )

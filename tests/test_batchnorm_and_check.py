@@ -133,3 +133,19 @@ def test_a_right_inverse_that_rounding_defeats_in_float32_passes_and_a_wrong_one
     wrong = ReversibleSequential(AdditiveCoupling(Scaled(), Scaled()), WrongInverse(Scaled(), Scaled()))
     with pytest.raises(ReversibilityError, match=r"stage3\.layers\.1 \(WrongInverse\) does not invert in float64"):
         check_reversible(wrong, x, name="stage3")
+
+
+class Float32Only(AdditiveCoupling):
+    """Stands for a fused kernel without float64: the float32 verdict must stand."""
+
+    def forward(self, x):
+        if x[0].dtype == torch.float64:
+            raise RuntimeError("no float64 kernel")
+        return super().forward(x)
+
+
+def test_a_layer_that_cannot_run_in_float64_keeps_the_float32_verdict():
+    torch.manual_seed(4)
+    x = tuple(torch.randn(16, 4) for _ in range(2))
+    with pytest.raises(ReversibilityError, match=r"Float32Only does not invert: max \|"):
+        check_reversible(Float32Only(Scaled(), Scaled()), x)

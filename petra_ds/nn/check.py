@@ -120,12 +120,12 @@ def check_reversible(
         return error
     precision = ""
     if as_tuple(example)[0].dtype != torch.float64 and (exact := _in_float64(module, example, seed)) is not None:
-        tol = _TOLERANCE[torch.float64]
-        if exact[2] <= tol * _scale(example):
-            return error
-        module, example, error = exact
+        module, example, error64 = exact
+        tol = default_tolerance(example)
         bound = tol * _scale(example)
-        precision = " in float64"
+        if error64 <= bound:
+            return error
+        error, precision = error64, " in float64"
     culprit, culprit_error = name, error
     if isinstance(module, ReversibleSequential):
         layer, layer_error = _first_failure(module, example, tol, seed)

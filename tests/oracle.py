@@ -127,8 +127,16 @@ class ConstantMomentumNAdam:
             p.grad = None
 
 
+def synchronous_entry_clocks(micro_batches: int, k: int, J: int, synchronous_steps: int) -> list[int]:
+    """The clock each micro-batch enters at, its index in the engine, when the first ``synchronous_steps`` steps fill
+    and drain: the next step's first one enters 2(J-1) clocks after the last of a synchronous step."""
+    synced = synchronous_steps * k
+    return [m // k * (k + 2 * (J - 1)) + m % k if m < synced else
+            synchronous_steps * (k + 2 * (J - 1)) + m - synced for m in range(micro_batches)]
+
+
 def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False, param_buffer=False,
-                     compensation=None, clip=0.0, optimizer=None, kept_first=None):
+                     compensation=None, clip=0.0, optimizer=None, kept_first=None, synchronous_steps=0):
     """PETRA's clock in one loop. Returns (final params by name, grads per stage per step).
 
     ``compensation`` ({"method": ..., its parameters}, or a list of them) and ``clip`` (per-stage gradient
@@ -139,7 +147,11 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
     step's update, u_0 = 0); the adaptive momentum hands ``optimizer`` the coefficient b1 + (beta1_max - b1) * s_j /
     (s_0 + 1), s_j = tau_j / k; clipping scales the stage's gradient by C / (norm + 1e-6) when that is below
     1. ``optimizer(params, j, beta1_moved)`` builds stage j's optimizer (default: SGD with ``momentum``);
-    ``beta1_moved(b1)`` is stage j's adaptive coefficient (b1 itself without that method)."""
+    ``beta1_moved(b1)`` is stage j's adaptive coefficient (b1 itself without that method).
+    ``synchronous_steps`` N: the first N steps' k micro-batches enter at consecutive clocks and the next step's
+    enter 2(J-1) clocks after the last of them (a fill and a drain); their forwards run on the weights and their
+    steps are plain; the methods act from step N + 1 on, counting steps from there (not adaptive_momentum, which
+    the optimizer holds from the start)."""
     J, M = len(stages), len(data)
     parts = compensation if isinstance(compensation, list) else [compensation or {"method": "none"}]
     comp = {}
@@ -164,9 +176,12 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
     inputs, stash, acts, grads_in = {}, {}, {}, {}
     counts, recorded = [0] * J, [[] for _ in range(J)]
 
+    synced = synchronous_steps * k  # micro-batches of the synchronous steps
+    entry = synchronous_entry_clocks(M, k, J, synchronous_steps)  # the index the engine gives (its RNG key)
+
     def call(j, m, x, values=None, inverse=False):
         stage = stages[j]
-        with micro_batch_rng(seed, m, j):
+        with micro_batch_rng(seed, entry[m], j):
             for idx, layer in (reversed(stage) if inverse else stage):
                 module = _Inverse(layer) if inverse else layer
                 prefix = "layer." if inverse else ""
@@ -177,15 +192,16 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
                     x = functional_call(module, local, (x,))
         return x
 
-    for t in range(M + 2 * (J - 1)):
+    entering = {e: m for m, e in enumerate(entry)}
+    for t in range(entry[-1] + 2 * (J - 1) + 1):
         new_acts, new_grads = {}, {}
         for j in range(J - 1):
-            m = t - j
+            m = entering.get(t - j, -1)
             if 0 <= m < M:
                 x = data[m][0] if j == 0 else acts.pop((j, m))
                 ahead = comp.get("scale", 1.0) * 2 * (J - 1 - j) / k
                 predicted = None
-                if "weight_prediction" in methods and updates[j] is not None:
+                if "weight_prediction" in methods and updates[j] is not None and m >= synced:
                     predicted = {n: p.detach() + ahead * updates[j][n] for n, p in params[j].items()}
                 with torch.no_grad():
                     new_acts[(j + 1, m)] = call(j, m, x, predicted)
@@ -193,7 +209,7 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
                 if param_buffer:
                     stash[(j, m)] = {n: p.detach().clone() for n, p in params[j].items()}
         for j in range(J):
-            m = t - 2 * (J - 1) + j
+            m = entering.get(t - 2 * (J - 1) + j, -1)
             if not 0 <= m < M:
                 continue
             if j == J - 1:
@@ -230,6 +246,7 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
             counts[j] += 1
             if counts[j] % k == 0:
                 step = counts[j] // k
+                delayed = step > synchronous_steps
                 for p in params[j].values():
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
@@ -241,25 +258,26 @@ def delayed_training(stages, data, k, lr, momentum, seed, input_buffer_all=False
                             p.grad = p.grad * coef
                 recorded[j].append({n: p.grad.clone() for n, p in params[j].items()})
                 factor = 1.0
-                if "lr_rescale" in methods and j < J - 1:
-                    power = max(0.0, 1.0 - (step - 1) / comp.get("anneal_steps", 100))
+                if "lr_rescale" in methods and j < J - 1 and delayed:
+                    power = max(0.0, 1.0 - (step - synchronous_steps - 1) / comp.get("anneal_steps", 100))
                     factor = max(1.0, 2 * (J - 1 - j) / k) ** -power
                 opts[j].param_groups[0]["lr"] = lr * factor
                 before = {n: p.detach().clone() for n, p in params[j].items()}
                 opts[j].step()
                 opts[j].param_groups[0]["lr"] = lr
                 opts[j].zero_grad(set_to_none=True)
-                if feedback is not None:
+                if feedback is not None and delayed:
                     ahead = feedback.get("scale", 1.0) * 2 * (J - 1 - j) / k
                     raw = {n: p.detach() - before[n] for n, p in params[j].items()}
                     with torch.no_grad():
                         for n, p in params[j].items():
                             p += ahead * (raw[n] - (0 if last_updates[j] is None else last_updates[j][n]))
                     last_updates[j] = raw
-                update = {n: p.detach() - before[n] for n, p in params[j].items()}
-                beta = comp.get("beta", 0.0)
-                updates[j] = update if updates[j] is None else {
-                    n: beta * updates[j][n] + (1 - beta) * u for n, u in update.items()}
+                if delayed:
+                    update = {n: p.detach() - before[n] for n, p in params[j].items()}
+                    beta = comp.get("beta", 0.0)
+                    updates[j] = update if updates[j] is None else {
+                        n: beta * updates[j][n] + (1 - beta) * u for n, u in update.items()}
         acts.update(new_acts)
         grads_in.update(new_grads)
     final = {n: p.detach().clone() for ps in params for n, p in ps.items()}

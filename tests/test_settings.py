@@ -18,7 +18,7 @@ def toy_engine(config_extra: dict, petra: bool = True, compensation="weight_pred
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}, **config_extra}
     if petra:
-        config["petra"] = {"stages_per_rank": 3, "delay_compensation": compensation}
+        config["petra"] = {"stages_per_rank": 3, "delay_compensation": compensation, **config_extra.get("petra", {})}
         model = petra_ds.PetraPipelineModule(layers, num_stages=1, loss_fn=nn.CrossEntropyLoss(),
                                              stages_per_rank=3, partition_method="uniform")
     else:
@@ -59,6 +59,14 @@ def test_every_stage_optimizer_schedule_layout_and_compensation(world_of_one, ca
     printed = capsys.readouterr().out
     assert "method: petra (PetraEngine)" in printed and "stages 0-2: SGD (lr " in printed
     assert "delay compensation: weight_prediction" in printed
+    assert s["synchronous_steps"] == 0 and "synchronous steps" not in printed
+
+
+def test_synchronous_steps_are_said_with_their_cost_in_clocks(world_of_one, capsys):
+    engine = toy_engine({"petra": {"synchronous_steps": 5}})
+    assert engine.run_settings["synchronous_steps"] == 5
+    assert "synchronous steps: the first 5 train_batch calls drain (no delay, compensation waits; 4 more clocks " \
+        "each)" in capsys.readouterr().out
 
 
 def test_the_1f1b_baseline_says_it_trains_backprop(world_of_one, capsys):

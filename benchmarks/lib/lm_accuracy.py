@@ -98,9 +98,11 @@ COMPENSATIONS = {"wp": "weight_prediction", "am": "adaptive_momentum", "lr": "lr
 #: (DeepSpeed clips the global gradient norm at 1.0 when a config says nothing, PETRA each stage's own norm)
 CONFIG_SUFFIXES = {"nc": {"gradient_clipping": 0}}
 #: what a recipe's suffix sets in the "petra" section (PETRA's side only): "fN", stages 1..N keep their exact
-#: inputs ("input_buffer": "first_N") instead of reconstructing them; "fa", every stage does ("all")
+#: inputs ("input_buffer": "first_N") instead of reconstructing them; "fa", every stage does ("all"); "sN", the first
+#: N steps run synchronously ("synchronous_steps": N)
 PETRA_SUFFIXES = {**{f"f{n}": {"input_buffer": f"first_{n}"} for n in (1, 2, 4, 8, 16)},
-                  "fa": {"input_buffer": "all"}}
+                  "fa": {"input_buffer": "all"},
+                  **{f"s{n}": {"synchronous_steps": n} for n in (75, 150, 300)}}
 
 
 def recipe_parts(recipe: str) -> tuple[str, list]:

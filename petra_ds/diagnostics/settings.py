@@ -100,6 +100,7 @@ def run_settings(engine: DeepSpeedEngine, config: dict) -> dict:
             "scope": "off" if clip <= 0 else ("each stage's own parameters" if petra else "all parameters (one norm)")},
         "lr_schedule_config": config.get("scheduler"),
         "delay_compensation": _plain(engine.petra_config.delay_compensation) if petra else None,
+        "synchronous_steps": engine.petra_config.synchronous_steps if petra else None,
         "fifo_offload": engine.petra_config.fifo_offload if petra else None,
         "message_offload": engine.petra_config.message_offload if petra else None,
         "device": engine.device.type,
@@ -142,6 +143,9 @@ def format_settings(settings: dict) -> str:
         lines.append(f"  gradient clipping: off, from {clip['from']}")
     if s["method"] == "petra":
         lines.append(f"  delay compensation: {_describe_compensation(s['delay_compensation'])}")
+        if s.get("synchronous_steps"):
+            lines.append(f"  synchronous steps: the first {s['synchronous_steps']} train_batch calls drain (no delay, "
+                         f"compensation waits; {2 * (s['stages'] - 1)} more clocks each)")
         lines.append(f"  input FIFO: {_describe_fifos(s['per_stage'])}" + _auto_offload(s))
         if s.get("message_offload") == "cpu":
             lines.append("  messages between stages of one rank: wait in host memory (message_offload)")

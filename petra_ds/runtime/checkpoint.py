@@ -35,6 +35,7 @@ from ..pipeline.module import petra_parts
 from ..util.files import atomic_save, write_text_atomic
 from . import replicas
 from .background_save import BackgroundSave, HostStaging
+from .config import PetraConfig
 
 if TYPE_CHECKING:
     from .engine import PetraEngine
@@ -212,7 +213,8 @@ def _matching(written: dict, ours: dict) -> dict:
     """``written`` (a checkpoint's signature) with our data-parallel degree and micro-batch size where its global
     micro-batch (their product) is ours: the run resumes with the replicas regrouped. A checkpoint written
     before the micro-batch size was recorded is taken to have ours."""
-    written = {**written, "micro_batch": written.get("micro_batch", ours["micro_batch"])}
+    written = {**written, "micro_batch": written.get("micro_batch", ours["micro_batch"]),
+               "petra": with_defaults(written.get("petra", {}), ours["petra"])}
     if written["data_parallel"] * written["micro_batch"] == ours["data_parallel"] * ours["micro_batch"]:
         written.update(data_parallel=ours["data_parallel"], micro_batch=ours["micro_batch"])
     return written
@@ -233,6 +235,13 @@ def layout_signature(engine: PetraEngine) -> dict:
     return {"pipe": engine.pipeline_ranks, "data": engine.grid.data_parallel_size,
             "stages_per_rank": engine.stages_per_rank, "k": engine.micro_batches,
             "petra": {k: v for k, v in asdict(engine.petra_config).items() if k not in DIAGNOSTIC_KEYS}}
+
+
+def with_defaults(written: dict, ours: dict) -> dict:
+    """A checkpoint's ``petra`` config with the keys it lacks at their defaults: the code that wrote it had no
+    such key, so it ran as the default does."""
+    defaults = asdict(PetraConfig())
+    return {**{k: defaults[k] for k in ours if k in defaults and k not in written}, **written}
 
 
 def differences(written: dict, ours: dict, prefix: str = "") -> list[str]:
@@ -271,7 +280,8 @@ def _stage_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
 def _rank_state(engine: PetraEngine, path: str) -> tuple[dict, dict]:
     """The same from a per-rank file, on the layout that wrote it."""
     old = load_file(state_file(path, engine.stage_id, engine.grid.data_parallel_id), engine.device)
-    differ = differences(old["layout"], layout_signature(engine))
+    ours = layout_signature(engine)
+    differ = differences({**old["layout"], "petra": with_defaults(old["layout"]["petra"], ours["petra"])}, ours)
     if differ:
         raise ValueError(f"checkpoint {path} cannot continue in this run: " + "; ".join(differ) +
                          ". A checkpoint written before the state was kept by stage resumes on the same layout and "

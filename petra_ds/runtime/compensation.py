@@ -31,6 +31,9 @@ micro-batch in flight (no weight stash), at most one extra parameter-sized buffe
   use them. One persistent buffer ``u_{t-1}`` per stage and one temporary during a step. The paper gives the
   principle (update-level, optimizer-agnostic, one gradient-sized buffer); this rule is our derivation of it.
 
+With ``"synchronous_steps": N`` the first N ``train_batch`` calls run without delay (``AfterSynchronousSteps``):
+every method waits through them, as on the last stage, and counts its steps from the first delayed one.
+
 Methods combine as a list, ``["weight_prediction", "adaptive_momentum"]``: the first one's forward weights
 and step wrap the next one's. The last stage has s_j = 0: every method leaves it as it is.
 """
@@ -340,3 +343,30 @@ class Chain(StageCompensation):
     def load_state_dict(self, state: dict) -> None:
         for part, s in zip(self.parts, state.get("parts", [{}] * len(self.parts))):
             part.load_state_dict(s)
+
+
+class AfterSynchronousSteps(StageCompensation):
+    """A stage's compensation under ``"synchronous_steps"``: while ``synchronous`` (set for each ``train_batch`` call;
+    such a call drains, so its gradients are not late) the optimizer steps as configured; after, the method runs
+    with its steps counted from the first delayed one. Every method's forward acts on what its steps kept (weight
+    prediction's d), so its forwards wait too. Its state is the method's."""
+
+    def __init__(self, method: StageCompensation, synchronous_steps: int) -> None:
+        self.method = method
+        self.synchronous_steps = synchronous_steps
+        self.synchronous = False
+
+    def forward_weights(self) -> ContextManager[None]:
+        return self.method.forward_weights()
+
+    def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
+        if self.synchronous:
+            optimizer_step()
+        else:
+            self.method.step(optimizer_step, optimizer, step - self.synchronous_steps)
+
+    def state_dict(self) -> dict:
+        return self.method.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.method.load_state_dict(state)

@@ -62,6 +62,11 @@ class PetraConfig:
     #: "weight_prediction", "lr_rescale", "adaptive_momentum" or "error_feedback", an object {"method": ...,
     #: its parameters}, or a list of them applied together
     delay_compensation: DelayCompensation | Combined = DelayCompensation()
+    #: the first this many ``train_batch`` calls run synchronously: each feeds its k micro-batches and runs on
+    #: until they had their backwards everywhere (GPipe's schedule, 2(J-1) clocks more per call), so every
+    #: gradient is the end-to-end one and delay compensation waits (``runtime/compensation.py``). Against the
+    #: delay's damage early in training, when the weights move fastest
+    synchronous_steps: int = 0
     #: where a non-reversible stage's FIFO entries wait for their backward (``runtime/fifo.py``): "none" (on the
     #: device) or "cpu" (host memory; each entry is copied out as it is stored, and back one clock before its
     #: backward reads it). The same bits either way: a memory setting, not a training one
@@ -135,6 +140,10 @@ class PetraConfig:
             raise PetraConfigError(
                 f'"petra.message_offload" must be one of {MESSAGE_OFFLOADS} ("cpu": messages between stages of one '
                 f'rank wait in host memory until the instruction before their reader), got {self.message_offload!r}')
+        if not isinstance(self.synchronous_steps, int) or isinstance(self.synchronous_steps, bool) \
+                or self.synchronous_steps < 0:
+            raise PetraConfigError(f'"petra.synchronous_steps" must be an integer >= 0 (train_batch calls run without '
+                                   f'delay before PETRA\'s own; 0: none), got {self.synchronous_steps!r}')
         if not isinstance(self.async_save, bool):
             raise PetraConfigError(f'"petra.async_save" must be true or false, got {self.async_save!r}')
         if self.param_buffer and self.delay_compensation.method != "none":

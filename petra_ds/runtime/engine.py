@@ -171,9 +171,9 @@ class PetraEngine(PipelineEngine):
     # --- public API ---
 
     def train_batch(self, data_iter: Iterator | None = None) -> Tensor:
-        """Advance k clocks feeding k micro-batches; no flush. Returns the mean loss of the
-        micro-batches whose loss was computed in these clocks (NaN while the pipeline fills), the
-        same value on every rank."""
+        """Advance k clocks feeding k micro-batches; no flush (the first ``synchronous_steps`` calls drain). Returns
+        the mean loss of the micro-batches whose loss was computed in these clocks (NaN while the pipeline fills),
+        the same value on every rank."""
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled; use eval_batch() instead")
         if data_iter is not None:
@@ -183,7 +183,8 @@ class PetraEngine(PipelineEngine):
         if self._data is None and 0 in self.stages:
             raise ValueError("train_batch() needs a data iterator (or training_data in initialize)")
         self._train_mode()
-        loss = self._run_window(self.timeline.train_window(self.micro_batches))
+        synchronous = self.stages.synchronous(self.global_steps)
+        loss = self._run_window(self.timeline.train_window(self.micro_batches, synchronous=synchronous))
         checkpoint.after_train_batch(self)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()

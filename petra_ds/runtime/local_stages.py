@@ -16,6 +16,7 @@ from torch import Tensor
 from ..pipeline.module import stage_layers
 from ..pipeline.ties import TiedWeights
 from ..schedule.channels import Key
+from .compensation import AfterSynchronousSteps
 from .config import PetraConfig
 from .finite import FiniteWatch
 from .stage import Stage, StageOptions
@@ -36,12 +37,15 @@ class LocalStages(Mapping[int, Stage]):
         self.finite = FiniteWatch(clock, local, petra_stages, check_finite=config.check_finite,
                                   non_finite=config.non_finite)
         self.ties = ties
+        self.synchronous_steps = config.synchronous_steps
         self._stages: dict[int, Stage] = {}
         for j in local:
             last = j == petra_stages - 1
             stage = Stage(j, petra_stages, stage_layers(module, j), options,
                           loss_fn=module.loss_fn if last else None, finite=self.finite,
                           compensation=config.delay_compensation, not_stepped=ties.reader_ids(j))
+            if config.synchronous_steps:
+                stage.compensation = AfterSynchronousSteps(stage.compensation, config.synchronous_steps)
             if stage.reversible != reversible[j]:
                 raise TypeError(f"stage {j}: its built layers and their specs disagree on reversibility")
             self._stages[j] = stage
@@ -60,6 +64,15 @@ class LocalStages(Mapping[int, Stage]):
         return len(self._stages)
 
     # --- what the engine asks during a window ---
+
+    def synchronous(self, call: int) -> bool:
+        """Whether ``train_batch`` call ``call`` (0-based) runs synchronously (``synchronous_steps``); the stages'
+        delay compensation waits through it. Asked at the start of each call."""
+        synchronous = call < self.synchronous_steps
+        for st in self._stages.values():
+            if isinstance(st.compensation, AfterSynchronousSteps):
+                st.compensation.synchronous = synchronous
+        return synchronous
 
     def step(self, stage: int, step: int) -> Messages:
         """Stage ``stage``'s ``step``-th optimizer step; returns the messages it produced (tied weights)."""

@@ -73,12 +73,16 @@ class Timeline:
     clock: int = 0
     feed: FedMicroBatches = field(default_factory=FedMicroBatches)
 
-    def train_window(self, clocks: int, micro_batches: int | None = None) -> Window:
-        """``clocks`` clocks feeding ``micro_batches`` (default: one per clock) from the first one."""
+    def train_window(self, clocks: int, micro_batches: int | None = None, synchronous: bool = False) -> Window:
+        """``clocks`` clocks feeding ``micro_batches`` (default: one per clock) from the first one; ``synchronous``:
+        then on until every fed micro-batch had its backward everywhere (a fill and a drain: GPipe's schedule)."""
         micro_batches = clocks if micro_batches is None else micro_batches
         if not 0 <= micro_batches <= clocks:
             raise ValueError(f"cannot feed {micro_batches} micro-batches in {clocks} clocks")
-        return Window(self.clock, clocks, micro_batches, self.feed.feed(self.clock, micro_batches))
+        feed = self.feed.feed(self.clock, micro_batches)
+        if synchronous:
+            clocks = max(clocks, feed.drained_at(self.petra_stages) - self.clock)
+        return Window(self.clock, clocks, micro_batches, feed)
 
     def drain_window(self) -> Window:
         """The clocks, with no new data, until every fed micro-batch had its backward everywhere."""

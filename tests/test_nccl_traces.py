@@ -3,7 +3,8 @@
 Every rank of each run writes its issue order (``PETRA_DS_COMM_TRACE``); :func:`replay_nccl` plays the
 ranks against each other with one in-order queue per rank, tags ignored and the first-call rule, and
 fails on the first hang. The runs cover 2, 3 and 4 ranks, stages_per_rank 1 and 2, data parallelism,
-tied embeddings, ``drain``, ``eval_batch``, the gradient-quality probe and a save / load mid-flight.
+tied embeddings, ``drain``, ``synchronous_steps``, ``eval_batch``, the gradient-quality probe and a save / load
+mid-flight.
 The negative control (the old posting, reported as a hang) is in ``test_nccl_replay.py``.
 """
 
@@ -71,6 +72,14 @@ def test_three_ranks_one_stage_each_with_drain_and_eval(tmp_path):
     whats = {e["what"].split(" of clock")[0] for e in traces[1] if e["op"] == "batch"}
     assert {"the act batch", "the grad batch"} <= whats
     assert main([str(tmp_path / "three")]) == 0  # the command line README gives users
+
+
+def test_three_ranks_synchronous_steps_then_petra(tmp_path):
+    """Two calls that fill and drain (``synchronous_steps``), then one of PETRA's and the final drain."""
+    results, traces = traced(tmp_path, "sync", pipe=3, stages_per_rank=1, k=2, train_batches=3, dropout=0.1,
+                             petra={"synchronous_steps": 2})
+    replay_nccl(traces)
+    assert all(r["clock"] == 2 * (2 + 4) + 2 + 4 for r in results)
 
 
 def test_four_ranks_data_parallel_pipeline_with_tied_embeddings(tmp_path):

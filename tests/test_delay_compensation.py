@@ -79,11 +79,14 @@ def test_a_single_stage_is_still_backprop(compensation):
     assert max_diff(plain, compensated) == 0.0
 
 
-@pytest.mark.parametrize("compensation", [{"method": "weight_prediction", "beta": 0.5}, "error_feedback"])
-def test_a_buffered_method_resumes_exactly(tmp_path, compensation):
+@pytest.mark.parametrize("petra", [{"delay_compensation": {"method": "weight_prediction", "beta": 0.5}},
+                                   {"delay_compensation": "error_feedback"},
+                                   {"delay_compensation": "weight_prediction", "synchronous_steps": 3}],
+                         ids=["prediction", "feedback", "inside-synchronous-steps"])
+def test_a_buffered_method_resumes_exactly(tmp_path, petra):
     """Weight prediction's averaged update d and error feedback's last update are checkpointed with the
-    stage: a resumed run continues bit for bit."""
-    common = dict(k=K, train_batches=4, optimizer=SGD, dropout=0.1, petra={"delay_compensation": compensation})
+    stage: a resumed run continues bit for bit, also from a checkpoint written inside ``synchronous_steps``."""
+    common = dict(k=K, train_batches=4, optimizer=SGD, dropout=0.1, petra=petra)
     whole = merged_params(run(2, 2, **common))
     ckpt = str(tmp_path / "ckpt")
     launch({"pipe": 2, "stages_per_rank": 2, **common, "save_dir": ckpt, "save_after": 2, "save_tag": "mid"})

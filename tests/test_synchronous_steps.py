@@ -1,6 +1,7 @@
 """``"petra": {"synchronous_steps": N}``: the first N ``train_batch`` calls feed k micro-batches and drain them
 (GPipe's schedule), so their gradients are the end-to-end ones and delay compensation waits; PETRA goes on from
-their weights. Against plain autograd and tests/oracle.py (float64, the toy model, dropout on)."""
+their weights. Against plain autograd and tests/oracle.py (float64, the toy model, dropout on); resuming from
+inside them: test_delay_compensation.py."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from petra_ds.schedule.progress import Timeline
 from petra_ds.tools.toy import toy_data
 
 import oracle
-from harness import launch, merged_grads, merged_params
+from harness import merged_grads, merged_params
 from test_delay_compensation import METHODS
 from test_engine import SEED, SGD, TOL, max_diff, run
 
@@ -61,16 +62,6 @@ def test_petra_follows_the_synchronous_calls_and_its_compensation_counts_from_th
 def reference(compensation, synchronous_steps):
     return oracle.delayed_training(oracle.build_stages(J, 0.1), toy_data(K * BATCHES, 4), K, 0.1, 0.9, SEED,
                                    compensation=compensation, synchronous_steps=synchronous_steps)
-
-
-def test_a_checkpoint_inside_the_synchronous_calls_resumes_bit_for_bit(tmp_path):
-    common = dict(k=K, train_batches=4, optimizer=SGD, dropout=0.1,
-                  petra={"delay_compensation": "weight_prediction", "synchronous_steps": 2})
-    whole = merged_params(run(2, 2, **common))
-    ckpt = str(tmp_path / "ckpt")
-    launch({"pipe": 2, "stages_per_rank": 2, **common, "save_dir": ckpt, "save_after": 1, "save_tag": "mid"})
-    resumed = launch({"pipe": 2, "stages_per_rank": 2, **common, "load_dir": ckpt})
-    assert max_diff(merged_params(resumed), whole) == 0.0
 
 
 def test_a_synchronous_window_runs_until_everything_fed_is_drained():

@@ -154,6 +154,11 @@ def test_the_examples_flag_writes_the_petra_section_and_refuses_a_backprop_confi
     with pytest.raises(SystemExit, match='--delay-compensation configure PETRA: use a config that has a "petra"'):
         apply_run_arguments(args, {})
     assert apply_run_arguments(parser.parse_args([]), {}) == "backprop"
+    config = {"petra": {}}
+    apply_run_arguments(parser.parse_args(["--synchronous-steps", "150"]), config)
+    assert PetraConfig.from_dict(config["petra"]).synchronous_steps == 150
+    with pytest.raises(SystemExit, match="--synchronous-steps configure PETRA"):
+        apply_run_arguments(parser.parse_args(["--synchronous-steps", "150"]), {})
 
 
 def test_per_stage_clipping_under_bf16_clips_the_fp32_gradients():

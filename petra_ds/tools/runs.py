@@ -217,6 +217,10 @@ def add_run_arguments(parser: Any) -> None:
                         help='PETRA: sets "petra": {"delay_compensation": ...}: none, weight_prediction, '
                              'lr_rescale, adaptive_momentum, error_feedback, a JSON object such as '
                              '\'{"method": "weight_prediction", "beta": 0.5}\' or a JSON list of them')
+    parser.add_argument("--synchronous-steps", type=int, default=0, metavar="N",
+                        help='PETRA: sets "petra": {"synchronous_steps": N}: the first N train_batch calls fill and '
+                             "drain the pipeline (exact gradients, 2(J-1) more clocks each), against the delay's "
+                             "damage early in training")
     parser.add_argument("--global-batch", type=int, default=None, metavar="N",
                         help="samples per optimizer step over all replicas; the micro-batch size and k are chosen from "
                              "it (k: the fewest micro-batches that keep PETRA's first stage at most one optimizer "
@@ -237,9 +241,9 @@ def add_run_arguments(parser: Any) -> None:
 
 
 def apply_run_arguments(args: Any, config: dict) -> str:
-    """Write --gradient-quality, --delay-compensation and --async-save into a PETRA config's "petra" section;
-    returns the method ("petra" or "backprop"). They are PETRA's: with a config without that section they exit,
-    as --layer-costs does without --partition profile (it would be ignored)."""
+    """Write --gradient-quality, --delay-compensation, --synchronous-steps and --async-save into a PETRA config's
+    "petra" section; returns the method ("petra" or "backprop"). They are PETRA's: with a config without that
+    section they exit, as --layer-costs does without --partition profile (it would be ignored)."""
     try:
         check_section_names(config)
     except PetraConfigError as error:
@@ -247,6 +251,7 @@ def apply_run_arguments(args: Any, config: dict) -> str:
     method = "petra" if "petra" in config else "backprop"
     wanted = [flag for flag, value in (("--gradient-quality", args.gradient_quality),
                                        ("--delay-compensation", args.delay_compensation),
+                                       ("--synchronous-steps", args.synchronous_steps),
                                        ("--async-save", args.async_save)) if value]
     if wanted and method != "petra":
         raise SystemExit(f"{' and '.join(wanted)} configure PETRA: use a config that has a \"petra\" section")
@@ -265,6 +270,8 @@ def apply_run_arguments(args: Any, config: dict) -> str:
         config["petra"]["gradient_quality_every"] = args.gradient_quality
     if args.async_save:
         config["petra"]["async_save"] = True
+    if args.synchronous_steps:
+        config["petra"]["synchronous_steps"] = args.synchronous_steps
     if args.delay_compensation:
         value = args.delay_compensation
         try:

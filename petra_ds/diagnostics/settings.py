@@ -14,6 +14,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ..pipeline.module import petra_parts
+from ..schedule import delay
 
 #: the optimizer hyper-parameters worth a line, where a param group has them
 GROUP_KEYS = ("lr", "betas", "momentum", "nesterov", "weight_decay", "use_muon")
@@ -145,7 +146,7 @@ def format_settings(settings: dict) -> str:
         lines.append(f"  delay compensation: {_describe_compensation(s['delay_compensation'])}")
         if s.get("synchronous_steps"):
             lines.append(f"  synchronous steps: the first {s['synchronous_steps']} train_batch calls drain (no delay, "
-                         f"compensation waits; {2 * (s['stages'] - 1)} more clocks each)")
+                         f"compensation waits; {delay(0, s['stages'])} more clocks each)")
         lines.append(f"  input FIFO: {_describe_fifos(s['per_stage'])}" + _auto_offload(s))
         if s.get("message_offload") == "cpu":
             lines.append("  messages between stages of one rank: wait in host memory (message_offload)")

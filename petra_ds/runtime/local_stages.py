@@ -65,9 +65,9 @@ class LocalStages(Mapping[int, Stage]):
 
     # --- what the engine asks during a window ---
 
-    def synchronous(self, call: int) -> bool:
-        """Whether ``train_batch`` call ``call`` (0-based) runs synchronously (``synchronous_steps``); the stages'
-        delay compensation waits through it. Asked at the start of each call."""
+    def start_call(self, call: int) -> bool:
+        """Ready the stages for ``train_batch`` call ``call`` (0-based): returns whether it runs synchronously
+        (``synchronous_steps``), and the stages' delay compensation waits through it if so."""
         synchronous = call < self.synchronous_steps
         for st in self._stages.values():
             if isinstance(st.compensation, AfterSynchronousSteps):

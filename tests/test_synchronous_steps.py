@@ -81,3 +81,16 @@ def test_a_synchronous_window_runs_until_everything_fed_is_drained():
 def test_a_bad_synchronous_steps_is_refused_by_name(value):
     with pytest.raises(PetraConfigError, match='"petra.synchronous_steps" must be an integer >= 0'):
         PetraConfig.from_dict({"synchronous_steps": value})
+
+
+def test_synchronous_steps_train_a_tied_revgpt_as_one_stage_holding_it_does():
+    """RevGPT with its embedding and output layer tied across stages, J = 4 on 2 processes, every call
+    synchronous: the same weights as the whole model in one stage (plain training), tied gradients and weights
+    exchanged inside the drained windows. No dropout (its keys follow the entry clocks), no clipping (PETRA clips
+    per stage)."""
+    common = dict(model="revgpt", tie_embeddings=True, k=2, train_batches=3, dropout=0.0, optimizer=SGD,
+                  config={"gradient_clipping": 0})
+    synchronous = merged_params(run(2, 2, **common, petra={"synchronous_steps": 3}))
+    whole = merged_params(run(1, 1, **common))  # the tied layer once, where J = 4 names the reader's copy too
+    assert max_diff({n: synchronous[n] for n in whole}, whole) < TOL
+    assert max_diff(synchronous, merged_params(run(2, 2, **common))) > 1e-6

@@ -102,7 +102,7 @@ CONFIG_SUFFIXES = {"nc": {"gradient_clipping": 0}}
 #: N steps run synchronously ("synchronous_steps": N)
 PETRA_SUFFIXES = {**{f"f{n}": {"input_buffer": f"first_{n}"} for n in (1, 2, 4, 8, 16)},
                   "fa": {"input_buffer": "all"},
-                  **{f"s{n}": {"synchronous_steps": n} for n in (75, 150, 300)}}
+                  **{f"s{n}": {"synchronous_steps": n} for n in (75, 150, 300, 450)}}
 
 
 def recipe_parts(recipe: str) -> tuple[str, list]:

@@ -241,7 +241,7 @@ def with_defaults(written: dict, ours: dict) -> dict:
     """A checkpoint's ``petra`` config with the keys it lacks at their defaults: the code that wrote it had no
     such key, so it ran as the default does."""
     defaults = asdict(PetraConfig())
-    return {**{k: defaults[k] for k in ours if k in defaults and k not in written}, **written}
+    return {**{k: defaults[k] for k in ours if k not in written}, **written}
 
 
 def differences(written: dict, ours: dict, prefix: str = "") -> list[str]:

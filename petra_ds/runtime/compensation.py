@@ -346,21 +346,21 @@ class Chain(StageCompensation):
 
 
 class AfterSynchronousSteps(StageCompensation):
-    """A stage's compensation under ``"synchronous_steps"``: while ``synchronous`` (set for each ``train_batch`` call;
-    such a call drains, so its gradients are not late) the optimizer steps as configured; after, the method runs
-    with its steps counted from the first delayed one. Every method's forward acts on what its steps kept (weight
-    prediction's d), so its forwards wait too. Its state is the method's."""
+    """A stage's compensation under ``"synchronous_steps"`` N: the stage's step s holds the micro-batches of
+    ``train_batch`` call s (each call feeds k), so steps 1..N hold those of the synchronous calls, whose gradients are
+    not late: the optimizer steps as configured. Later steps run the method, counted from the first delayed one.
+    Every method's forward acts on what its steps kept (weight prediction's d), so its forwards wait too. Its state
+    is the method's."""
 
     def __init__(self, method: StageCompensation, synchronous_steps: int) -> None:
         self.method = method
         self.synchronous_steps = synchronous_steps
-        self.synchronous = False
 
     def forward_weights(self) -> ContextManager[None]:
         return self.method.forward_weights()
 
     def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
-        if self.synchronous:
+        if step <= self.synchronous_steps:
             optimizer_step()
         else:
             self.method.step(optimizer_step, optimizer, step - self.synchronous_steps)

@@ -183,7 +183,7 @@ class PetraEngine(PipelineEngine):
         if self._data is None and 0 in self.stages:
             raise ValueError("train_batch() needs a data iterator (or training_data in initialize)")
         self._train_mode()
-        synchronous = self.stages.start_call(self.global_steps)
+        synchronous = self.global_steps < self.petra_config.synchronous_steps  # then each stage's step is too
         loss = self._run_window(self.timeline.train_window(self.micro_batches, synchronous=synchronous))
         checkpoint.after_train_batch(self)
         self.global_steps += 1

@@ -37,7 +37,6 @@ class LocalStages(Mapping[int, Stage]):
         self.finite = FiniteWatch(clock, local, petra_stages, check_finite=config.check_finite,
                                   non_finite=config.non_finite)
         self.ties = ties
-        self.synchronous_steps = config.synchronous_steps
         self._stages: dict[int, Stage] = {}
         for j in local:
             last = j == petra_stages - 1
@@ -64,15 +63,6 @@ class LocalStages(Mapping[int, Stage]):
         return len(self._stages)
 
     # --- what the engine asks during a window ---
-
-    def start_call(self, call: int) -> bool:
-        """Ready the stages for ``train_batch`` call ``call`` (0-based): returns whether it runs synchronously
-        (``synchronous_steps``), and the stages' delay compensation waits through it if so."""
-        synchronous = call < self.synchronous_steps
-        for st in self._stages.values():
-            if isinstance(st.compensation, AfterSynchronousSteps):
-                st.compensation.synchronous = synchronous
-        return synchronous
 
     def step(self, stage: int, step: int) -> Messages:
         """Stage ``stage``'s ``step``-th optimizer step; returns the messages it produced (tied weights)."""

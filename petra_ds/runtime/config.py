@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from ..schedule import kept_first
-from ..util.checks import positive_int
+from ..util.checks import int_at_least, positive_int
 from .compensation import Combined, DelayCompensation, DelayCompensationError
 from .compiled import CUDA_GRAPH_MODES
 from .fifo import FIFO_OFFLOADS
@@ -140,20 +140,15 @@ class PetraConfig:
             raise PetraConfigError(
                 f'"petra.message_offload" must be one of {MESSAGE_OFFLOADS} ("cpu": messages between stages of one '
                 f'rank wait in host memory until the instruction before their reader), got {self.message_offload!r}')
-        if not isinstance(self.synchronous_steps, int) or isinstance(self.synchronous_steps, bool) \
-                or self.synchronous_steps < 0:
-            raise PetraConfigError(f'"petra.synchronous_steps" must be an integer >= 0 (train_batch calls run without '
-                                   f'delay before PETRA\'s own; 0: none), got {self.synchronous_steps!r}')
+        int_at_least(0, self.synchronous_steps, '"petra.synchronous_steps"', PetraConfigError,
+                     " (train_batch calls run without delay before PETRA's own; 0: none)")
         if not isinstance(self.async_save, bool):
             raise PetraConfigError(f'"petra.async_save" must be true or false, got {self.async_save!r}')
         if self.param_buffer and self.delay_compensation.method != "none":
             raise PetraConfigError(
                 '"petra.param_buffer" (weight stashing) already runs each backward with its forward\'s weights; '
                 'it cannot be combined with "petra.delay_compensation": remove one of them')
-        every = self.gradient_quality_every
-        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
-            raise PetraConfigError(
-                f'"petra.gradient_quality_every" must be an integer >= 0 (0: off), got {every!r}')
+        int_at_least(0, self.gradient_quality_every, '"petra.gradient_quality_every"', PetraConfigError, " (0: off)")
 
 
 #: DeepSpeed's "muon" without a "muon_lr": the examples and benchmarks give the hidden matrices this many

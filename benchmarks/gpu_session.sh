@@ -20,6 +20,8 @@
 #          plain's peak in fp32, messages 792 MiB of what stays); memory_report names what stays allocated between
 #          calls (within 5%)
 #   lm     steady tokens/s PETRA / backprop: >= 0.65x at micro-batch 4 x k = 4, >= 0.5x at 1 x k = 16
+#          and per model, plain's and PETRA's device-busy time against the profiled call's wall time, by kernel group:
+#          RevNet18 summed 4x plain's kernel time in PETRA (an arithmetic 4/3); the groups say where it goes
 #   compile  petra_compiled/petra per train_batch: below 1.0x is what would make "compile": true worth its minutes
 # Afterwards, on a CPU machine with the files brought back: predict 10 and 8 GPUs from what this one measured,
 #     python -m benchmarks.gpu predict --inputs runs/gpu/gpu.json
@@ -89,6 +91,12 @@ for name in ("gpu.json", "gpu_compiled.json"):
     for row in report["time"]:
         ratios = ", ".join(f"{k} {v:.3f}x" for k, v in row.items() if "/" in k)
         print(f"  {row['model']:9s} {row['dtype']}: {ratios}")
+        for v in ("plain", "petra"):  # device-bound where busy is close to the wall, host-bound where far below
+            if row.get(f"{v}_device_busy_seconds_per_call"):
+                groups = sorted(row[f"{v}_device_groups"].items(), key=lambda g: -g[1]["seconds"])[:5]
+                print(f"    {v}: device busy {row[f'{v}_device_busy_seconds_per_call'] * 1e3:.1f} of "
+                      f"{row[f'{v}_profiled_wall_seconds_per_call'] * 1e3:.1f} ms (profiled call); "
+                      + ", ".join(f"{g} {d['seconds'] * 1e3:.1f} ms x{d['count']}" for g, d in groups))
     for row in report["memory"]:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in row.items() if "/" in k)
         named = ", ".join(f"{v} {row[f'{v}_explained_bytes'] / row[f'{v}_allocated_after_bytes']:.3f}"

@@ -248,6 +248,11 @@ def test_benchmark_script_runs_on_the_gpu(tmp_path):
         parked = row["petra_offload_messages_memory_report"]  # one process: every message between its stages
         assert parked["messages"] == 0 and parked["messages_host"] == row["petra_memory_report"]["messages"], row
     assert {row["model"] for row in report["memory"]} == {"revnet18", "revgpt"}
+    for row in report["time"]:  # the device cannot be busy longer than the call, nor longer than its kernels ran
+        for v in ("plain", "petra"):
+            busy = row[f"{v}_device_busy_seconds_per_call"]
+            assert 0 < busy <= row[f"{v}_device_seconds_per_call"] * (1 + 1e-9), (v, row)
+            assert busy <= row[f"{v}_profiled_wall_seconds_per_call"], (v, row)
 
 
 def synchronising_calls(caught: list) -> list[str]:

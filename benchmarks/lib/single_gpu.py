@@ -161,10 +161,10 @@ def timed(train_batch: Callable[[], Any], warmup: int, calls: int, device: torch
 
 
 def profiled(train_batch: Callable[[], Any], device: torch.device) -> dict:
-    """One more call under ``torch.profiler``: the device's kernel seconds, and the host's seconds less those it
-    spent waiting for the device (synchronisations, and copies to the host, which wait for the stream): what the
-    host needs to issue a call (``python -m benchmarks.gpu predict`` reads both; profiling slows the host somewhat)."""
-    from torch.autograd import DeviceType
+    """One more call under ``torch.profiler``: the device's kernel seconds, how long the device was busy, and the host's
+    seconds less those it spent waiting for the device (synchronisations, and copies to the host, which wait for the
+    stream): what the host needs to issue a call (``python -m benchmarks.gpu predict`` reads both; profiling slows the
+    host somewhat). ``device_busy / wall`` near 1 says the call is device-bound, well below 1 host-bound."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -176,11 +176,57 @@ def profiled(train_batch: Callable[[], Any], device: torch.device) -> dict:
         wall = time.perf_counter() - start
     events = trace.key_averages()
     waited = sum(e.self_cpu_time_total for e in events if "Synchronize" in e.key or e.key.startswith("cudaMemcpy"))
-    # not the engine's labelled ranges ("petra ForwardPass(...)"): on the device each spans the kernels it
-    # launched, so counting it too doubled PETRA's kernel time on the H100 (more kernel time than wall time)
-    kernels = sum(e.self_device_time_total for e in events
-                  if e.device_type == DeviceType.CUDA and not e.key.startswith("petra "))
-    return {"host_seconds": wall - waited / 1e6, "device_seconds": kernels / 1e6}
+    summary = kernel_summary(device_work(trace.events()))
+    return {"host_seconds": wall - waited / 1e6, "profiled_wall_seconds": wall, **summary}
+
+
+def device_work(events: Any) -> list[tuple[str, float, float]]:
+    """(name, start, end) in microseconds of each kernel, copy and fill the device ran. Not the labelled ranges (the
+    engine's "petra ForwardPass(...)", torch's "Optimizer.step#..."): on the device each spans the kernels launched
+    inside it, so counting them too counted those kernels twice (more kernel time than wall time on the H100)."""
+    from torch.autograd import DeviceType
+
+    return [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+            and not e.name.startswith("petra ")]
+
+
+#: kernel names grouped by what they compute, the first pattern that matches (lower case)
+KERNEL_GROUPS = (("memcpy", ("memcpy",)), ("memset", ("memset",)), ("convolution", ("conv", "wgrad", "dgrad", "xmma")),
+                 ("matmul", ("gemm", "cutlass", "sm90", "ampere", "cublas", "nvjet")),
+                 ("attention", ("flash", "fmha", "attention", "sdpa")), ("norm", ("norm", "welford")),
+                 ("optimizer", ("adam", "multi_tensor", "foreach")), ("reduction", ("reduce",)),
+                 ("cast", ("copy", "cast", "convert")), ("elementwise", ("elementwise", "vectorized")))
+
+
+def kernel_group(name: str) -> str:
+    lower = name.lower()
+    return next((group for group, patterns in KERNEL_GROUPS if any(p in lower for p in patterns)), "other")
+
+
+def kernel_summary(work: list[tuple[str, float, float]], top: int = 12) -> dict:
+    """Seconds of device work summed (``device_seconds``), the time the device was busy with any of it (the union of
+    the intervals, ``device_busy_seconds``: streams that overlap count once), the seconds and counts by group
+    (:data:`KERNEL_GROUPS`) and the ``top`` kernels by seconds."""
+    busy, reach = 0.0, None
+    for _, start, end in sorted(work, key=lambda w: w[1]):
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    groups: dict[str, list[float]] = {}
+    names: dict[str, list[float]] = {}
+    for name, start, end in work:
+        for table, key in ((groups, kernel_group(name)), (names, name[:120])):
+            entry = table.setdefault(key, [0.0, 0])
+            entry[0] += (end - start) / 1e6
+            entry[1] += 1
+    ranked = sorted(names.items(), key=lambda item: -item[1][0])[:top]
+    return {"device_seconds": sum(end - start for _, start, end in work) / 1e6, "device_busy_seconds": busy / 1e6,
+            "device_groups": {g: {"seconds": s, "count": int(n)} for g, (s, n) in sorted(groups.items())},
+            "top_kernels": [{"name": n, "seconds": s, "count": int(c)} for n, (s, c) in ranked]}
 
 
 def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.device) -> dict:
@@ -298,8 +344,11 @@ def summarize(runs: list[dict]) -> dict:
                     row_m[f"{variant}_{key}"] = last[key]
             row_s[f"{variant}_seconds_per_call"] = statistics.median(r["median_seconds"] for r in rs)
             row_s[f"{variant}_rounds"] = [r["median_seconds"] for r in rs]
-            for part in ("host", "device"):  # profiled: see profiled()
-                row_s[f"{variant}_{part}_seconds_per_call"] = statistics.median(r[f"{part}_seconds"] for r in rs)
+            for part in ("host", "device", "device_busy", "profiled_wall"):  # profiled: see profiled()
+                if all(f"{part}_seconds" in r for r in rs):
+                    row_s[f"{variant}_{part}_seconds_per_call"] = statistics.median(r[f"{part}_seconds"] for r in rs)
+            if "device_groups" in last:
+                row_s[f"{variant}_device_groups"] = last["device_groups"]
         for a, b in (("petra", "plain"), ("petra_overlap", "plain"), ("petra_overlap", "petra"),
                      ("petra", "petra_unchecked"), ("petra_offload", "plain"), ("petra_offload", "petra"),
                      ("petra_offload_messages", "plain"), ("petra_offload_messages", "petra"),
@@ -320,6 +369,11 @@ def print_report(report: dict) -> None:
                           if f"{v}_seconds_per_call" in row)
         ratios = ", ".join(f"{k} {row[k]:.3f}x" for k in row if "/" in k)
         print(f"  {row['model']:9s} {row['dtype']}: per train_batch {times}; {ratios}")
+        busy = ", ".join(f"{v} {row[f'{v}_device_busy_seconds_per_call'] * 1e3:.1f} of "
+                         f"{row[f'{v}_profiled_wall_seconds_per_call'] * 1e3:.1f} ms" for v in VARIANTS
+                         if row.get(f"{v}_device_busy_seconds_per_call"))
+        if busy:
+            print(f"    device busy, profiled call: {busy}")
     for row in report["memory"]:
         peaks = ", ".join(f"{v} {row[f'{v}_peak_bytes'] / 2**20:.1f} MiB" for v in VARIANTS
                           if row.get(f"{v}_peak_bytes") is not None)

@@ -119,3 +119,21 @@ def test_a_parameter_replaced_between_micro_batches_still_gets_its_gradient():
         torch.autograd.backward([theirs(leaf_b)], [dy])
     for p, q in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("engine", ["engine entry point", "public functions"])
+def test_the_engine_call_and_the_public_functions_agree_and_check_a_gradient_s_shape(engine, monkeypatch):
+    """``backprop`` calls the engine as ``torch.autograd.grad`` / ``backward`` do, without their argument handling;
+    a torch without that entry point takes the public functions: the same bits either way, and a gradient of the
+    wrong shape is still refused."""
+    from petra_ds.nn import accumulate
+
+    if engine == "public functions":
+        monkeypatch.setattr(accumulate, "_run_backward", None)
+    else:
+        assert accumulate._run_backward is not None  # this torch has it: the test covers the fast path
+    ours, theirs = _block(0), _block(0)
+    _accumulate_both(ours, theirs)
+    leaf = torch.randn(3, 6).requires_grad_()
+    with pytest.raises(RuntimeError, match="shape|size"):
+        backprop([ours(leaf)], [torch.ones(2, 6)], [leaf], ours)

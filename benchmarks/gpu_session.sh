@@ -21,7 +21,8 @@
 #          calls (within 5%)
 #   lm     steady tokens/s PETRA / backprop: >= 0.65x at micro-batch 4 x k = 4, >= 0.5x at 1 x k = 16
 #          and per model, plain's and PETRA's device-busy time against the profiled call's wall time, by kernel group:
-#          RevNet18 summed 4x plain's kernel time in PETRA (an arithmetic 4/3); the groups say where it goes
+#          RevNet18 summed 4x plain's kernel time in PETRA (an arithmetic 4/3); the groups say where it goes, and
+#          PETRA's host time by instruction kind what its clocks spend it on
 #   compile  petra_compiled/petra per train_batch: below 1.0x is what would make "compile": true worth its minutes
 # Afterwards, on a CPU machine with the files brought back: predict 10 and 8 GPUs from what this one measured,
 #     python -m benchmarks.gpu predict --inputs runs/gpu/gpu.json
@@ -97,6 +98,10 @@ for name in ("gpu.json", "gpu_compiled.json"):
                 print(f"    {v}: device busy {row[f'{v}_device_busy_seconds_per_call'] * 1e3:.1f} of "
                       f"{row[f'{v}_profiled_wall_seconds_per_call'] * 1e3:.1f} ms (profiled call); "
                       + ", ".join(f"{g} {d['seconds'] * 1e3:.1f} ms x{d['count']}" for g, d in groups))
+        kinds = list(row.get("petra_host_by_instruction", {}).items())[:5]
+        if kinds:
+            print("    petra's host by instruction: "
+                  + ", ".join(f"{kind} {d['seconds'] * 1e3:.1f} ms x{d['count']}" for kind, d in kinds))
     for row in report["memory"]:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in row.items() if "/" in k)
         named = ", ".join(f"{v} {row[f'{v}_explained_bytes'] / row[f'{v}_allocated_after_bytes']:.3f}"

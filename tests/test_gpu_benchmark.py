@@ -3,7 +3,11 @@ summed, which is what tells a host-bound call from a device-bound one."""
 
 import pytest
 
-from benchmarks.lib.single_gpu import kernel_group, kernel_summary
+from types import SimpleNamespace
+
+from torch.autograd import DeviceType
+
+from benchmarks.lib.single_gpu import host_by_instruction, kernel_group, kernel_summary
 
 
 def test_busy_time_counts_overlapping_work_once():
@@ -31,3 +35,15 @@ def test_kernels_are_grouped_by_what_they_compute():
     assert kernel_group("Memset (Device)") == "memset"
     assert kernel_group("void at::native::unrolled_elementwise_kernel<copy>") == "cast"
     assert kernel_group("some_new_kernel") == "other"
+
+
+def test_host_time_is_summed_by_instruction_kind_from_the_engine_s_labels():
+    def event(key, device_type=DeviceType.CPU, us=0.0, count=1):
+        return SimpleNamespace(key=key, device_type=device_type, cpu_time_total=us, count=count)
+
+    events = [event("petra ForwardPass(buffer_id=0)", us=30.0, count=2), event("petra ForwardPass(buffer_id=1)", us=10.0),
+              event("petra DelayedBackward(buffer_id=0)", us=50.0),
+              event("petra DelayedBackward(buffer_id=0)", DeviceType.CUDA, us=99.0),  # its span on the device
+              event("aten::conv2d", us=500.0)]
+    assert host_by_instruction(events) == {"DelayedBackward": {"seconds": pytest.approx(50e-6), "count": 1},
+                                           "ForwardPass": {"seconds": pytest.approx(40e-6), "count": 3}}

@@ -177,7 +177,23 @@ def profiled(train_batch: Callable[[], Any], device: torch.device) -> dict:
     events = trace.key_averages()
     waited = sum(e.self_cpu_time_total for e in events if "Synchronize" in e.key or e.key.startswith("cudaMemcpy"))
     summary = kernel_summary(device_work(trace.events()))
-    return {"host_seconds": wall - waited / 1e6, "profiled_wall_seconds": wall, **summary}
+    return {"host_seconds": wall - waited / 1e6, "profiled_wall_seconds": wall, **summary,
+            "host_by_instruction": host_by_instruction(events)}
+
+
+def host_by_instruction(events: Any) -> dict[str, dict]:
+    """The host's seconds and count per kind of engine instruction (its labelled ranges, "petra ForwardPass(...)"):
+    what a clock's host time is spent on. Empty for plain backprop, which has no instructions."""
+    from torch.autograd import DeviceType
+
+    kinds: dict[str, list[float]] = {}
+    for e in events:
+        if e.key.startswith("petra ") and e.device_type == DeviceType.CPU:
+            entry = kinds.setdefault(e.key[len("petra "):].split("(")[0], [0.0, 0])
+            entry[0] += e.cpu_time_total / 1e6
+            entry[1] += e.count
+    return {kind: {"seconds": seconds, "count": int(count)}
+            for kind, (seconds, count) in sorted(kinds.items(), key=lambda item: -item[1][0])}
 
 
 def device_work(events: Any) -> list[tuple[str, float, float]]:
@@ -347,8 +363,9 @@ def summarize(runs: list[dict]) -> dict:
             for part in ("host", "device", "device_busy", "profiled_wall"):  # profiled: see profiled()
                 if all(f"{part}_seconds" in r for r in rs):
                     row_s[f"{variant}_{part}_seconds_per_call"] = statistics.median(r[f"{part}_seconds"] for r in rs)
-            if "device_groups" in last:
-                row_s[f"{variant}_device_groups"] = last["device_groups"]
+            for part in ("device_groups", "host_by_instruction"):
+                if last.get(part):
+                    row_s[f"{variant}_{part}"] = last[part]
         for a, b in (("petra", "plain"), ("petra_overlap", "plain"), ("petra_overlap", "petra"),
                      ("petra", "petra_unchecked"), ("petra_offload", "plain"), ("petra_offload", "petra"),
                      ("petra_offload_messages", "plain"), ("petra_offload_messages", "petra"),

@@ -9,8 +9,9 @@
 #
 # Measured on an H100: tests 190 s, bench at most 360 s, lm 50-115 s per run (the run directories stay in $LM_DATA,
 # a fresh temporary folder unless set, and only each summary is copied to $OUT). The default steps fit one
-# 15-minute lease with its start; "compile" (PETRA with "compile": true against eager, bf16) and the LM example at
-# micro-batch 1 x k = 16 (LM_SHAPES) are for a second one.
+# 15-minute lease with its start, but not one 600-second call: run STEPS=bench first, then STEPS="lm tests".
+# "compile" (PETRA with "compile": true against eager, bf16) and the LM example at micro-batch 1 x k = 16
+# (LM_SHAPES) are for a second lease.
 #
 # What it should show (the targets of the host-light clock; BENCHMARKS.md has the measured numbers):
 #   tests  pytest -m gpu: every test passes, test_a_steady_state_train_batch_synchronises_once included

@@ -38,7 +38,7 @@ _fixed = _Fixed()
 
 #: the engine call that ``torch.autograd.grad`` and ``backward`` make after checking their arguments (None on a torch
 #: without it)
-_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+ENGINE_ENTRY = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 @contextmanager
@@ -102,12 +102,12 @@ def _engine(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], inputs: S
     coupling branch per micro-batch. The engine still checks each gradient's shape, dtype and device against its
     output. A torch without that entry point takes the public functions."""
     grads = tuple(torch.ones_like(out) if grad is None else grad for out, grad in zip(outputs, grads))
-    if _run_backward is None:
+    if ENGINE_ENTRY is None:
         if accumulate:
             torch.autograd.backward(outputs, grads)
             return ()
         return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-    return _run_backward(tuple(outputs), grads, False, False, tuple(inputs), True, accumulate_grad=accumulate)
+    return ENGINE_ENTRY(tuple(outputs), grads, False, False, tuple(inputs), True, accumulate_grad=accumulate)
 
 
 def _reaches_only(outputs: Sequence[Tensor], leaves: Sequence[Tensor], params: tuple[Tensor, ...]) -> bool:

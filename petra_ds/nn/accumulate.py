@@ -3,7 +3,7 @@
 ``Tensor.backward`` adds each parameter's gradient into its ``.grad`` by that parameter's own ``add_``
 (autograd's AccumulateGrad): a kernel per parameter, per graph, per micro-batch on a GPU. A PETRA stage
 differentiates every block on its own graph k times per step, so those adds were a tenth of its kernels.
-:func:`backprop` takes the gradients with ``torch.autograd.grad`` instead and adds them with one
+:func:`backprop` takes the gradients as ``torch.autograd.grad`` returns them instead and adds them with one
 ``torch._foreach_add_``: the same additions of the same values, so the same bits. The step's first
 micro-batch, where a ``.grad`` is still None, goes through autograd's own accumulation, which adopts the
 fresh gradients without a copy and knows when one is shared and must be copied.

@@ -20,10 +20,10 @@
 #          offloaded (petra_offload_messages) <= plain's, its time within 1.05x of petra's (fifo_offload alone: 1.65x
 #          plain's peak in fp32, messages 792 MiB of what stays); memory_report names what stays allocated between
 #          calls (within 5%)
+#          and per model plain's and PETRA's device-busy time against the profiled call's wall time, by kernel group
+#          (RevNet18's PETRA summed 4x plain's kernel time on the H100 against an arithmetic 4/3: which grew?), and
+#          PETRA's host time by instruction kind
 #   lm     steady tokens/s PETRA / backprop: >= 0.65x at micro-batch 4 x k = 4, >= 0.5x at 1 x k = 16
-#          and per model, plain's and PETRA's device-busy time against the profiled call's wall time, by kernel group:
-#          RevNet18 summed 4x plain's kernel time in PETRA (an arithmetic 4/3); the groups say where it goes, and
-#          PETRA's host time by instruction kind what its clocks spend it on
 #   compile  petra_compiled/petra per train_batch: below 1.0x is what would make "compile": true worth its minutes
 # Afterwards, on a CPU machine with the files brought back: predict 10 and 8 GPUs from what this one measured,
 #     python -m benchmarks.gpu predict --inputs runs/gpu/gpu.json

@@ -1,10 +1,9 @@
 """``python -m benchmarks.gpu``'s reading of a profiled call: how long the device was busy against the kernel time
 summed, which is what tells a host-bound call from a device-bound one."""
 
-import pytest
-
 from types import SimpleNamespace
 
+import pytest
 from torch.autograd import DeviceType
 
 from benchmarks.lib.single_gpu import host_by_instruction, kernel_group, kernel_summary
@@ -30,6 +29,10 @@ def test_no_device_work_is_zero_not_an_error():
 def test_kernels_are_grouped_by_what_they_compute():
     assert kernel_group("sm90_xmma_fprop_implicit_gemm_bf16") == "convolution"
     assert kernel_group("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "matmul"
+    assert kernel_group("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    assert kernel_group("bn_fw_tr_1C11_kernel_NCHW") == "norm"
+    assert kernel_group("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert kernel_group("void at::native::multi_tensor_apply_kernel<LpNormFunctor>") == "multi-tensor"
     assert kernel_group("void at::native::batch_norm_collect_statistics_kernel") == "norm"
     assert kernel_group("void at::native::(anonymous namespace)::fused_adamw_kernel") == "optimizer"
     assert kernel_group("Memset (Device)") == "memset"
@@ -41,7 +44,8 @@ def test_host_time_is_summed_by_instruction_kind_from_the_engine_s_labels():
     def event(key, device_type=DeviceType.CPU, us=0.0, count=1):
         return SimpleNamespace(key=key, device_type=device_type, cpu_time_total=us, count=count)
 
-    events = [event("petra ForwardPass(buffer_id=0)", us=30.0, count=2), event("petra ForwardPass(buffer_id=1)", us=10.0),
+    events = [event("petra ForwardPass(buffer_id=0)", us=30.0, count=2),
+              event("petra ForwardPass(buffer_id=1)", us=10.0),
               event("petra DelayedBackward(buffer_id=0)", us=50.0),
               event("petra DelayedBackward(buffer_id=0)", DeviceType.CUDA, us=99.0),  # its span on the device
               event("aten::conv2d", us=500.0)]

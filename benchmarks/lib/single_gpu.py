@@ -208,10 +208,12 @@ def device_work(events: Any) -> list[tuple[str, float, float]]:
 
 
 #: kernel names grouped by what they compute, the first pattern that matches (lower case)
-KERNEL_GROUPS = (("memcpy", ("memcpy",)), ("memset", ("memset",)), ("convolution", ("conv", "wgrad", "dgrad", "xmma")),
-                 ("matmul", ("gemm", "cutlass", "sm90", "ampere", "cublas", "nvjet")),
-                 ("attention", ("flash", "fmha", "attention", "sdpa")), ("norm", ("norm", "welford")),
-                 ("optimizer", ("adam", "multi_tensor", "foreach")), ("reduction", ("reduce",)),
+KERNEL_GROUPS = (("memcpy", ("memcpy",)), ("memset", ("memset",)),
+                 ("convolution", ("conv", "fprop", "dgrad", "wgrad", "implicit", "winograd")),
+                 ("matmul", ("gemm", "cutlass", "cublas", "nvjet", "xmma")),
+                 ("attention", ("flash", "fmha", "attention", "sdpa")), ("optimizer", ("adam",)),
+                 ("multi-tensor", ("multi_tensor", "foreach")), ("norm", ("norm", "welford", "bn_fw", "bn_bw")),
+                 ("reduction", ("reduce",)),
                  ("cast", ("copy", "cast", "convert")), ("elementwise", ("elementwise", "vectorized")))
 
 

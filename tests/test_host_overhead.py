@@ -148,3 +148,16 @@ def test_messages_between_ranks_cost_no_host_read_after_their_first_clock():
 
     for where in launch({}, world_size=2, target=_syncs_of_a_pipeline_rank, timeout=180):
         assert sum(where.values()) == 1 and all("runtime/engine.py" in w for w in where), where
+
+
+def test_the_time_part_runs_revnet18_at_the_gpu_benchmark_s_cut(world_of_one):
+    """``--time-model revnet18``: the host time of RevNet18's J = 10 one-layer stages, the partition whose H100 gap
+    the RevGPT part cannot show, against the same variants."""
+    args = host_overhead.parse_args(["--tiny", "--parts", "time", "--time-model", "revnet18", "--rounds", "1",
+                                     "--calls", "1"])
+    report = host_overhead.run(args, [])
+    timed = report["time"]
+    assert report["time_model"] == "revnet18" and timed["J"] == 10
+    assert set(timed["seconds_per_call"]) == {"petra", "deepspeed_1f1b_one_stage", "torch_1f1b_one_stage", "plain",
+                                              "plain_and_petra_forwards"}
+    assert timed["petra_us_per_stage_clock"] == pytest.approx(timed["seconds_per_call"]["petra"] / (10 * args.k) * 1e6)

@@ -17,7 +17,8 @@ One process hosts all J stages (the paper's single-device setting, the same engi
   (``tests/test_host_overhead.py`` checks that). On a GPU each op is at least one kernel launch.
 - ``syncs``: host reads of device values inside one steady-state ``train_batch`` (``HostSyncs``), with
   the line that made each.
-- ``time``: host seconds per ``train_batch`` of a RevGPT with negligible compute (d 8, seq 4), medians over
+- ``time``: host seconds per ``train_batch`` of a RevGPT with negligible compute (d 8, seq 4; ``--time-model
+  revnet18``: RevNet18 at the ``ops`` sizes, J = 10 one-layer stages, the GPU benchmark's cut), medians over
   interleaved rounds: PETRA (J stages), DeepSpeed's ``PipelineEngine`` with one stage, torch's
   ``Schedule1F1B`` with one stage, plain backprop, and plain backprop plus the graph-free forward PETRA runs
   before its reconstruction (PETRA's arithmetic without its machinery: the floor of its host time), all with the
@@ -69,6 +70,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="small sizes (what the tests check)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS))
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--time-model", choices=MODELS, default="revgpt",
+                        help="time and instructions: the negligible RevGPT (default), or RevNet18 at the ops sizes "
+                             "with its J = 10 one-layer stages (the GPU benchmark's partition)")
     for name, value in (TINY if tiny else FULL).items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=value)
     parser.add_argument("--instruction-rounds", type=int, default=3,
@@ -290,7 +294,10 @@ def count_syncs(name: str, args: argparse.Namespace, bf16: bool) -> dict:
 # --- host time on layers of negligible cost ---
 
 def negligible_model(args: argparse.Namespace) -> dict[str, Any]:
-    """The RevGPT of negligible compute that host time and instructions are measured on (d 8, seq 4)."""
+    """The model of negligible compute that host time and instructions are measured on: RevGPT d 8, seq 4, or
+    (``--time-model revnet18``) RevNet18 at the ops sizes, J = 10."""
+    if args.time_model == "revnet18":
+        return model("revnet18", args)
     return model("revgpt", args, d=8, seq=4, blocks=args.time_blocks, stages=args.time_stages, heads=2)
 
 
@@ -404,7 +411,8 @@ def count_instructions(args: argparse.Namespace) -> dict:
     """Host instructions per ``train_batch`` of each variant of ``time``, counted by callgrind in a second run of
     this benchmark (:mod:`.host_instructions`)."""
     m = negligible_model(args)
-    sizes = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in (*FULL, "instruction_rounds")]
+    sizes = [f"--{name.replace('_', '-')}={getattr(args, name)}"
+             for name in (*FULL, "instruction_rounds", "time_model")]
     counts = host_instructions.count(["--parts", "instructions", *sizes], args.instruction_rounds, args.calls)
     return host_instructions.summarize(counts, m["J"], args.k)
 
@@ -425,7 +433,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     report: dict[str, Any] = {"command": "python -m benchmarks.host_overhead " + " ".join(argv),
                               "machine": f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                              "torch": torch.__version__, "sizes": {n: getattr(args, n) for n in FULL}}
+                              "torch": torch.__version__, "sizes": {n: getattr(args, n) for n in FULL},
+                              "time_model": args.time_model}
     if "time" in args.parts:  # first, in a process that has built nothing else: the counting parts' engines and
         report["time"] = time_variants(args)  # garbage slowed PETRA's host by a fifth when it came after them
     if "instructions" in args.parts:
@@ -452,11 +461,12 @@ def print_report(report: dict) -> None:
         print(f"host syncs per train_batch {row['model']:8s} {row['dtype']}: {row['syncs']} {row['where']}")
     if "instructions" in report:
         t = report["instructions"]
-        print(f"host instructions per train_batch (negligible layers, J={t['J']}, k={t['k']}, callgrind): "
+        print(f"host instructions per train_batch ({report['time_model']} negligible, J={t['J']}, k={t['k']}, "
+              "callgrind): "
               + ", ".join(f"{n} {c / 1e6:.1f} M" for n, c in t["median_per_call"].items()) + _ratios(t))
     if "time" in report:
         t = report["time"]
-        print(f"host time per train_batch (negligible layers, J={t['J']}, k={t['k']}): "
+        print(f"host time per train_batch ({report['time_model']} negligible, J={t['J']}, k={t['k']}): "
               + ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in t["seconds_per_call"].items()) + _ratios(t)
               + f"; PETRA {t['petra_us_per_stage_clock']:.0f} us per stage-clock, "
               f"DeepSpeed {t['deepspeed_us_per_micro_batch_per_stage']:.0f} us per micro-batch per stage")

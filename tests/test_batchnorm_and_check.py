@@ -19,6 +19,20 @@ def bn_block(c=4):
     return nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
 
 
+@pytest.mark.parametrize("update", [True, False])
+def test_a_scope_sets_every_flag_inside_and_restores_each_as_it_was(update):
+    """Norms built with and without running statistics in one module: inside, each updates iff ``update``; after,
+    each has its own flag back (the scope sets only those that differ)."""
+    from petra_ds.nn.batchnorm import norms_running_stats
+
+    norms = [nn.BatchNorm2d(4), nn.BatchNorm2d(4), nn.BatchNorm2d(4)]
+    norms[1].track_running_stats = False
+    before = [m.track_running_stats for m in norms]
+    with norms_running_stats(norms, update):
+        assert [m.track_running_stats for m in norms] == [update] * 3
+    assert [m.track_running_stats for m in norms] == before
+
+
 def test_backward_policy_updates_running_stats_only_in_the_backward_scope():
     torch.manual_seed(0)
     layer = SwapCoupling(bn_block()).train()

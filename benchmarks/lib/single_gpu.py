@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 import torch
 
+from petra_ds.runtime.observe import INSTRUCTION_LABEL
 from petra_ds.util.files import write_text_atomic
 
 from .example_runs import ROOT
@@ -188,8 +189,8 @@ def host_by_instruction(events: Any) -> dict[str, dict]:
 
     kinds: dict[str, list[float]] = {}
     for e in events:
-        if e.key.startswith("petra ") and e.device_type == DeviceType.CPU:
-            entry = kinds.setdefault(e.key[len("petra "):].split("(")[0], [0.0, 0])
+        if e.key.startswith(INSTRUCTION_LABEL) and e.device_type == DeviceType.CPU:
+            entry = kinds.setdefault(e.key[len(INSTRUCTION_LABEL):].split("(")[0], [0.0, 0])
             entry[0] += e.cpu_time_total / 1e6
             entry[1] += e.count
     return {kind: {"seconds": seconds, "count": int(count)}
@@ -204,7 +205,7 @@ def device_work(events: Any) -> list[tuple[str, float, float]]:
 
     return [(e.name, e.time_range.start, e.time_range.end) for e in events
             if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-            and not e.name.startswith("petra ")]
+            and not e.name.startswith(INSTRUCTION_LABEL)]
 
 
 #: kernel names grouped by what they compute, the first pattern that matches (lower case)

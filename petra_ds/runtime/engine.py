@@ -31,7 +31,7 @@ from .config import PetraConfig, check_stages_per_rank
 from .fifo import StreamCopies
 from .ledger import memory_report
 from .local_stages import LocalStages
-from .observe import Callbacks, Holdings, Observer, hook_table
+from .observe import INSTRUCTION_LABEL, Callbacks, Holdings, Observer, hook_table
 from .offload_plan import OffloadPlanner, link_bytes_per_s
 from .optimizers import StageOptimizers, StageSchedulers, single_or_combined, stage_optimizers, stage_schedulers
 from .replicas import row_blocks
@@ -293,7 +293,7 @@ class PetraEngine(PipelineEngine):
                 if watched:
                     self._notify("before_instruction", cmd)
                 if labelled:  # a trace shows each instruction as one labelled range
-                    with torch.profiler.record_function(f"petra {cmd!r}"):
+                    with torch.profiler.record_function(f"{INSTRUCTION_LABEL}{cmd!r}"):
                         handler(self, cmd)
                 else:
                     handler(self, cmd)

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from .engine import PetraEngine
     from .stage import Stage
 
+#: what starts the ``torch.profiler`` range the engine puts around each instruction while a profiler records
+#: ("petra ForwardPass(...)"): how a trace tells the engine's instructions from everything else
+INSTRUCTION_LABEL = "petra "
+
 
 class Observer:
     """No-op hooks; override the ones you need. ``engine`` is the :class:`petra_ds.PetraEngine`."""

@@ -129,6 +129,8 @@ def drive(j: int, copies_run_at_clock_end: bool = True, clocks: int | None = Non
                 (dx, x), (dx_ref, x_ref) = stage.backward(m, pair(m, 1)), plain.backward(m, pair(m, 1))
                 for a, b in zip([*dx, *x], [*dx_ref, *x_ref]):
                     assert torch.equal(a, b) and a.stride() == b.stride(), (clock, m)
+            for fifo in (stage.fifo, plain.fifo):  # the count kept as entries come, go and move, against a walk
+                assert fifo.device_bytes == tensor_bytes(fifo.on_device())
         if copies_run_at_clock_end:
             copies.run()
     for p, q in zip(stage.params, plain.params):
@@ -199,8 +201,23 @@ def test_an_entry_comes_back_as_the_same_views_of_one_copy():
         assert all(torch.equal(a, b) and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
                    for a, b in zip(got, x))
         assert len(fifo.on_device()) == min(1, 2 - m) and len(fifo.on_host()) == max(0, 1 - m)
+        assert fifo.device_bytes == tensor_bytes(fifo.on_device())
     with pytest.raises(RuntimeError, match="head is micro-batch None, not 3"):
         fifo.pop(3)
+
+
+def test_entries_held_before_an_offload_starts_leave_but_the_head_and_the_device_bytes_follow():
+    torch.set_default_dtype(torch.float64)
+    fifo = InputFifo()
+    for m in range(3):
+        fifo.append(m, pair(m, 0))
+    assert fifo.device_bytes == tensor_bytes(fifo.on_device()) == 3 * tensor_bytes(pair(0, 0))
+    fifo.start_offloading(StreamCopies())
+    assert len(fifo.on_host()) == 2 and fifo.device_bytes == tensor_bytes(fifo.on_device()) == tensor_bytes(pair(0, 0))
+    for m in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(fifo.pop(m), pair(m, 0)))
+        assert fifo.device_bytes == tensor_bytes(fifo.on_device())
+    assert fifo.device_bytes == 0
 
 
 def test_a_checkpoint_holds_the_host_copies_and_reloads_them_offloaded():
@@ -215,6 +232,7 @@ def test_a_checkpoint_holds_the_host_copies_and_reloads_them_offloaded():
     again = InputFifo(StreamCopies())
     again.load(state)
     assert len(again.on_device()) == 1 and len(again.on_host()) == 2
+    assert again.device_bytes == tensor_bytes(again.on_device()) == tensor_bytes(pair(0, 0))
     assert all(torch.equal(a, b) for m in range(3) for a, b in zip(again.pop(m), pair(m, 0)))
 
 

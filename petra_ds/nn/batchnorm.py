@@ -6,9 +6,8 @@ normalises with batch statistics and leaves the running ones alone, and evaluati
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from torch import Tensor, nn
 
@@ -38,19 +37,25 @@ def running_stats(module: nn.Module, update: bool):
     return norms_running_stats(batch_norms(module), update)
 
 
-@contextmanager
-def norms_running_stats(norms: Sequence[nn.modules.batchnorm._BatchNorm], update: bool) -> Iterator[None]:
+class norms_running_stats:
     """:func:`running_stats` for a list from :func:`batch_norms`, found once by a caller on a hot path. Only the norms
     whose flag differs are set, and set back: a module attribute set costs microseconds, and under the default policy
-    the backward's scopes change none (the flag already says to update)."""
-    changed = [m for m in norms if m.track_running_stats != update]
-    for m in changed:
-        m.track_running_stats = update
-    try:
-        yield
-    finally:
-        for m in changed:
-            m.track_running_stats = not update
+    the backward's scopes change none (the flag already says to update). A class, not a generator function: a stage
+    enters one at every instruction."""
+
+    __slots__ = ("_norms", "_update", "_changed")
+
+    def __init__(self, norms: Sequence[nn.modules.batchnorm._BatchNorm], update: bool) -> None:
+        self._norms, self._update = norms, update
+
+    def __enter__(self) -> None:
+        self._changed = [m for m in self._norms if m.track_running_stats != self._update]
+        for m in self._changed:
+            m.track_running_stats = self._update
+
+    def __exit__(self, *exc: object) -> None:
+        for m in self._changed:
+            m.track_running_stats = not self._update
 
 
 @dataclass(frozen=True)

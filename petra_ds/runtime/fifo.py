@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..util.nested import map_tensors, tensors_in
+from .ledger import tensor_bytes
 
 #: the values ``"petra.fifo_offload"`` takes: "none" keeps every entry on the device, "cpu" offloads to host memory,
 #: "auto" offloads where the copies hide under the stage's compute (``runtime/offload_plan.py``)
@@ -141,6 +142,8 @@ class Entry:
     host: Any = None
     stored: Any = None
     ready: Any = None
+    #: the bytes of its tensors, the same on the device and in host memory (set by the FIFO that holds it)
+    nbytes: int = 0
 
     @classmethod
     def offloaded(cls, m: int, x: Any, copies: Copies) -> Entry:
@@ -174,12 +177,15 @@ def saved_entries(state: Any) -> list[tuple[int, Any]]:
 
 class InputFifo:
     """The inputs a stage keeps for its delayed backwards, read in the order they were stored; with ``copies``,
-    every entry but the head waits in host memory."""
+    every entry but the head waits in host memory. The bytes on the device are counted as entries come, go and
+    move (:attr:`device_bytes`), so that a stage's ledger reads them after every instruction without a walk."""
 
     def __init__(self, copies: Copies | None = None) -> None:
         """``copies``: how entries move to host memory and back (None: they stay on the device)."""
         self.copies = copies
         self._entries: deque[Entry] = deque()
+        #: the bytes of the entries held on the device (``tensor_bytes(self.on_device())``)
+        self.device_bytes = 0
 
     @property
     def offloads(self) -> bool:
@@ -201,7 +207,11 @@ class InputFifo:
         """Keep ``x``, micro-batch ``m``'s input. Offloaded unless it is the next one read: the device copy is
         dropped here, its memory free once the copy has read it."""
         offload = self.copies is not None and len(self._entries) > 0
-        self._entries.append(Entry.offloaded(m, x, self.copies) if offload else Entry(m, x))
+        entry = Entry.offloaded(m, x, self.copies) if offload else Entry(m, x)
+        entry.nbytes = tensor_bytes(x)
+        if not offload:
+            self.device_bytes += entry.nbytes
+        self._entries.append(entry)
 
     def start_offloading(self, copies: Copies) -> None:
         """Offload from now on: every entry but the head leaves for host memory now, later ones as they are
@@ -211,6 +221,7 @@ class InputFifo:
         self.copies = copies
         kept = list(self._entries)
         self._entries.clear()
+        self.device_bytes = 0
         for e in kept:
             self.append(e.micro_batch, e.value)
 
@@ -225,13 +236,16 @@ class InputFifo:
                                "was never started")
         if entry.ready is not None:
             self.copies.wait(entry.ready)
+        self.device_bytes -= entry.nbytes
         self._prefetch_head()
         return entry.value
 
     def _prefetch_head(self) -> None:
         """Start the head back to the device (a no-op when it is there)."""
-        if self._entries:
-            self._entries[0].fetch(self.copies)
+        if self._entries and self._entries[0].value is None:
+            head = self._entries[0]
+            head.fetch(self.copies)
+            self.device_bytes += head.nbytes
 
     def on_device(self) -> tuple:
         """The entries held on the device (the head, and every entry without an offload)."""
@@ -252,5 +266,6 @@ class InputFifo:
             if e.ready is not None:  # the memory a prefetch writes goes back only after the write
                 self.copies.wait(e.ready)
         self._entries.clear()
+        self.device_bytes = 0
         for m, x in entries:
             self.append(m, x)

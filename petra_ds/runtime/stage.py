@@ -28,7 +28,7 @@ from ..nn.batchnorm import BatchNormPolicy, batch_norms, norms_running_stats
 from ..nn.check import check_reversible
 from ..nn.reversible import (Activation, GraphTape, SequentialTape, as_tuple, assign_rng_keys, detach_leaf,
                              is_reversible, reconstruct, reconstruct_and_backward, shaped_like)
-from ..nn.rng import RowBlocks, micro_batch_rng
+from ..nn.rng import RowBlocks
 from ..pipeline.module import layer_module
 from ..schedule import reconstructs
 from .compensation import NoCompensation
@@ -37,6 +37,7 @@ from .fifo import InputFifo, StreamCopies, saved_entries
 from .finite import FiniteWatch
 from .grad_buffer import StageGrads
 from .ledger import tensor_bytes
+from .scope import StageScope
 
 
 @dataclass
@@ -210,12 +211,9 @@ class Stage:
         return shaped_like(x, [t.to(stream_dtype) if t.is_floating_point() and t.dtype == dtype else t
                         for t in as_tuple(x)])
 
-    @contextmanager
-    def scope(self, m: int, update_bn: bool) -> Iterator[None]:
+    def scope(self, m: int, update_bn: bool) -> StageScope:
         """Keyed RNG of (seed, m, stage, replica's rows); batch norms update running statistics iff ``update_bn``."""
-        with micro_batch_rng(self.options.seed, m, self.index, self.options.rows), \
-                norms_running_stats(self.norms, update_bn):
-            yield
+        return StageScope(self.options.seed, m, self.index, self.options.rows, self.norms, update_bn)
 
     @property
     def _bn_in_forward(self) -> bool:
@@ -489,11 +487,12 @@ class Stage:
 
     def input_buffer_bytes(self) -> int:
         """The FIFO's bytes on the device (an offloaded entry's host copy is not the device's)."""
-        return tensor_bytes(self.fifo.on_device())
+        return self.fifo.device_bytes
 
     def param_buffer_bytes(self) -> int:
         return tensor_bytes(list(self.stash.values()))
 
     def _account(self) -> None:
-        self.peak_input_bytes = max(self.peak_input_bytes, self.input_buffer_bytes())
-        self.peak_param_buffer_bytes = max(self.peak_param_buffer_bytes, self.param_buffer_bytes())
+        self.peak_input_bytes = max(self.peak_input_bytes, self.fifo.device_bytes)
+        if self.stash:
+            self.peak_param_buffer_bytes = max(self.peak_param_buffer_bytes, self.param_buffer_bytes())

@@ -101,8 +101,9 @@ for name in ("gpu.json", "gpu_compiled.json"):
                       + ", ".join(f"{g} {d['seconds'] * 1e3:.1f} ms x{d['count']}" for g, d in groups))
         kinds = list(row.get("petra_host_by_instruction", {}).items())[:5]
         if kinds:
-            print("    petra's host by instruction: "
-                  + ", ".join(f"{kind} {d['seconds'] * 1e3:.1f} ms x{d['count']}" for kind, d in kinds))
+            print("    petra's host (kernels) by instruction: "
+                  + ", ".join(f"{kind} {d['seconds'] * 1e3:.1f} ({d.get('device_seconds', 0) * 1e3:.1f}) ms "
+                              f"x{d['count']}" for kind, d in kinds))
     for row in report["memory"]:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in row.items() if "/" in k)
         named = ", ".join(f"{v} {row[f'{v}_explained_bytes'] / row[f'{v}_allocated_after_bytes']:.3f}"

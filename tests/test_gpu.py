@@ -253,6 +253,8 @@ def test_benchmark_script_runs_on_the_gpu(tmp_path):
             busy = row[f"{v}_device_busy_seconds_per_call"]
             assert 0 < busy <= row[f"{v}_device_seconds_per_call"] * (1 + 1e-9), (v, row)
             assert busy <= row[f"{v}_profiled_wall_seconds_per_call"], (v, row)
+        kinds = row["petra_host_by_instruction"]  # a backward's kernels, launched by autograd's thread, count too
+        assert kinds["ForwardPass"]["device_seconds"] > 0 and kinds["DelayedBackward"]["device_seconds"] > 0, row
 
 
 def synchronising_calls(caught: list) -> list[str]:

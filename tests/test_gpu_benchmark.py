@@ -49,5 +49,26 @@ def test_host_time_is_summed_by_instruction_kind_from_the_engine_s_labels():
               event("petra DelayedBackward(buffer_id=0)", us=50.0),
               event("petra DelayedBackward(buffer_id=0)", DeviceType.CUDA, us=99.0),  # its span on the device
               event("aten::conv2d", us=500.0)]
-    assert host_by_instruction(events) == {"DelayedBackward": {"seconds": pytest.approx(50e-6), "count": 1},
-                                           "ForwardPass": {"seconds": pytest.approx(40e-6), "count": 3}}
+    assert host_by_instruction(events) == {
+        "DelayedBackward": {"seconds": pytest.approx(50e-6), "count": 1, "device_seconds": 0.0},
+        "ForwardPass": {"seconds": pytest.approx(40e-6), "count": 3, "device_seconds": 0.0}}
+
+
+def test_kernel_time_counts_for_the_instruction_whose_range_held_its_launch_on_any_thread():
+    def event(name, start, end, kernels=(), thread=1, device_type=DeviceType.CPU):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), thread=thread,
+                               device_type=device_type, kernels=[SimpleNamespace(duration=d) for d in kernels])
+
+    launches = [event("petra ForwardPass(buffer_id=0)", 0, 100),
+                event("aten::conv2d", 10, 20, kernels=[7.0, 3.0]),
+                event("petra DelayedBackward(buffer_id=0)", 100, 300, kernels=[1.0]),
+                event("aten::convolution_backward", 150, 160, kernels=[40.0], thread=2),  # autograd's own thread
+                event("petra ForwardPass(buffer_id=1)", 300, 400),
+                event("aten::relu", 310, 311, kernels=[5.0]),
+                event("aten::add_", 450, 451, kernels=[1000.0]),  # between instructions: no instruction's
+                event("petra ForwardPass(buffer_id=1)", 300, 400, kernels=[2.0], device_type=DeviceType.CUDA)]
+    averages = [SimpleNamespace(key=k, device_type=DeviceType.CPU, cpu_time_total=1.0, count=n)
+                for k, n in (("petra ForwardPass(buffer_id=0)", 2), ("petra DelayedBackward(buffer_id=0)", 1))]
+    kinds = host_by_instruction(averages, launches)
+    assert kinds["ForwardPass"]["device_seconds"] == pytest.approx(15e-6)
+    assert kinds["DelayedBackward"]["device_seconds"] == pytest.approx(41e-6)

@@ -36,6 +36,7 @@ and the workspace (the peak less what stays allocated). Writes ``benchmarks/resu
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import itertools
 import json
@@ -179,22 +180,41 @@ def profiled(train_batch: Callable[[], Any], device: torch.device) -> dict:
     waited = sum(e.self_cpu_time_total for e in events if "Synchronize" in e.key or e.key.startswith("cudaMemcpy"))
     summary = kernel_summary(device_work(trace.events()))
     return {"host_seconds": wall - waited / 1e6, "profiled_wall_seconds": wall, **summary,
-            "host_by_instruction": host_by_instruction(events)}
+            "host_by_instruction": host_by_instruction(events, trace.events())}
 
 
-def host_by_instruction(events: Any) -> dict[str, dict]:
-    """The host's seconds and count per kind of engine instruction (its labelled ranges, "petra ForwardPass(...)"):
-    what a clock's host time is spent on. Empty for plain backprop, which has no instructions."""
+def host_by_instruction(events: Any, launches: Any = ()) -> dict[str, dict]:
+    """Per kind of engine instruction (its labelled ranges, "petra ForwardPass(...)"): the host's seconds and count,
+    and the seconds of the kernels launched inside its ranges (``device_seconds``): what a clock's host time, and its
+    device time, are spent on. ``events`` are the trace's averages by name; ``launches`` its events, whose kernels
+    (``FunctionEvent.kernels``) count for the instruction whose range held their start on the host. By time, not by
+    parent: the autograd engine launches a backward's kernels from its own thread, outside the range's tree. Empty
+    for plain backprop, which has no instructions."""
     from torch.autograd import DeviceType
 
     kinds: dict[str, list[float]] = {}
     for e in events:
         if e.key.startswith(INSTRUCTION_LABEL) and e.device_type == DeviceType.CPU:
-            entry = kinds.setdefault(e.key[len(INSTRUCTION_LABEL):].split("(")[0], [0.0, 0])
+            entry = kinds.setdefault(_kind(e.key), [0.0, 0, 0.0])
             entry[0] += e.cpu_time_total / 1e6
             entry[1] += e.count
-    return {kind: {"seconds": seconds, "count": int(count)}
-            for kind, (seconds, count) in sorted(kinds.items(), key=lambda item: -item[1][0])}
+    ranges = sorted((e.time_range.start, e.time_range.end, _kind(e.name)) for e in launches
+                    if e.device_type == DeviceType.CPU and e.name.startswith(INSTRUCTION_LABEL))
+    starts = [start for start, _, _ in ranges]
+    for e in launches:
+        kernels = getattr(e, "kernels", None)
+        if e.device_type != DeviceType.CPU or not kernels:
+            continue
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        if i >= 0 and e.time_range.start < ranges[i][1]:
+            kinds.setdefault(ranges[i][2], [0.0, 0, 0.0])[2] += sum(k.duration for k in kernels) / 1e6
+    return {kind: {"seconds": seconds, "count": int(count), "device_seconds": device}
+            for kind, (seconds, count, device) in sorted(kinds.items(), key=lambda item: -item[1][0])}
+
+
+def _kind(label: str) -> str:
+    """The instruction's class from its label ("petra ForwardPass(buffer_id=0)" -> "ForwardPass")."""
+    return label[len(INSTRUCTION_LABEL):].split("(")[0]
 
 
 def device_work(events: Any) -> list[tuple[str, float, float]]:

@@ -41,7 +41,8 @@ class norms_running_stats:
     """:func:`running_stats` for a list from :func:`batch_norms`, found once by a caller on a hot path. Only the norms
     whose flag differs are set, and set back: a module attribute set costs microseconds, and under the default policy
     the backward's scopes change none (the flag already says to update). A class, not a generator function: a stage
-    enters one at every instruction."""
+    enters one at every instruction. The flag is a plain attribute, set as one: ``nn.Module.__setattr__`` first looks
+    for a parameter, buffer or submodule of its name (1.5 us against 0.2 us a set)."""
 
     __slots__ = ("_norms", "_update", "_changed")
 
@@ -51,11 +52,11 @@ class norms_running_stats:
     def __enter__(self) -> None:
         self._changed = [m for m in self._norms if m.track_running_stats != self._update]
         for m in self._changed:
-            m.track_running_stats = self._update
+            object.__setattr__(m, "track_running_stats", self._update)
 
     def __exit__(self, *exc: object) -> None:
         for m in self._changed:
-            m.track_running_stats = not self._update
+            object.__setattr__(m, "track_running_stats", not self._update)
 
 
 @dataclass(frozen=True)

@@ -267,7 +267,8 @@ def magnitude_by_definition(tensors) -> float:
     return float("nan") if bool(flat.isnan().any()) else float(flat.abs().max())
 
 
-@pytest.mark.parametrize("case", ["negative", "positive", "+inf", "-inf", "nan and inf", "bf16 and a scalar"])
+@pytest.mark.parametrize("case", ["negative", "positive", "+inf", "-inf", "nan and inf", "nan and -inf",
+                                  "bf16 and a scalar"])
 def test_max_abs_each_is_max_abs_over_every_element_of_each_tensor(case):
     """The watch's one scalar per tensor (one fused reduction over all of them) against max |x| written out,
     for the values whose sign or special value the reduction must not lose."""
@@ -285,6 +286,8 @@ def test_max_abs_each_is_max_abs_over_every_element_of_each_tensor(case):
         tensors[0][0, 0] = -float("inf")
     elif case == "nan and inf":
         tensors[0][1, 1], tensors[1][0] = float("inf"), float("nan")
+    elif case == "nan and -inf":  # one tensor: its minimum is -inf, its maximum NaN
+        tensors[1][3], tensors[1][200] = -float("inf"), float("nan")
     else:
         tensors = [tensors[0].bfloat16() * -9, torch.tensor(-100.0)]
     got = max_abs_each(tensors)

@@ -21,8 +21,8 @@
 #          plain's peak in fp32, messages 792 MiB of what stays); memory_report names what stays allocated between
 #          calls (within 5%)
 #          and per model plain's and PETRA's device-busy time against the profiled call's wall time, by kernel group
-#          (RevNet18's PETRA summed 4x plain's kernel time on the H100 against an arithmetic 4/3: which grew?), and
-#          PETRA's host time by instruction kind
+#          (arithmetic alone puts PETRA's kernel time near 4/3 of plain's), and PETRA's host and kernel time by
+#          instruction kind: busy far below the wall says host-bound, and which instruction's host time to cut
 #   lm     steady tokens/s PETRA / backprop: >= 0.65x at micro-batch 4 x k = 4, >= 0.5x at 1 x k = 16
 #   compile  petra_compiled/petra per train_batch: below 1.0x is what would make "compile": true worth its minutes
 # Afterwards, on a CPU machine with the files brought back: predict 10 and 8 GPUs from what this one measured,

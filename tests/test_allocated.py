@@ -75,3 +75,22 @@ def test_a_graph_holds_what_the_saved_tensor_tracker_sees_and_its_peak_is_the_fo
         loss.backward()
         assert tracker.measure({}, exclude=[w])["graph"] == 0
         assert counter.live_bytes - start == 35 * F64 + F64  # w.grad and the loss; the graph is gone
+
+
+def test_the_host_copies_of_an_offload_count_apart_from_the_device_s_bytes():
+    """On a CPU the tracker stands for a device's memory: a FIFO offloaded to host memory keeps its head there and
+    every other entry in host copies, which count in ``host_bytes``, not in the live bytes or the peak."""
+    from petra_ds.runtime.fifo import InputFifo, StreamCopies
+
+    entry = 1024 * F32
+    with AllocatedStorages() as counter:
+        start = counter.live_bytes
+        fifo = InputFifo(StreamCopies())
+        for m in range(3):
+            fifo.append(m, torch.full((1024,), float(m)))  # each made here, and dropped unless it is the head
+        assert counter.live_bytes - start == entry and counter.host_bytes == 2 * entry
+        assert counter.peak_bytes - start == 2 * entry  # the head and a new entry, before its host copy let it go
+        assert torch.equal(fifo.pop(0), torch.zeros(1024))  # the next head comes back to the device
+        assert counter.live_bytes - start == entry and counter.host_bytes == entry
+        fifo.pop(1), fifo.pop(2)
+        assert counter.live_bytes == start and counter.host_bytes == 0 and counter.peak_host_bytes == 2 * entry

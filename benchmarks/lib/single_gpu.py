@@ -135,17 +135,66 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _allocated(device: torch.device) -> int | None:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+class DeviceMemory:
+    """The device's allocated bytes and their peak while a variant is built and run, above what was allocated
+    before: ``torch.cuda``'s statistics on a GPU; on a CPU the allocator tracker
+    (``petra_ds.diagnostics.allocated``), where the host copies of offloaded FIFOs and messages count apart, as
+    pinned memory does on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._tracker: Any = None
+        self.before = 0
+
+    def __enter__(self) -> "DeviceMemory":
+        if self.device.type != "cuda":
+            from petra_ds.diagnostics.allocated import AllocatedStorages
+
+            self._tracker = AllocatedStorages().__enter__()
+        self.before = self._allocated()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(*exc)
+
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self._tracker is None else self._tracker.live_bytes
+
+    def reset_peak(self) -> None:
+        if self._tracker is None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._tracker.reset_peak()
+
+    def allocated(self) -> int:
+        """Allocated now, above what was before."""
+        return self._allocated() - self.before
+
+    def peak(self) -> int:
+        """The peak since :meth:`reset_peak`, above what was allocated before."""
+        peak = torch.cuda.max_memory_allocated(self.device) if self._tracker is None else self._tracker.peak_bytes
+        return peak - self.before
+
+    def host_peak(self) -> int | None:
+        """The host copies' peak (None on a GPU, where ``torch.cuda`` does not count pinned memory)."""
+        return None if self._tracker is None else self._tracker.peak_host_bytes
+
+    def release(self) -> int:
+        """Free what the variant left unreferenced; what stays allocated (a leak would skew the next variant)."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self.allocated()
 
 
-def timed(train_batch: Callable[[], Any], warmup: int, calls: int, device: torch.device, before: int | None) -> dict:
-    """Warm up, then time ``calls`` calls; the peak over the timed calls, above ``before``."""
+def timed(train_batch: Callable[[], Any], warmup: int, calls: int, memory: DeviceMemory) -> dict:
+    """Warm up, then time ``calls`` calls; the peak over the timed calls."""
+    device = memory.device
     for _ in range(warmup):
         train_batch()
     _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    memory.reset_peak()
     seconds = []
     for _ in range(calls):
         start = time.perf_counter()
@@ -154,11 +203,8 @@ def timed(train_batch: Callable[[], Any], warmup: int, calls: int, device: torch
         seconds.append(time.perf_counter() - start)
     result = {"seconds_per_call": seconds, "median_seconds": statistics.median(seconds)}
     result.update(profiled(train_batch, device))
-    if device.type == "cuda":
-        result["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
-        result["allocated_after_bytes"] = torch.cuda.memory_allocated(device) - before
-    else:
-        result["peak_bytes"] = result["allocated_after_bytes"] = None
+    result["peak_bytes"], result["allocated_after_bytes"] = memory.peak(), memory.allocated()
+    result["host_peak_bytes"] = memory.host_peak()
     return result
 
 
@@ -268,10 +314,10 @@ def kernel_summary(work: list[tuple[str, float, float]], top: int = 12) -> dict:
             "top_kernels": [{"name": n, "seconds": s, "count": int(c)} for n, (s, c) in ranked]}
 
 
-def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.device) -> dict:
+def run_plain(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMemory) -> dict:
     """Plain backprop of the whole model: k forward / backward passes, then one Adam step."""
     specs, loss_fn, _, _, size = model(name, args)
-    before = _allocated(device)
+    device = memory.device
     torch.manual_seed(0)
     layers = torch.nn.ModuleList([spec.build() for spec in specs]).to(device)
     optimizer = torch.optim.AdamW(layers.parameters(), **OPTIMIZER)
@@ -294,12 +340,12 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    result = timed(train_batch, 2, args.calls, device, before)
+    result = timed(train_batch, 2, args.calls, memory)
     layers = optimizer = data = None  # what train_batch held goes before the leftover is measured
-    return result | {"leftover_bytes": _release(device, before)}
+    return result | {"leftover_bytes": memory.release()}
 
 
-def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.device,
+def run_petra(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMemory,
               petra: dict[str, Any] | None = None) -> dict:
     """PetraEngine, all J stages in this process, with the ``"petra"`` settings ``petra``; timed after
     ceil(2(J-1)/k) + 1 calls fill the pipeline."""
@@ -308,7 +354,6 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
     import petra_ds
 
     specs, loss_fn, partition, J, size = model(name, args)
-    before = _allocated(device)
     module = petra_ds.PetraPipelineModule(specs, topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
                                           loss_fn=loss_fn, stages_per_rank=J, partition_method=partition,
                                           base_seed=0)
@@ -322,12 +367,12 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, device: torch.dev
     batches = micro_batches(name, args, size, engine.device)
     data = itertools.cycle(batches)
     fill = math.ceil(2 * (J - 1) / args.k) + 1
-    result = timed(lambda: engine.train_batch(data), fill, args.calls, device, before)
+    result = timed(lambda: engine.train_batch(data), fill, args.calls, memory)
     result.update(breakdown(engine, batches, result))
     result["parts"] = [int(p) for p in module.petra_parts]
     result["reconstructing_stages"] = {j: len(st.layers) for j, st in engine.stages.items() if st.reconstructs}
     engine = module = data = None  # what train_batch held goes before the leftover is measured
-    return result | {"leftover_bytes": _release(device, before)}
+    return result | {"leftover_bytes": memory.release()}
 
 
 def breakdown(engine: Any, batches: list, result: dict) -> dict:
@@ -348,17 +393,6 @@ def breakdown(engine: Any, batches: list, result: dict) -> dict:
     return out
 
 
-def _release(device: torch.device, before: int | None) -> int | None:
-    """Free what the variant built; what stays allocated (a leak would skew the next variant)."""
-    gc.collect()
-    if device.type != "cuda":
-        return None
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated(device) - before
-
-
-# --- the report ---
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -378,7 +412,8 @@ def summarize(runs: list[dict]) -> dict:
             peaks = [r["peak_bytes"] for r in rs if r["peak_bytes"] is not None]
             row_m[f"{variant}_peak_bytes"] = max(peaks) if peaks else None
             last = rs[-1]
-            for key in ("allocated_after_bytes", "explained_bytes", "workspace_bytes", "memory_report"):
+            for key in ("allocated_after_bytes", "explained_bytes", "workspace_bytes", "memory_report",
+                        "host_peak_bytes"):
                 if last.get(key) is not None:
                     row_m[f"{variant}_{key}"] = last[key]
             row_s[f"{variant}_seconds_per_call"] = statistics.median(r["median_seconds"] for r in rs)
@@ -414,11 +449,16 @@ def print_report(report: dict) -> None:
                          if row.get(f"{v}_device_busy_seconds_per_call"))
         if busy:
             print(f"    device busy, profiled call: {busy}")
+    measure = "max_memory_allocated" if report["device_type"] == "cuda" else "peak (allocator tracker)"
     for row in report["memory"]:
         peaks = ", ".join(f"{v} {row[f'{v}_peak_bytes'] / 2**20:.1f} MiB" for v in VARIANTS
                           if row.get(f"{v}_peak_bytes") is not None)
         ratios = ", ".join(f"{k} {row[k]:.3f}x" for k in row if "/" in k)
-        print(f"  {row['model']:9s} {row['dtype']}: max_memory_allocated {peaks or 'n/a (CPU)'}; {ratios}")
+        print(f"  {row['model']:9s} {row['dtype']}: {measure} {peaks}; {ratios}")
+        hosts = ", ".join(f"{v} {row[f'{v}_host_peak_bytes'] / 2**20:.1f} MiB" for v in VARIANTS
+                          if row.get(f"{v}_host_peak_bytes"))
+        if hosts:
+            print(f"    host copies at their peak: {hosts}")
         for v in VARIANTS:
             if row.get(f"{v}_allocated_after_bytes") is not None and f"{v}_explained_bytes" in row:
                 print(f"    {v}: between calls {row[f'{v}_allocated_after_bytes'] / 2**20:.1f} MiB allocated, "
@@ -453,10 +493,11 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         for name, dtype, variant in itertools.product(args.models, args.dtypes, args.variants):
             bf16 = dtype == "bf16"
-            if variant == "plain":
-                result = run_plain(name, args, bf16, device)
-            else:
-                result = run_petra(name, args, bf16, device, PETRA_VARIANTS[variant])
+            with DeviceMemory(device) as memory:
+                if variant == "plain":
+                    result = run_plain(name, args, bf16, memory)
+                else:
+                    result = run_petra(name, args, bf16, memory, PETRA_VARIANTS[variant])
             runs.append({"model": name, "dtype": dtype, "variant": variant, "round": round_, **result})
             peak = result["peak_bytes"]
             print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:22s} "

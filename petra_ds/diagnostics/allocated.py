@@ -12,7 +12,9 @@ being ``"other"`` (activations, buffers, messages).
 It does not see memory that never becomes a tensor (a communication library's own buffers, the
 allocator's caching slack) nor tensors created before it started that no Python object reaches. On CUDA
 ``torch.cuda.max_memory_allocated`` is the number to report; this counter is for the CPU, where torch has
-no such statistic.
+no such statistic. There it stands for a device's memory: the host copies that ``fifo_offload`` and
+``message_offload`` make (``runtime.fifo.HOST_COPIES``), pinned host memory on a GPU, count apart
+(``host_bytes``), in neither ``live_bytes`` nor the peak.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..runtime.fifo import HOST_COPIES
 from ..runtime.ledger import StorageKey, storage, storage_bytes
 from ..util.nested import tensors_in
 
@@ -38,9 +41,13 @@ class AllocatedStorages(TorchDispatchMode):
         self.parts = parts
         self.live_bytes = 0
         self.peak_bytes = 0
+        #: the bytes of the host copies alive (``runtime.fifo.HOST_COPIES``), and their high-water mark
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
         #: what the peak was made of, by the names of ``parts()`` plus "other"
         self.peak_parts: dict[str, int] = {}
         self._live: dict[StorageKey, int] = {}
+        self._host: dict[StorageKey, int] = {}
         self._lock = threading.Lock()  # storages may be freed on autograd's threads (CUDA)
 
     def __enter__(self) -> "AllocatedStorages":
@@ -65,16 +72,23 @@ class AllocatedStorages(TorchDispatchMode):
             key, nbytes = storage(t)
         except (NotImplementedError, RuntimeError):  # a wrapper subclass without a storage of its own
             return
+        host = HOST_COPIES.active
         with self._lock:
-            if key in self._live or nbytes == 0:
+            if key in self._live or key in self._host or nbytes == 0:
                 return
-            self._live[key] = nbytes
-            self.live_bytes += nbytes
+            if host:
+                self._host[key] = nbytes
+                self.host_bytes += nbytes
+                self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+            else:
+                self._live[key] = nbytes
+                self.live_bytes += nbytes
         weakref.finalize(t.untyped_storage(), self._free, key)
 
     def _free(self, key: StorageKey) -> None:
         with self._lock:
             self.live_bytes -= self._live.pop(key, 0)
+            self.host_bytes -= self._host.pop(key, 0)
 
     def _note_peak(self) -> None:
         self.peak_bytes = self.live_bytes

@@ -17,6 +17,7 @@ layout the forward stored and computes the same bits.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
@@ -50,6 +51,16 @@ class Copies(Protocol):
         """The host waits for ``event`` (a checkpoint reads host copies; never inside a window)."""
 
 
+class _HostCopies(threading.local):
+    active: bool = False
+
+
+#: true while :class:`StreamCopies` allocates the host copies of tensors that are on the CPU already, where host and
+#: device memory are one: ``petra_ds.diagnostics.allocated`` counts what is allocated then as host memory, as a GPU
+#: run's pinned copies are
+HOST_COPIES = _HostCopies()
+
+
 class StreamCopies:
     """Copies on a second CUDA stream per device, through pinned host memory, ordered by events; tensors on the
     CPU are copied plainly (the same bits, nothing to wait for)."""
@@ -68,7 +79,11 @@ class StreamCopies:
         them); each device buffer is marked used by the side stream, so that dropping it cannot hand its
         memory to new work before the copy has read it."""
         if not buffers or not buffers[0].is_cuda:
-            return _copied(buffers, "cpu"), None
+            HOST_COPIES.active = True
+            try:
+                return _copied(buffers, "cpu"), None
+            finally:
+                HOST_COPIES.active = False
         device = buffers[0].device
         side = self._side(device)
         side.wait_stream(torch.cuda.current_stream(device))

@@ -116,15 +116,18 @@ class FiniteWatch:
     What the stages report waits, by reference, until :meth:`flush` reduces all of it in one fused reduction
     (the engine flushes at the end of each clock, and before a data-parallel average or a tied weight's
     gradient rewrites gradients a backward reported): a handful of kernels per clock instead of a few per
-    value and tensor."""
+    value and tensor. ``hold=False`` reduces each report as it comes instead: with ``message_offload`` a message
+    leaves the device as it is sent, and a reference held to the end of the clock would keep its device copy
+    there (every message of a clock at once, on one GPU hosting every stage)."""
 
     def __init__(self, clock: Callable[[], int], local_stages: Iterable[int], petra_stages: int, *,
-                 check_finite: bool = True, non_finite: str = "raise") -> None:
+                 check_finite: bool = True, non_finite: str = "raise", hold: bool = True) -> None:
         self._clock = clock
         self._local = set(local_stages)
         self._petra_stages = petra_stages
         self.check_finite = check_finite
         self.non_finite = non_finite
+        self.hold = hold
         self._seen: list[Sighting] = []  # one per tensor reduced, in the order of _maxima's entries
         self._maxima: list[Tensor] = []  # device vectors, one per flush
         self._pending: list[list] = []  # [sighting, tensors] in the order reported
@@ -217,6 +220,8 @@ class FiniteWatch:
         tensors = float_tensors(values)
         if tensors:
             self._pending.append([sighting, tensors])
+            if not self.hold:
+                self.flush()
 
     def flush(self) -> None:
         """Reduce what was reported since the last flush to one max |x| per tensor, on the device. The values

@@ -35,7 +35,7 @@ class LocalStages(Mapping[int, Stage]):
         (see :class:`StageStep`)."""
         #: what the stages read and make, checked for NaN / Inf on the device, read once per window
         self.finite = FiniteWatch(clock, local, petra_stages, check_finite=config.check_finite,
-                                  non_finite=config.non_finite)
+                                  non_finite=config.non_finite, hold=config.message_offload != "cpu")
         self.ties = ties
         self._stages: dict[int, Stage] = {}
         for j in local:

@@ -224,9 +224,9 @@ def profiled(train_batch: Callable[[], Any], device: torch.device) -> dict:
         wall = time.perf_counter() - start
     events = trace.key_averages()
     waited = sum(e.self_cpu_time_total for e in events if "Synchronize" in e.key or e.key.startswith("cudaMemcpy"))
-    summary = kernel_summary(device_work(trace.events()))
-    return {"host_seconds": wall - waited / 1e6, "profiled_wall_seconds": wall, **summary,
-            "host_by_instruction": host_by_instruction(events, trace.events())}
+    launched = trace.events()
+    return {"host_seconds": wall - waited / 1e6, "profiled_wall_seconds": wall, **kernel_summary(device_work(launched)),
+            "host_by_instruction": host_by_instruction(events, launched)}
 
 
 def host_by_instruction(events: Any, launches: Any = ()) -> dict[str, dict]:
@@ -392,6 +392,8 @@ def breakdown(engine: Any, batches: list, result: dict) -> dict:
         out["workspace_bytes"] = result["peak_bytes"] - result["allocated_after_bytes"]
     return out
 
+
+# --- the report ---
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":

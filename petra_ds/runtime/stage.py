@@ -493,6 +493,6 @@ class Stage:
         return tensor_bytes(list(self.stash.values()))
 
     def _account(self) -> None:
-        self.peak_input_bytes = max(self.peak_input_bytes, self.fifo.device_bytes)
+        self.peak_input_bytes = max(self.peak_input_bytes, self.input_buffer_bytes())
         if self.stash:
             self.peak_param_buffer_bytes = max(self.peak_param_buffer_bytes, self.param_buffer_bytes())

@@ -18,8 +18,8 @@
 #   bench  petra/plain seconds per train_batch: RevGPT bf16 <= 1.5x, RevNet18 bf16 <= 1.7x, RevGPT fp32 <= 1.36x;
 #          petra/petra_unchecked (what check_finite costs) <= 1.03x; RevNet18's peak with the FIFOs and the messages
 #          offloaded (petra_offload_messages) <= plain's, its time within 1.05x of petra's (fifo_offload alone: 1.65x
-#          plain's peak in fp32, messages 792 MiB of what stays); memory_report names what stays allocated between
-#          calls (within 5%)
+#          plain's peak in fp32, messages 792 MiB of what stays; a CPU at these sizes measured 773 MiB against plain's
+#          860, gpu_cpu_revnet18_memory.json); memory_report names what stays allocated between calls (within 5%)
 #          and per model plain's and PETRA's device-busy time against the profiled call's wall time, by kernel group
 #          (arithmetic alone puts PETRA's kernel time near 4/3 of plain's), and PETRA's host and kernel time by
 #          instruction kind: busy far below the wall says host-bound, and which instruction's host time to cut

@@ -200,29 +200,19 @@ def test_the_nan_watch_keeps_no_parked_message_on_the_device(world_of_one):
     device's peak within a steady-state train_batch (the allocator tracker, host copies apart) with the watch on is
     that with it off, give or take one message (on a CPU the watch's foreach absolute value copies the report it
     reduces). Holding the references to the clock's end measured 8.2 MB here against 1.0 MB."""
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-    from torch.nn import functional as F
-
-    import petra_ds
+    from benchmarks.lib import host_overhead
     from petra_ds.diagnostics.allocated import AllocatedStorages
-    from petra_ds.models.revnet import revnet_layers
 
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(16, 3, 16, 16, generator=g), torch.randint(10, (16,), generator=g)) for _ in range(4)]
+    args = host_overhead.parse_args(["--revnet-width", "16", "--revnet-image", "16", "--revnet-batch", "16"])
+    m = host_overhead.model("revnet18", args)
     largest = 16 * 16 * 16 * 16 * 4  # the stem's output, the largest message
 
     def peak(check_finite: bool) -> int:
         torch.manual_seed(0)
-        module = petra_ds.PetraPipelineModule(revnet_layers(18, num_classes=10, cifar=True, base_width=16),
-                                              topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
-                                              loss_fn=F.cross_entropy, stages_per_rank=10, partition_method="uniform")
-        config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 4, "steps_per_print": 10**9,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-                  "petra": {"stages_per_rank": 10, "fifo_offload": "cpu", "message_offload": "cpu",
-                            "check_finite": check_finite}}
-        engine, *_ = petra_ds.initialize(model=module, config=config)
-        data = iter(batches * 8)
-        for _ in range(6):  # the pipeline full
+        engine = host_overhead.petra_engine(m, args.k, petra={"fifo_offload": "cpu", "message_offload": "cpu",
+                                                              "check_finite": check_finite})
+        data = host_overhead.data(m)
+        for _ in range(host_overhead.fill_calls(m["J"], args.k)):
             engine.train_batch(data)
         with AllocatedStorages() as tracker:
             before = tracker.live_bytes

@@ -106,6 +106,20 @@ def test_a_steady_state_train_batch_makes_one_host_sync(world_of_one, name):
     assert all("runtime/engine.py" in where and "tolist" in where for where in row["where"])
 
 
+def test_train_batch_puts_a_module_left_in_eval_mode_back_to_training(world_of_one):
+    """As DeepSpeed's ``train_batch`` does, from the module list the engine keeps (not a walk of the tree): a
+    submodule left in eval mode (its dropout off) trains again, and a whole model in eval mode too."""
+    m, k = host_overhead.model("revgpt", TINY), TINY.k
+    engine, stream = host_overhead.petra_engine(m, k), host_overhead.data(m)
+    dropout = next(mod for mod in engine.module.modules() if isinstance(mod, torch.nn.Dropout))
+    dropout.eval()
+    engine.train_batch(stream)
+    assert dropout.training
+    engine.module.eval()
+    engine.train_batch(stream)
+    assert all(mod.training for mod in engine.module.modules())
+
+
 def test_an_optimizer_that_cannot_skip_on_the_device_costs_one_sync_per_step(world_of_one):
     """The fallback, counted: torch's non-fused SGD makes the engine read each step's flag."""
     from petra_ds.diagnostics.host_cost import HostSyncs

@@ -12,7 +12,7 @@ Which parameters a graph accumulates into is its owner's (a coupling's F, a stag
 graph after the owner's parameters last changed. An owner whose graph reaches a parameter it does not hold (a
 closure over another module's weight) keeps autograd's accumulation, which finds every parameter. Inside
 :func:`parameters_fixed` (the engine's ``train_batch`` window, where no user code runs) an owner's parameters
-are collected once, not at every graph.
+are collected and checked once, not at every graph.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ _CHECKED: "weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], bool]]" = weakr
 
 
 class _Fixed(threading.local):
-    #: owner -> its parameters, inside :func:`parameters_fixed` (None outside)
-    params: dict[Any, tuple[Tensor, ...]] | None = None
+    #: owner -> (its trainable parameters, whether its graph reaches no others), inside :func:`parameters_fixed`
+    #: (None outside)
+    owners: dict[Any, tuple[list[Tensor], bool]] | None = None
 
 
 _fixed = _Fixed()
@@ -43,22 +44,29 @@ ENGINE_ENTRY = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 @contextmanager
 def parameters_fixed() -> Iterator[None]:
-    """Within it, no module gains, loses or freezes a parameter: each owner's are collected once."""
-    previous, _fixed.params = _fixed.params, {}
+    """Within it, no module gains, loses or freezes a parameter: each owner's are collected and checked once."""
+    previous, _fixed.owners = _fixed.owners, {}
     try:
         yield
     finally:
-        _fixed.params = previous
+        _fixed.owners = previous
 
 
-def _parameters(owner: Any) -> tuple[Tensor, ...]:
-    cache = _fixed.params
-    if cache is None:
-        return tuple(owner.parameters())
-    params = cache.get(owner)
-    if params is None:
-        params = cache[owner] = tuple(owner.parameters())
-    return params
+def _trainable(owner: Any, outputs: Sequence[Tensor], leaves: Sequence[Tensor]) -> tuple[list[Tensor], bool]:
+    """``owner``'s trainable parameters, and whether its graphs accumulate into no others (checked on the first
+    graph after its parameters last changed)."""
+    cache = _fixed.owners
+    found = None if cache is None else cache.get(owner)
+    if found is None:
+        params = tuple(owner.parameters())
+        ids = tuple(map(id, params))
+        checked = _CHECKED.get(owner)
+        if checked is None or checked[0] != ids:
+            checked = _CHECKED[owner] = (ids, _reaches_only(outputs, leaves, params))
+        found = ([p for p in params if p.requires_grad], checked[1])
+        if cache is not None:
+            cache[owner] = found
+    return found
 
 
 def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: Sequence[Tensor],
@@ -69,13 +77,8 @@ def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: 
     graph uses (None: unknown, autograd accumulates them)."""
     if owner is None:
         return _by_autograd(outputs, grads, leaves)
-    params = _parameters(owner)
-    ids = tuple(map(id, params))
-    checked = _CHECKED.get(owner)
-    if checked is None or checked[0] != ids:
-        checked = _CHECKED[owner] = (ids, _reaches_only(outputs, leaves, params))
-    trainable = [p for p in params if p.requires_grad]
-    if not checked[1] or any(p.grad is None for p in trainable):
+    trainable, reaches_only = _trainable(owner, outputs, leaves)
+    if not reaches_only or any(p.grad is None for p in trainable):
         return _by_autograd(outputs, grads, leaves)
     wanted = [t for t in leaves if t.requires_grad]
     found = _engine(outputs, grads, wanted + trainable, accumulate=False)

@@ -52,6 +52,7 @@ class PetraEngine(PipelineEngine):
             self.ties = TiedWeights(self.module, self._local_range())
             self.stage_optimizers = self.stage_schedulers = [None] * len(self._local_range())
         module = self.module
+        self._all_modules = tuple(module.modules())
         self.stages_per_rank = stages_per_rank_of(module)
         check_stages_per_rank(petra_config, self.stages_per_rank)
         #: P and J: DeepSpeed's ``num_stages`` / ``stage_id`` count pipeline ranks; PETRA's stages are J = P x S
@@ -200,9 +201,9 @@ class PetraEngine(PipelineEngine):
         return self._run_window(self.timeline.drain_window())
 
     def _train_mode(self) -> None:
-        """``module.train()``, as DeepSpeed's ``train_batch`` calls it, when a module is in eval mode: it sets every
-        module's flag through ``nn.Module.__setattr__`` (2% of a clock's host time on small layers)."""
-        if not all(m.training for m in self.module.modules()):
+        """``module.train()``, as DeepSpeed's ``train_batch`` calls it, when a module is in eval mode (it sets every flag
+        by ``nn.Module.__setattr__``); the modules are those the engine was built with, not the tree walked anew."""
+        if not all(m.training for m in self._all_modules):
             self.module.train()
 
     @property
@@ -487,14 +488,10 @@ class PetraEngine(PipelineEngine):
         ReverseReconstruct: _exec_reconstruct,
         DelayedBackward: _exec_backward,
         AccumulateAndStep: _exec_step,
-        SendActivation: _exec_send,
-        RecvActivation: _exec_recv,
-        SendGrad: _exec_send,
-        RecvGrad: _exec_recv,
-        SendTiedGrad: _exec_send,
-        RecvTiedGrad: _exec_recv,
-        SendTiedWeight: _exec_send,
-        RecvTiedWeight: _exec_recv,
+        SendActivation: _exec_send, RecvActivation: _exec_recv,
+        SendGrad: _exec_send, RecvGrad: _exec_recv,
+        SendTiedGrad: _exec_send, RecvTiedGrad: _exec_recv,
+        SendTiedWeight: _exec_send, RecvTiedWeight: _exec_recv,
         PostP2P: _exec_post,
         CommitP2P: _exec_commit,
     }

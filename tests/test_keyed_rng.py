@@ -1,10 +1,11 @@
 """Dropout inside F: keyed streams make the reconstruction exact; the global stream does not."""
 
+import pytest
 import torch
 from torch import nn
 
-from petra_ds.nn import (AdditiveCoupling, SwapCoupling, ReversibleSequential, derive_seed, micro_batch_rng,
-                         reconstruction_error)
+from petra_ds.nn import (AdditiveCoupling, SwapCoupling, ReversibleSequential, derive_seed, layer_rng,
+                         micro_batch_rng, reconstruction_error)
 
 
 def dropout_mlp(d=8, p=0.5):
@@ -93,6 +94,17 @@ def test_keyed_gradients_match_autograd_with_dropout():
 def test_derived_seeds_depend_on_order_and_every_part():
     assert derive_seed(1, 2, 3) != derive_seed(3, 2, 1)
     assert len({derive_seed(0, m, 0) for m in range(1000)}) == 1000
+
+
+@pytest.mark.parametrize("seed, m, stage, layer, branch", [(0, 0, 0, 0, 0), (3, 5, 1, 7, 1), (2**40, 9, 17, 1234, 2)])
+def test_a_layer_draws_from_its_whole_key_s_derived_seed(seed, m, stage, layer, branch):
+    """A layer's stream inside a micro-batch scope is the stream of (seed, micro-batch, stage, replica, layer,
+    branch): the per-layer fold continues the scope's key as ``derive_seed`` folds the whole key."""
+    with micro_batch_rng(seed, m, stage):
+        with layer_rng(layer, branch):
+            drawn = torch.rand(8)
+    torch.manual_seed(derive_seed(seed, m, stage, 0, layer, branch))
+    assert torch.equal(drawn, torch.rand(8))
 
 
 def test_a_keyed_scope_does_not_ask_whether_cuda_is_available(monkeypatch):

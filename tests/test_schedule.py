@@ -108,6 +108,19 @@ def test_schedule_is_a_deepspeed_schedule():
     assert list(schedule.local_stages) == [2, 3]
 
 
+def test_each_instruction_holds_what_deepspeed_s_pipe_instruction_would_set():
+    """PETRA's instructions set their fields in one update; DeepSpeed's own constructor, run on the same keywords,
+    sets exactly the same attributes."""
+    timeline = Timeline(4)
+    schedule = PetraSchedule.for_window(timeline.train_window(6), 1, 0, stages_per_rank=4)
+    built = [c for cmds in schedule for c in cmds]
+    assert len({type(c) for c in built}) >= 8
+    for c in built:
+        reference = object.__new__(type(c))
+        PipeInstruction.__init__(reference, **c.kwargs)
+        assert vars(reference) == vars(c), c
+
+
 def tamper(streams, rank, predicate, action):
     for cmds in streams[rank]:
         for i, c in enumerate(cmds):

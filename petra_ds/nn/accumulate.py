@@ -17,6 +17,8 @@ are collected and checked once, not at every graph.
 
 from __future__ import annotations
 
+import functools
+import operator
 import threading
 import weakref
 from contextlib import contextmanager
@@ -24,6 +26,11 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
+
+#: a tensor's ``.grad`` and ``.requires_grad`` read at C level: per-tensor loops through ``map`` and ``filter``
+#: run no Python frame per tensor (a stage runs them per graph and per backward)
+GRAD, REQUIRES_GRAD = operator.attrgetter("grad"), operator.attrgetter("requires_grad")
+_IS_NONE = functools.partial(operator.is_, None)
 
 #: owner -> (the ids of the parameters it held when checked, whether its graph reaches no others)
 _CHECKED: "weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], bool]]" = weakref.WeakKeyDictionary()
@@ -78,14 +85,19 @@ def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: 
     if owner is None:
         return _by_autograd(outputs, grads, leaves)
     trainable, reaches_only = _trainable(owner, outputs, leaves)
-    if not reaches_only or any(p.grad is None for p in trainable):
+    targets = list(map(GRAD, trainable))
+    if not reaches_only or any(map(_IS_NONE, targets)):
         return _by_autograd(outputs, grads, leaves)
-    wanted = [t for t in leaves if t.requires_grad]
+    wanted = list(filter(REQUIRES_GRAD, leaves))
     found = _engine(outputs, grads, wanted + trainable, accumulate=False)
-    pairs = [(p.grad, g) for p, g in zip(trainable, found[len(wanted):]) if g is not None]
-    if pairs:
-        with torch.no_grad():
-            torch._foreach_add_([a for a, _ in pairs], [b for _, b in pairs])
+    added = list(found[len(wanted):])
+    if any(map(_IS_NONE, added)):  # a parameter this graph does not reach
+        kept = [(a, g) for a, g in zip(targets, added) if g is not None]
+        targets, added = [a for a, _ in kept], [g for _, g in kept]
+    if targets:  # no graph is recorded: neither side requires grad (create_graph is off)
+        torch._foreach_add_(targets, added)
+    if len(wanted) == len(leaves):
+        return list(found[:len(wanted)])
     leaf_grads = iter(found[:len(wanted)])
     return [next(leaf_grads) if t.requires_grad else None for t in leaves]
 

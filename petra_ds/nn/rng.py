@@ -52,6 +52,11 @@ def _fold(h: int, parts: Sequence[int]) -> int:
     return h
 
 
+def _fold_pair(h: int, first: int, second: int) -> int:
+    """``_fold(h, (first, second))`` without the loop: a layer's key, folded twice per layer and micro-batch."""
+    return _splitmix64(_splitmix64(h ^ (first & _MASK64)) ^ (second & _MASK64))
+
+
 class RowBlocks(NamedTuple):
     """The keyed row blocks of a global micro-batch that one replica holds: blocks ``first`` ..
     ``first + count - 1`` whole, or (``parts`` > 1) part ``part`` of ``parts`` of block ``first``. A run's
@@ -101,6 +106,10 @@ def keyed_rng(*key: int, devices: Sequence[int] | None = None) -> Iterator[None]
         yield
 
 
+#: a generator's state, read without a comprehension's frame (a keyed scope opens twice per layer and micro-batch)
+_GET_STATE = torch.Generator.get_state
+
+
 class _Seeded:
     """``torch.random.fork_rng(devices)`` then ``torch.manual_seed(seed)`` on those generators, without
     fork_rng's checks and device lookups, and as a class rather than a generator function: a keyed scope is
@@ -113,7 +122,7 @@ class _Seeded:
         self._generators = generators
 
     def __enter__(self) -> None:
-        self._saved = [g.get_state() for g in self._generators]
+        self._saved = list(map(_GET_STATE, self._generators))
         for generator in self._generators:
             generator.manual_seed(self._seed)
 
@@ -180,7 +189,7 @@ def layer_rng(layer: int, branch: int) -> ContextManager[None]:
     """
     if _scope.key is None:
         return _GLOBAL_STREAM
-    seeded = _Seeded(_fold(_scope.folded, (layer, branch)) & _MASK63, _scope.generators)
+    seeded = _Seeded(_fold_pair(_scope.folded, layer, branch) & _MASK63, _scope.generators)
     if _scope.rows is None:
         return seeded
     return _LayerBlocks(seeded, tuple(_fold(h, (layer, branch)) for h in _scope.blocks))

@@ -9,10 +9,13 @@ noticed, and :meth:`GradBuffer.attach` makes it a view again with its values kep
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from ..nn.accumulate import GRAD, REQUIRES_GRAD
 
 
 class GradBuffer:
@@ -37,11 +40,11 @@ class GradBuffer:
 
     def covers(self, params: Sequence[Tensor]) -> bool:
         """Whether the buffer holds exactly ``params``, in that order."""
-        return len(params) == len(self.params) and all(p is q for p, q in zip(params, self.params))
+        return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
 
     def attached(self) -> bool:
         """Whether every parameter's ``.grad`` is its view."""
-        return all(p.grad is v for p, v in zip(self.params, self.views))
+        return all(map(operator.is_, map(GRAD, self.params), self.views))
 
     def attach(self) -> None:
         """Make every parameter's ``.grad`` its view again, keeping its value (None: zero)."""
@@ -84,7 +87,7 @@ class StageGrads:
 
     def _current(self) -> bool:
         """Whether the buffer still holds the stepped parameters that train (none frozen or unfrozen since)."""
-        return self.buffer.covers([p for p in self.stepped if p.requires_grad])
+        return self.buffer.covers(list(filter(REQUIRES_GRAD, self.stepped)))
 
     def tensors(self) -> list[Tensor]:
         """Every gradient accumulated since the last step, as few tensors as they are held (what a check reduces)."""

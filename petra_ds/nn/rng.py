@@ -14,6 +14,7 @@ replica holding several blocks, or part of one, draws each block's numbers from 
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -52,8 +53,20 @@ def _fold(h: int, parts: Sequence[int]) -> int:
     return h
 
 
+#: keys a run meets again (a micro-batch's at its forward, reconstruction and backward; a layer's at its forward and
+#: reconstruction): their hashes remembered, a pure function's, as many as a deep pipeline has in flight
+_KEYS_REMEMBERED = 1 << 14
+
+
+@functools.lru_cache(maxsize=_KEYS_REMEMBERED)
+def _key_hash(key: tuple[int, ...]) -> int:
+    """``_fold(_START, key)``, remembered: a stage opens a micro-batch's scope at every instruction about it."""
+    return _fold(_START, key)
+
+
+@functools.lru_cache(maxsize=_KEYS_REMEMBERED)
 def _fold_pair(h: int, first: int, second: int) -> int:
-    """``_fold(h, (first, second))`` without the loop: a layer's key, folded twice per layer and micro-batch."""
+    """``_fold(h, (first, second))`` without the loop, remembered: a layer's key, twice per layer and micro-batch."""
     return _splitmix64(_splitmix64(h ^ (first & _MASK64)) ^ (second & _MASK64))
 
 
@@ -158,7 +171,7 @@ class micro_batch_rng:
 
     def __enter__(self) -> None:
         self._previous = _scope.key, _scope.folded, _scope.generators, _scope.rows, _scope.blocks, _scope.draws
-        _scope.key, _scope.folded = self._key, _fold(_START, self._key)
+        _scope.key, _scope.folded = self._key, _key_hash(self._key)
         _scope.generators = _generators(_default_devices())
         self._seeded = _Seeded(_scope.folded & _MASK63, _scope.generators)
         self._seeded.__enter__()

@@ -59,15 +59,10 @@ _KEYS_REMEMBERED = 1 << 14
 
 
 @functools.lru_cache(maxsize=_KEYS_REMEMBERED)
-def _key_hash(key: tuple[int, ...]) -> int:
-    """``_fold(_START, key)``, remembered: a stage opens a micro-batch's scope at every instruction about it."""
-    return _fold(_START, key)
-
-
-@functools.lru_cache(maxsize=_KEYS_REMEMBERED)
-def _fold_pair(h: int, first: int, second: int) -> int:
-    """``_fold(h, (first, second))`` without the loop, remembered: a layer's key, twice per layer and micro-batch."""
-    return _splitmix64(_splitmix64(h ^ (first & _MASK64)) ^ (second & _MASK64))
+def _fold_remembered(h: int, parts: tuple[int, ...]) -> int:
+    """:func:`_fold`, remembered: a stage opens a micro-batch's scope at every instruction about it, and a layer's
+    at its forward and its reconstruction."""
+    return _fold(h, parts)
 
 
 class RowBlocks(NamedTuple):
@@ -171,7 +166,7 @@ class micro_batch_rng:
 
     def __enter__(self) -> None:
         self._previous = _scope.key, _scope.folded, _scope.generators, _scope.rows, _scope.blocks, _scope.draws
-        _scope.key, _scope.folded = self._key, _key_hash(self._key)
+        _scope.key, _scope.folded = self._key, _fold_remembered(_START, self._key)
         _scope.generators = _generators(_default_devices())
         self._seeded = _Seeded(_scope.folded & _MASK63, _scope.generators)
         self._seeded.__enter__()
@@ -202,7 +197,7 @@ def layer_rng(layer: int, branch: int) -> ContextManager[None]:
     """
     if _scope.key is None:
         return _GLOBAL_STREAM
-    seeded = _Seeded(_fold_pair(_scope.folded, layer, branch) & _MASK63, _scope.generators)
+    seeded = _Seeded(_fold_remembered(_scope.folded, (layer, branch)) & _MASK63, _scope.generators)
     if _scope.rows is None:
         return seeded
     return _LayerBlocks(seeded, tuple(_fold(h, (layer, branch)) for h in _scope.blocks))

@@ -173,5 +173,23 @@ def test_the_time_part_runs_revnet18_at_the_gpu_benchmark_s_cut(world_of_one):
     timed = report["time"]
     assert report["time_model"] == "revnet18" and timed["J"] == 10
     assert set(timed["seconds_per_call"]) == {"petra", "deepspeed_1f1b_one_stage", "torch_1f1b_one_stage", "plain",
-                                              "plain_and_petra_forwards"}
+                                              "plain_and_petra_forwards", "petra_structure"}
     assert timed["petra_us_per_stage_clock"] == pytest.approx(timed["seconds_per_call"]["petra"] / (10 * args.k) * 1e6)
+
+
+@pytest.mark.parametrize("name", host_overhead.MODELS)
+def test_petra_s_work_without_its_engine_trains_as_a_synchronous_petra_call(world_of_one, name):
+    """The ``petra_structure`` variant does PETRA's work, not less: one call trains the stages as PETRA's engine does
+    in a call that drains (``synchronous_steps``), the same clipping and optimizer per stage, reconstructions
+    included (RevGPT's middle stages rebuild their inputs, RevNet18's downsampling stages recompute theirs)."""
+    m = host_overhead.negligible_model(host_overhead.parse_args(["--tiny", "--time-model", name]))
+    k = TINY.k
+    engine = host_overhead.petra_engine(m, k, petra={"synchronous_steps": 1})
+    engine.train_batch(host_overhead.data(m))
+    module = host_overhead.petra_module(m)
+    before = [p.detach().clone() for p in module.parameters()]
+    host_overhead._structure_call(m, k, module)()
+    pairs = list(zip(engine.module.parameters(), module.parameters(), before))
+    assert all(not torch.equal(p, b) for _, p, b in pairs)  # every parameter took its step
+    for theirs, ours, _ in pairs:
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)

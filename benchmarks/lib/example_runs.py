@@ -68,8 +68,13 @@ def save_report(output: str, report: dict) -> str:
 
 
 def one_cpu_process() -> None:
-    """This process as a one-rank CPU world with one thread (what a host-cost measurement runs in)."""
+    """This process as a one-rank CPU world with one thread (what a host-cost measurement runs in), with no GPU
+    visible: a CUDA build of torch, where CUDA never starts, asks NVML for the device count at every torch
+    optimizer step (its capture check, through ``torch.accelerator``), a library load each time that a GPU process
+    makes once and caches; PETRA's J optimizers in one process would pay it J times per call, plain backprop's
+    once, a cost no GPU run has."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     from deepspeed import comm
 

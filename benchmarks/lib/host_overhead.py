@@ -305,7 +305,8 @@ def variant_calls(m: dict, k: int) -> dict[str, Callable[[], Any]]:
     """One ``train_batch`` of each variant on ``m``'s layers, warmed up to steady state."""
     builders = {"petra": lambda: _petra_call(m, k), "deepspeed_1f1b_one_stage": lambda: _deepspeed_call(m, k),
                 "torch_1f1b_one_stage": lambda: _torch_call(m, k), "plain": lambda: _plain_call(m, k),
-                "plain_and_petra_forwards": lambda: _plain_call(m, k, again=_reevaluated_layers(m))}
+                "plain_and_petra_forwards": lambda: _plain_call(m, k, again=_reevaluated_layers(m)),
+                "petra_structure": lambda: _structure_call(m, k)}
     calls = {name: build() for name, build in builders.items()}
     for call in calls.values():
         for _ in range(fill_calls(m["J"], k) + 1):
@@ -336,10 +337,7 @@ def time_variants(args: argparse.Namespace) -> dict:
     return {"J": J, "k": k, "blocks": args.time_blocks, "rounds": rounds, "seconds_per_call": medians,
             "petra_us_per_stage_clock": medians["petra"] / (k * J) * 1e6,
             "deepspeed_us_per_micro_batch_per_stage": medians["deepspeed_1f1b_one_stage"] / k * 1e6,
-            "petra/deepspeed": medians["petra"] / medians["deepspeed_1f1b_one_stage"],
-            "petra/torch": medians["petra"] / medians["torch_1f1b_one_stage"],
-            "petra/plain": medians["petra"] / medians["plain"],
-            "arithmetic_floor/deepspeed": medians["plain_and_petra_forwards"] / medians["deepspeed_1f1b_one_stage"]}
+            **host_instructions.ratios(medians)}
 
 
 def _petra_call(m: dict, k: int) -> Callable[[], Any]:
@@ -376,6 +374,66 @@ def _torch_call(m: dict, k: int) -> Callable[[], Any]:
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    return call
+
+
+def _structure_call(m: dict, k: int, module: Any = None) -> Callable[[], Any]:
+    """PETRA's work per ``train_batch`` without its engine: the same J stages, layers and optimizers, each
+    micro-batch through the library's own pieces in turn (a graph-free forward of every stage but the last; the
+    last stage's graph and loss; a reconstructing stage's reconstruction, one graph per branch, and its VJPs; a
+    recomputation at stage 0 and at a stage that keeps its input), then every stage clipped and stepped. No
+    schedule, keyed RNG, NaN watch or messages: what an engine on these layers cannot go below. ``module``: the
+    stages' ``PetraPipelineModule`` (default: ``petra_module(m)``'s)."""
+    from petra_ds.nn.accumulate import backprop, parameters_fixed
+    from petra_ds.nn.reversible import GraphTape, SequentialTape, as_tuple, detach_leaf, reconstruct, shaped_like
+    from petra_ds.pipeline.module import layer_module, stage_layers, stage_reversible
+    from petra_ds.schedule.clock import reconstructs
+
+    module, J = module or petra_module(m), m["J"]
+    layers = [stage_layers(module, j) for j in range(J)]
+    owners = [torch.nn.ModuleList([layer_module(layer) for layer in stage]) for stage in layers]
+    rebuilds = [reconstructs(j, J, r) for j, r in enumerate(stage_reversible(module))]
+    optimizers, stream = [torch_optimizer(owner.parameters()) for owner in owners], data(m)
+
+    def run(j: int, x: Any) -> Any:
+        for layer in layers[j]:
+            x = layer(x)
+        return x
+
+    def recomputed(j: int, x: Any, dy: Any) -> Any:
+        with torch.enable_grad():
+            leaf = x if j == 0 else detach_leaf(x)
+            out = run(j, leaf)
+        return GraphTape(leaf, out, owners[j]).backward(dy)
+
+    def micro_batch(x: Any, labels: Any) -> None:
+        inputs = [x]
+        with torch.no_grad():
+            for j in range(J - 1):
+                inputs.append(run(j, inputs[-1]))
+        with torch.enable_grad():
+            leaf = detach_leaf(inputs[-1])
+            loss = m["loss"](run(J - 1, leaf), labels)
+        dy = shaped_like(leaf, backprop([loss / k], [None], as_tuple(leaf), owners[-1]))
+        for j in range(J - 2, -1, -1):
+            if rebuilds[j]:
+                y, tapes = inputs[j + 1], []
+                for layer in reversed(layers[j]):
+                    y, tape = reconstruct(layer, y)
+                    tapes.append(tape)
+                dy = SequentialTape(tapes).backward(dy)
+            else:
+                dy = recomputed(j, inputs[j], dy)
+
+    def call() -> None:
+        with parameters_fixed():
+            for _ in range(k):
+                micro_batch(*next(stream))
+        for owner, optimizer in zip(owners, optimizers):
+            torch.nn.utils.clip_grad_norm_(owner.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
     return call
 
@@ -476,7 +534,8 @@ def _ratios(t: dict) -> str:
     """PETRA against the other variants, as the ``time`` and ``instructions`` parts both report them."""
     return (f"; PETRA/DeepSpeed {t['petra/deepspeed']:.2f}x, PETRA/torch {t['petra/torch']:.2f}x, "
             f"PETRA/plain {t['petra/plain']:.2f}x; PETRA's arithmetic alone (plain + its graph-free forwards) "
-            f"{t['arithmetic_floor/deepspeed']:.2f}x DeepSpeed")
+            f"{t['arithmetic_floor/deepspeed']:.2f}x DeepSpeed; its work without the engine (petra_structure) "
+            f"{t['structure/deepspeed']:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -394,7 +394,8 @@ def _structure_call(m: dict, k: int, module: Any = None) -> Callable[[], Any]:
     layers = [stage_layers(module, j) for j in range(J)]
     owners = [torch.nn.ModuleList([layer_module(layer) for layer in stage]) for stage in layers]
     rebuilds = [reconstructs(j, J, r) for j, r in enumerate(stage_reversible(module))]
-    optimizers, stream = [torch_optimizer(owner.parameters()) for owner in owners], data(m)
+    params = [list(owner.parameters()) for owner in owners]  # found once, as the engine's stages keep them
+    optimizers, stream = [torch_optimizer(p) for p in params], data(m)
 
     def run(j: int, x: Any) -> Any:
         for layer in layers[j]:
@@ -430,8 +431,8 @@ def _structure_call(m: dict, k: int, module: Any = None) -> Callable[[], Any]:
         with parameters_fixed():
             for _ in range(k):
                 micro_batch(*next(stream))
-        for owner, optimizer in zip(owners, optimizers):
-            torch.nn.utils.clip_grad_norm_(owner.parameters(), 1.0)
+        for stage, optimizer in zip(params, optimizers):
+            torch.nn.utils.clip_grad_norm_(stage, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 

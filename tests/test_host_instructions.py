@@ -31,11 +31,12 @@ def test_the_nth_dump_is_the_nth_window(tmp_path):
 
 def test_the_summary_names_petras_ratios():
     counts = {"petra": [140.0, 150.0, 160.0], "deepspeed_1f1b_one_stage": [100.0], "torch_1f1b_one_stage": [125.0],
-              "plain": [75.0], "plain_and_petra_forwards": [110.0], "petra_structure": [120.0]}
+              "plain": [75.0], "plain_and_petra_forwards": [110.0], "petra_structure": [120.0],
+              "petra_unchecked": [130.0]}
     s = host_instructions.summarize(counts, J=4, k=4)
     assert s["petra/deepspeed"] == pytest.approx(1.5) and s["petra/torch"] == pytest.approx(1.2)
     assert s["petra/plain"] == pytest.approx(2.0) and s["arithmetic_floor/deepspeed"] == pytest.approx(1.1)
-    assert s["structure/deepspeed"] == pytest.approx(1.2)
+    assert s["structure/deepspeed"] == pytest.approx(1.2) and s["unchecked/deepspeed"] == pytest.approx(1.3)
     assert s["spread"]["petra"] == pytest.approx(20 / 150)
 
 
@@ -47,7 +48,7 @@ def test_callgrind_counts_every_variant_and_petra_costs_more_than_plain():
     report = host_overhead.count_instructions(args)
     counts = report["instructions_per_call"]
     assert set(counts) == {"petra", "deepspeed_1f1b_one_stage", "torch_1f1b_one_stage", "plain",
-                           "plain_and_petra_forwards", "petra_structure"}
+                           "plain_and_petra_forwards", "petra_structure", "petra_unchecked"}
     assert all(len(v) == 2 for v in counts.values())
     # the windows hold the calls and nothing of the imports: a negligible train_batch is millions of instructions,
     # an import of torch billions; plain backprop is the cheapest, PETRA's machinery more

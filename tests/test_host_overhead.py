@@ -173,7 +173,7 @@ def test_the_time_part_runs_revnet18_at_the_gpu_benchmark_s_cut(world_of_one):
     timed = report["time"]
     assert report["time_model"] == "revnet18" and timed["J"] == 10
     assert set(timed["seconds_per_call"]) == {"petra", "deepspeed_1f1b_one_stage", "torch_1f1b_one_stage", "plain",
-                                              "plain_and_petra_forwards", "petra_structure"}
+                                              "plain_and_petra_forwards", "petra_structure", "petra_unchecked"}
     assert timed["petra_us_per_stage_clock"] == pytest.approx(timed["seconds_per_call"]["petra"] / (10 * args.k) * 1e6)
 
 

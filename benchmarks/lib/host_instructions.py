@@ -118,10 +118,12 @@ def summarize(counts: dict[str, list[float]], J: int, k: int) -> dict:
 
 
 def ratios(medians: dict[str, float]) -> dict[str, float]:
-    """PETRA's ratios to the other variants, and those of its two floors to DeepSpeed's engine, as the ``time`` and
-    ``instructions`` parts of the host-overhead benchmark both report them."""
+    """PETRA's ratios to the other variants, and those of its two floors and of PETRA without ``check_finite`` to
+    DeepSpeed's engine, as the ``time`` and ``instructions`` parts of the host-overhead benchmark both report them."""
     deepspeed = medians["deepspeed_1f1b_one_stage"]
     return {"petra/deepspeed": medians["petra"] / deepspeed,
-            "petra/torch": medians["petra"] / medians["torch_1f1b_one_stage"], "petra/plain": medians["petra"] / medians["plain"],
+            "petra/torch": medians["petra"] / medians["torch_1f1b_one_stage"],
+            "petra/plain": medians["petra"] / medians["plain"],
             "arithmetic_floor/deepspeed": medians["plain_and_petra_forwards"] / deepspeed,
-            "structure/deepspeed": medians["petra_structure"] / deepspeed}
+            "structure/deepspeed": medians["petra_structure"] / deepspeed,
+            "unchecked/deepspeed": medians["petra_unchecked"] / deepspeed}

@@ -182,9 +182,11 @@ def test_petra_s_work_without_its_engine_trains_as_a_synchronous_petra_call(worl
     """The ``petra_structure`` variant does PETRA's work, not less: one call trains the stages as PETRA's engine does
     in a call that drains (``synchronous_steps``), the same clipping and optimizer per stage, reconstructions
     included (RevGPT's middle stages rebuild their inputs, RevNet18's downsampling stages recompute theirs)."""
-    m = host_overhead.negligible_model(host_overhead.parse_args(["--tiny", "--time-model", name]))
-    k = TINY.k
+    args = host_overhead.parse_args(["--tiny", "--time-model", name, "--time-stages", "3", "--time-blocks", "4"])
+    m, k = host_overhead.negligible_model(args), args.k
     engine = host_overhead.petra_engine(m, k, petra={"synchronous_steps": 1})
+    kinds = {host_overhead.stage_kind(engine.stages[j]) for j in engine.stages}
+    assert {"first", "reconstructing", "last"} <= kinds and (name == "revgpt" or "fifo" in kinds)
     engine.train_batch(host_overhead.data(m))
     module = host_overhead.petra_module(m)
     before = [p.detach().clone() for p in module.parameters()]

@@ -190,7 +190,7 @@ def test_petra_s_work_without_its_engine_trains_as_a_synchronous_petra_call(worl
     engine.train_batch(host_overhead.data(m))
     module = host_overhead.petra_module(m)
     before = [p.detach().clone() for p in module.parameters()]
-    host_overhead._structure_call(m, k, module)()
+    host_overhead.structure_call(m, k, module)()
     pairs = list(zip(engine.module.parameters(), module.parameters(), before))
     assert all(not torch.equal(p, b) for _, p, b in pairs)  # every parameter took its step
     for theirs, ours, _ in pairs:

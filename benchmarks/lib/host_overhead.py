@@ -307,7 +307,7 @@ def variant_calls(m: dict, k: int) -> dict[str, Callable[[], Any]]:
                 "deepspeed_1f1b_one_stage": lambda: _deepspeed_call(m, k),
                 "torch_1f1b_one_stage": lambda: _torch_call(m, k), "plain": lambda: _plain_call(m, k),
                 "plain_and_petra_forwards": lambda: _plain_call(m, k, again=_reevaluated_layers(m)),
-                "petra_structure": lambda: _structure_call(m, k)}
+                "petra_structure": lambda: structure_call(m, k)}
     calls = {name: build() for name, build in builders.items()}
     for call in calls.values():
         for _ in range(fill_calls(m["J"], k) + 1):
@@ -379,7 +379,7 @@ def _torch_call(m: dict, k: int) -> Callable[[], Any]:
     return call
 
 
-def _structure_call(m: dict, k: int, module: Any = None) -> Callable[[], Any]:
+def structure_call(m: dict, k: int, module: Any = None) -> Callable[[], Any]:
     """PETRA's work per ``train_batch`` without its engine: the same J stages, layers and optimizers, each
     micro-batch through the library's own pieces in turn (a graph-free forward of every stage but the last; the
     last stage's graph and loss; a reconstructing stage's reconstruction, one graph per branch, and its VJPs; a

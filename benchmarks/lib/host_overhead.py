@@ -120,6 +120,8 @@ def data(m: dict, count: int = 4) -> itertools.cycle:
 
 
 OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True, "fused": True}}
+#: every variant clips its gradients (PETRA: each stage its own) to this norm
+CLIPPING = 1.0
 
 
 def torch_optimizer(params) -> torch.optim.Optimizer:
@@ -146,7 +148,7 @@ def petra_engine(m: dict, k: int, bf16: bool = False, petra: dict | None = None,
     per_rank = m["J"] // pipe
     module = petra_module(m, pipe)
     config = {"train_micro_batch_size_per_gpu": m["size"], "gradient_accumulation_steps": k,
-              "optimizer": OPTIMIZER, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+              "optimizer": OPTIMIZER, "steps_per_print": 10**9, "gradient_clipping": CLIPPING,
               "petra": {"stages_per_rank": per_rank, **(petra or {})}}
     if bf16:
         config["bf16"] = {"enabled": True}
@@ -245,7 +247,7 @@ def count_plain(m: dict, k: int, bf16: bool, parts: list[int]) -> tuple[float, l
         for p in chosen.parameters():
             p.grad = torch.zeros_like(p)
         with OpCounter() as step:
-            torch.nn.utils.clip_grad_norm_(chosen.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(chosen.parameters(), CLIPPING)
             stage_optimizer.step()
         stage_optimizer.zero_grad(set_to_none=True)
         stages.append(counter.total + step.total / k)
@@ -353,7 +355,7 @@ def _deepspeed_call(m: dict, k: int) -> Callable[[], Any]:
     torch.manual_seed(0)
     module = PipelineModule(layers=m["specs"], num_stages=1, loss_fn=m["loss"], partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": m["size"], "gradient_accumulation_steps": k,
-              "optimizer": OPTIMIZER, "steps_per_print": 10**9, "gradient_clipping": 1.0}
+              "optimizer": OPTIMIZER, "steps_per_print": 10**9, "gradient_clipping": CLIPPING}
     engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=module.parameters())
     stream = data(m)
     return lambda: engine.train_batch(stream)
@@ -372,7 +374,7 @@ def _torch_call(m: dict, k: int) -> Callable[[], Any]:
 
     def call() -> None:
         schedule.step(x, target=labels)
-        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(module.parameters(), CLIPPING)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -391,7 +393,7 @@ def structure_call(m: dict, k: int, module: Any = None) -> Callable[[], Any]:
     from petra_ds.pipeline.module import layer_module, stage_layers, stage_reversible
     from petra_ds.schedule.clock import reconstructs
 
-    module, J = module or petra_module(m), m["J"]
+    module, J = petra_module(m) if module is None else module, m["J"]
     layers = [stage_layers(module, j) for j in range(J)]
     owners = [torch.nn.ModuleList([layer_module(layer) for layer in stage]) for stage in layers]
     rebuilds = [reconstructs(j, J, r) for j, r in enumerate(stage_reversible(module))]
@@ -433,7 +435,7 @@ def structure_call(m: dict, k: int, module: Any = None) -> Callable[[], Any]:
             for _ in range(k):
                 micro_batch(*next(stream))
         for stage, optimizer in zip(params, optimizers):
-            torch.nn.utils.clip_grad_norm_(stage, 1.0)
+            torch.nn.utils.clip_grad_norm_(stage, CLIPPING)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -460,7 +462,7 @@ def _plain_call(m: dict, k: int, bf16: bool = False, again: int = 0) -> Callable
                 with torch.no_grad():
                     run(x, layers[:again])
             (m["loss"](run(x), labels) / k).backward()
-        torch.nn.utils.clip_grad_norm_(layers.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(layers.parameters(), CLIPPING)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

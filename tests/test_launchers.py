@@ -158,3 +158,31 @@ def test_ranks_on_a_cpu_machine_share_its_cores(env, threads):
         assert torch.get_num_threads() == (7 if threads is None else threads)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_free_port_is_free_on_every_address_the_rendezvous_store_listens_on(monkeypatch):
+    """A port held on another local address (NCCL's bootstrap holds ports on a GPU machine's network address) is
+    free on the loopback yet refused to torch's store, which listens on every address (EADDRINUSE on an H200):
+    free_port asks the system for a port free on the wildcard address."""
+    import socket
+
+    from petra_ds.runtime import distributed
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.2", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with socket.socket() as loopback:
+            loopback.bind(("127.0.0.1", port))  # what the loopback-only check saw: free
+        with socket.socket() as wildcard, pytest.raises(OSError):
+            wildcard.bind(("", port))  # what the store then met
+    asked = []
+
+    class Recording(socket.socket):
+        def bind(self, address):
+            asked.append(address)
+            return super().bind(address)
+
+    monkeypatch.setattr(distributed.socket, "socket", Recording)
+    distributed.free_port()
+    assert asked == [("", 0)]

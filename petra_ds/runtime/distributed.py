@@ -26,9 +26,11 @@ def is_rank0() -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on the loopback that nothing listens on now."""
+    """A TCP port that no socket on any of this machine's addresses holds now. torch's rendezvous store listens on
+    every address, so a port free on the loopback alone is not enough: on a GPU machine NCCL's bootstrap holds
+    ports on the network interface's address, and a store given one of them fails with EADDRINUSE."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

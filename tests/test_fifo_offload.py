@@ -47,6 +47,8 @@ class FakeCopies:
         self.log = log
         self.queue: deque = deque()
         self.numbers = itertools.count()
+        #: the copy out that wrote each host buffer, by its memory's address
+        self.written_by: dict[int, FakeEvent] = {}
 
     def _queue(self, kind: str, buffers: list[torch.Tensor], device: Any) -> tuple[list[torch.Tensor], FakeEvent]:
         out = [torch.full(b.shape, 0xFF, dtype=b.dtype, device=device) for b in buffers]
@@ -56,9 +58,18 @@ class FakeCopies:
         return out, event
 
     def to_host(self, buffers: list[torch.Tensor]) -> tuple[list[torch.Tensor], FakeEvent]:
-        return self._queue("offload", buffers, "cpu")
+        out, event = self._queue("offload", buffers, "cpu")
+        self.written_by.update((o.data_ptr(), event) for o in out)
+        return out, event
 
-    def to_device(self, buffers: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], FakeEvent]:
+    def to_device(self, buffers: list[torch.Tensor], device: torch.device,
+                  after: FakeEvent | None = None) -> tuple[list[torch.Tensor], FakeEvent]:
+        """A copy back must be told the copy out that wrote its source: on a GPU the two run on different
+        streams, and only that event orders them."""
+        for b in buffers:
+            if self.written_by.get(b.data_ptr()) not in (None, after):
+                raise RuntimeError(f"a prefetch does not wait for the offload (copy "
+                                   f"{self.written_by[b.data_ptr()].number}) that wrote its source")
         return self._queue("prefetch", buffers, device)
 
     def run(self) -> None:

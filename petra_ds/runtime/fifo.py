@@ -9,8 +9,8 @@ is the next one read and keeps its device copy, so the head is always on the dev
 waits on that copy's event on the compute stream, never on the host.
 
 How bytes move is a :class:`Copies`, injectable so that a test can hold copies back and check the order.
-:class:`StreamCopies` copies on a second CUDA stream through pinned host memory, ordered by events; on CPU its copy
-is a plain copy. An entry moves storage by storage: each distinct storage behind its tensors is copied once, whole,
+:class:`StreamCopies` copies on side CUDA streams, one per direction, through pinned host memory, ordered by events;
+on CPU its copy is a plain copy. An entry moves storage by storage: each distinct storage behind its tensors is copied once, whole,
 and the tensors are rebuilt as the same views of the copy (sizes, strides, offsets), so the backward reads the
 layout the forward stored and computes the same bits.
 """
@@ -41,8 +41,9 @@ class Copies(Protocol):
     def to_host(self, buffers: list[Tensor]) -> tuple[list[Tensor], Any]:
         """Host copies of ``buffers``, started."""
 
-    def to_device(self, buffers: list[Tensor], device: torch.device) -> tuple[list[Tensor], Any]:
-        """Copies of the host ``buffers`` on ``device``, started."""
+    def to_device(self, buffers: list[Tensor], device: torch.device, after: Any = None) -> tuple[list[Tensor], Any]:
+        """Copies of the host ``buffers`` on ``device``, started once ``after`` (the event of the copy that wrote
+        them; None: written already) has passed."""
 
     def wait(self, event: Any) -> None:
         """What the compute stream runs next runs after ``event``; the host goes on."""
@@ -62,20 +63,22 @@ HOST_COPIES = _HostCopies()
 
 
 class StreamCopies:
-    """Copies on a second CUDA stream per device, through pinned host memory, ordered by events; tensors on the
-    CPU are copied plainly (the same bits, nothing to wait for)."""
+    """Copies on side CUDA streams, through pinned host memory, ordered by events; tensors on the CPU are copied
+    plainly (the same bits, nothing to wait for). Each direction has its own stream per device, so that the copies
+    out and the copies back run at once on the link's two directions instead of queueing behind each other (one
+    process hosting RevNet18's ten stages moves about 830 MB of messages each way per clock)."""
 
     def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
-    def _side(self, device: torch.device) -> torch.cuda.Stream:
-        stream = self._streams.get(device)
+    def _side(self, device: torch.device, direction: str) -> torch.cuda.Stream:
+        stream = self._streams.get((device, direction))
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream = self._streams[device, direction] = torch.cuda.Stream(device=device)
         return stream
 
     def to_host(self, buffers: list[Tensor]) -> tuple[list[Tensor], Any]:
-        """Device to pinned host memory on the side stream, after what the compute stream queued (which made
+        """Device to pinned host memory on the stream of copies out, after what the compute stream queued (which made
         them); each device buffer is marked used by the side stream, so that dropping it cannot hand its
         memory to new work before the copy has read it."""
         if not buffers or not buffers[0].is_cuda:
@@ -85,7 +88,7 @@ class StreamCopies:
             finally:
                 HOST_COPIES.active = False
         device = buffers[0].device
-        side = self._side(device)
+        side = self._side(device, "out")
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             host = [torch.empty(b.shape, dtype=b.dtype, pin_memory=True) for b in buffers]
@@ -94,15 +97,18 @@ class StreamCopies:
                 b.record_stream(side)
             return host, side.record_event()
 
-    def to_device(self, buffers: list[Tensor], device: torch.device) -> tuple[list[Tensor], Any]:
-        """Host to device on the side stream. The device memory is taken on the compute stream, which reads it;
-        the side stream first waits for what the compute stream queued, which may still use that memory."""
+    def to_device(self, buffers: list[Tensor], device: torch.device, after: Any = None) -> tuple[list[Tensor], Any]:
+        """Host to device on the stream of copies back, once the copy out that wrote ``buffers`` (``after``, on
+        the other stream) has. The device memory is taken on the compute stream, which reads it; the side stream
+        first waits for what the compute stream queued, which may still use that memory."""
         if device.type != "cuda":
             return _copied(buffers, device), None
         current = torch.cuda.current_stream(device)
         out = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in buffers]
-        side = self._side(device)
+        side = self._side(device, "back")
         side.wait_stream(current)
+        if after is not None:
+            side.wait_event(after)
         with torch.cuda.stream(side):
             torch._foreach_copy_(out, buffers, non_blocking=True)
             return out, side.record_event()
@@ -171,7 +177,8 @@ class Entry:
         """Start the entry back to its device (a no-op when it is there or on its way); its host copy is dropped,
         its memory free once the copy has read it."""
         if self.value is None:
-            self.value, self.ready = moved(self.host, lambda buffers: copies.to_device(buffers, self.device))
+            self.value, self.ready = moved(self.host,
+                                           lambda buffers: copies.to_device(buffers, self.device, self.stored))
             self.host = self.stored = None
 
     def settled(self, copies: Copies | None) -> Any:

@@ -1,9 +1,9 @@
 """``"petra": {"fifo_offload": "auto"}``: which stages keep their input FIFO in host memory, decided from what the
 first ``train_batch`` measured.
 
-In a steady clock an offloading stage's side stream copies one entry out to host memory and one back
-(``runtime/fifo.py``), overlapping the stage's compute. The offload is free where those copies take no longer
-than that compute::
+In a steady clock an offloading stage copies one entry out to host memory and one back (``runtime/fifo.py``: a
+side stream each), overlapping the stage's compute. The offload is free where those copies take no longer than
+that compute, counted one after the other (a margin where the link carries both directions at once)::
 
     2 * entry_bytes / link_bytes_per_s <= COMPUTE_PER_FORWARD * forward_seconds
 

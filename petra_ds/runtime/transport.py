@@ -34,8 +34,8 @@ What a rank received waits in its :class:`Inbox` for the instruction that reads 
 stages (the paper's single-GPU setting) holds there every stage's forward and backward messages between two
 clocks: on an H100 hosting RevNet18's ten stages, 792 MiB of the 1,129 MiB PETRA kept between calls, more than its
 input FIFOs. With ``"petra": {"message_offload": "cpu"}`` a message for a stage of the same rank is handed over as
-its host copy, made as it is sent (``runtime/fifo.py``'s copies: a second stream, pinned memory, events), and its
-device copy is dropped; it starts back to the device when the compute instruction before its reader starts
+its host copy, made as it is sent (``runtime/fifo.py``'s copies: a side stream each way, pinned memory, events),
+and its device copy is dropped; it starts back to the device when the compute instruction before its reader starts
 (:meth:`Inbox.prefetch_next`), and the read waits for that copy's event on the compute stream, never on the host.
 Messages from other ranks stay in the buffers their exchange received them into.
 """

@@ -7,9 +7,11 @@
 #     STEPS="tests bench" bash benchmarks/gpu_session.sh
 #     STEPS=compile LM_SHAPES="4 4;1 16" bash benchmarks/gpu_session.sh
 #
-# Measured on an H100: tests 190 s, bench at most 360 s, lm 50-115 s per run (the run directories stay in $LM_DATA,
-# a fresh temporary folder unless set, and only each summary is copied to $OUT). The default steps fit one
-# 15-minute lease with its start, but not one 600-second call: run STEPS=bench first, then STEPS="lm tests".
+# Measured: tests 190 s (H100), 94 s (H200); bench at most 360 s (H100), more than 360 s (H200: the second round's
+# last run was cut); lm 50-115 s per run (H100), 68-87 s (H200). The run directories stay in $LM_DATA, a fresh
+# temporary folder unless set, and only each summary is copied to $OUT. The default steps fit one 15-minute lease
+# with its start, but not one 600-second call: run STEPS=bench first (a 480 s call), then at once STEPS="tests lm"
+# (a machine left idle 30 s is given back, and a new one costs another start).
 # "compile" (PETRA with "compile": true against eager, bf16) and the LM example at micro-batch 1 x k = 16
 # (LM_SHAPES) are for a second lease.
 #
@@ -17,9 +19,9 @@
 #   tests  pytest -m gpu: every test passes, test_a_steady_state_train_batch_synchronises_once included
 #   bench  petra/plain seconds per train_batch: RevGPT bf16 <= 1.5x, RevNet18 bf16 <= 1.7x, RevGPT fp32 <= 1.36x;
 #          petra/petra_unchecked (what check_finite costs) <= 1.03x; RevNet18's peak with the FIFOs and the messages
-#          offloaded (petra_offload_messages) <= plain's, its time within 1.05x of petra's (fifo_offload alone: 1.65x
-#          plain's peak in fp32, messages 792 MiB of what stays; a CPU at these sizes measured 773 MiB against plain's
-#          860, gpu_cpu_revnet18_memory.json); memory_report names what stays allocated between calls (within 5%)
+#          offloaded (petra_offload_messages) <= plain's, its time within 1.05x of petra's (an H200 at 5f6c5f8, the
+#          copies both ways on one stream: 0.82x plain's peak in fp32, at 1.70x petra's time; with a stream each way
+#          the time is what to look at); memory_report names what stays allocated between calls (within 5%)
 #          and per model plain's and PETRA's device-busy time against the profiled call's wall time, by kernel group
 #          (arithmetic alone puts PETRA's kernel time near 4/3 of plain's), and PETRA's host and kernel time by
 #          instruction kind: busy far below the wall says host-bound, and which instruction's host time to cut
@@ -48,7 +50,7 @@ case " $STEPS " in *" tests "*)
   step tests 300 python -m pytest -m gpu tests/test_gpu.py -ra -q ;;
 esac
 case " $STEPS " in *" bench "*)
-  step bench 360 python -m benchmarks.gpu --rounds 2 --calls 8 --output "$OUT/gpu.json" ;;
+  step bench 420 python -m benchmarks.gpu --rounds 2 --calls 8 --output "$OUT/gpu.json" ;;
 esac
 case " $STEPS " in *" compile "*)
   step compile 420 python -m benchmarks.gpu --rounds 1 --calls 8 --dtypes bf16 --variants petra petra_compiled \

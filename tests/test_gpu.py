@@ -401,3 +401,25 @@ def test_message_offload_on_cuda_changes_no_bit_and_adds_no_host_sync():
     assert_trained_alike(found["none"], found["messages"])
     entries = [entry for _, report in found["messages"]["memory"] for entry in report.values()]
     assert max(entry["messages_host"] for entry in entries) > 0 and all(entry["messages"] == 0 for entry in entries)
+
+
+def test_the_nan_watch_fuses_its_reduction_over_contiguous_tensors_beside_the_halves_of_a_coupling():
+    """Forty contiguous tensors and the two channel halves of a coupling's output, as RevNet18's first stages report
+    them: torch's foreach norm reduces the halves one by one and must not take the forty with them (an H200 ran
+    one reduction per tensor, 218 a RevNet18 call); the values, by the order given, are each tensor's max |x|."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from petra_ds.runtime.finite import max_abs_each
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(64, 32, device="cuda", generator=g) for _ in range(40)]
+    tensors += list(torch.randn(8, 16, 4, 4, device="cuda", generator=g).chunk(2, dim=1))
+    max_abs_each(tensors)  # warm-up: the kernels' first launch is not what is counted
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        maxima, order = max_abs_each(tensors)
+        torch.cuda.synchronize()
+    per_tensor = [e.name for e in prof.events() if "AbsMax" in e.name and e.device_type.name == "CUDA"]
+    assert len(per_tensor) == 2, per_tensor
+    for value, i in zip(maxima.tolist(), order or range(len(tensors))):
+        assert value == tensors[i].abs().max().item(), i

@@ -6,6 +6,7 @@
 #     bash benchmarks/gpu_session.sh                 # about 11 minutes on an H100
 #     STEPS="tests bench" bash benchmarks/gpu_session.sh
 #     STEPS=compile LM_SHAPES="4 4;1 16" bash benchmarks/gpu_session.sh
+#     STEPS="tests bench" BENCH_ARGS="--models revnet18" bash benchmarks/gpu_session.sh   # what changed since 5f6c5f8
 #
 # Measured: tests 190 s (H100), 94 s (H200); bench at most 360 s (H100), more than 360 s (H200: the second round's
 # last run was cut); lm 50-115 s per run (H100), 68-87 s (H200). The run directories stay in $LM_DATA, a fresh
@@ -13,7 +14,9 @@
 # with its start, but not one 600-second call: run STEPS=bench first (a 480 s call), then at once STEPS="tests lm"
 # (a machine left idle 30 s is given back, and a new one costs another start).
 # "compile" (PETRA with "compile": true against eager, bf16) and the LM example at micro-batch 1 x k = 16
-# (LM_SHAPES) are for a second lease.
+# (LM_SHAPES) are for a second lease. BENCH_ARGS adds flags to the bench step's command: "--models revnet18" (24 of
+# the full step's 48 runs) times what changed after the H200 run of 5f6c5f8: the NaN watch's reductions and the
+# offload's copy streams.
 #
 # What it should show (the targets of the host-light clock; BENCHMARKS.md has the measured numbers):
 #   tests  pytest -m gpu: every test passes, test_a_steady_state_train_batch_synchronises_once included
@@ -50,7 +53,7 @@ case " $STEPS " in *" tests "*)
   step tests 300 python -m pytest -m gpu tests/test_gpu.py -ra -q ;;
 esac
 case " $STEPS " in *" bench "*)
-  step bench 420 python -m benchmarks.gpu --rounds 2 --calls 8 --output "$OUT/gpu.json" ;;
+  step bench 420 python -m benchmarks.gpu --rounds 2 --calls 8 ${BENCH_ARGS:-} --output "$OUT/gpu.json" ;;
 esac
 case " $STEPS " in *" compile "*)
   step compile 420 python -m benchmarks.gpu --rounds 1 --calls 8 --dtypes bf16 --variants petra petra_compiled \

@@ -291,30 +291,27 @@ def test_max_abs_each_is_max_abs_over_every_element_of_each_tensor(case):
     else:
         tensors = [tensors[0].bfloat16() * -9, torch.tensor(-100.0)]
     got, order = max_abs_each(tensors)
-    assert got.dtype == torch.float32 and got.shape == (len(tensors),) and order is None
-    for value, t in zip(got.tolist(), tensors):
-        want = magnitude_by_definition([t])
+    assert got.dtype == torch.float32 and got.shape == (len(tensors),)
+    for value, i in zip(got.tolist(), order or range(len(tensors))):
+        want = magnitude_by_definition([tensors[i]])
         assert (math.isnan(value) and math.isnan(want)) or value == want
 
 
 def mixed_tensors() -> list[torch.Tensor]:
     """Contiguous float32, the two halves of a coupling's output across its channel dimension (not contiguous),
-    a bfloat16 one, and float32 again: on CUDA, three groups the foreach norm fuses apart."""
+    a bfloat16 one, and float32 again: three groups, each of which CUDA's foreach norm fuses."""
     g = torch.Generator().manual_seed(1)
     pair = torch.randn(4, 6, 3, generator=g).chunk(2, dim=1)
     return [torch.randn(5, generator=g), *pair, torch.randn(3, 2, generator=g).bfloat16(), torch.randn(7, generator=g)]
 
 
-def test_where_foreach_norm_fuses_only_alike_tensors_max_abs_each_reduces_them_in_groups_and_says_the_order(
-        monkeypatch):
+def test_where_foreach_norm_fuses_only_alike_tensors_max_abs_each_reduces_them_in_groups_and_says_the_order():
     """On CUDA one tensor unlike the rest sends the whole foreach norm to a reduction per tensor: the groups of
-    alike tensors are reduced apart, and each entry of the vector says which tensor it is for. Checked on the CPU
-    as if it had CUDA's restriction."""
-    from petra_ds.runtime import finite
+    alike tensors are reduced apart, and each entry of the vector says which tensor it is for."""
+    from petra_ds.runtime.finite import max_abs_each
 
-    monkeypatch.setattr(finite, "GROUPED_DEVICE_TYPES", {"cuda", "cpu"})
     tensors = mixed_tensors()
-    got, order = finite.max_abs_each(tensors)
+    got, order = max_abs_each(tensors)
     assert order == [0, 4, 1, 2, 3]  # float32 contiguous, float32 views, bfloat16
     assert got.dtype == torch.float32
     for value, i in zip(got.tolist(), order):
@@ -322,13 +319,12 @@ def test_where_foreach_norm_fuses_only_alike_tensors_max_abs_each_reduces_them_i
 
 
 @pytest.mark.parametrize("bad", [1, 2, 3, 4])
-def test_the_first_value_reported_non_finite_is_named_whatever_group_reduced_it(monkeypatch, bad):
-    """A NaN in any of the tensors, reported in order with a finite one before and a NaN after: the watch names
-    the first one reported, also when the groups put it behind the later one."""
-    from petra_ds.runtime import finite
+def test_the_first_value_reported_non_finite_is_named_whatever_group_reduced_it(bad):
+    """A NaN in any of the tensors, reported in order with an Inf after them: the watch names the first one
+    reported, also when the groups put it behind the later one."""
+    from petra_ds.runtime.finite import FiniteWatch
 
-    monkeypatch.setattr(finite, "GROUPED_DEVICE_TYPES", {"cuda", "cpu"})
-    watch = finite.FiniteWatch(lambda: 3, range(1), 1)
+    watch = FiniteWatch(lambda: 3, range(1), 1)
     tensors = mixed_tensors()
     tensors[bad][(0,) * tensors[bad].dim()] = float("nan")
     tail = torch.full((2,), float("inf"))

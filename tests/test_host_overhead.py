@@ -20,6 +20,17 @@ def test_the_op_counter_counts_each_dispatched_op_once():
     assert counter.by_name == {"mm": 1, "relu_": 1, "_foreach_add_": 1}
 
 
+def test_the_op_counter_counts_the_tensors_a_multi_tensor_op_would_take_one_by_one_on_cuda():
+    """CUDA fuses a multi-tensor op over dense tensors of one dtype; one tensor unlike the others (not dense, or
+    another dtype) sends every tensor of the list one by one."""
+    x, half = torch.randn(4, 4), torch.randn(4, 8)[:, :4]
+    with OpCounter() as counter:
+        torch._foreach_abs([x, x.t().contiguous(), torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)])
+        torch._foreach_abs([x, half])  # x goes one by one because of half, which cannot be fused anyway
+        torch._foreach_add_([x, x.bfloat16()], 1.0)  # two dtypes
+    assert counter.dragged == {"_foreach_abs": 1, "_foreach_add_": 2}
+
+
 def test_host_syncs_counts_every_read_of_values_and_nothing_else():
     x = torch.randn(5)
     with HostSyncs() as syncs:
@@ -52,6 +63,15 @@ def test_petra_dispatches_at_most_1_5x_the_ops_of_plain_backprop_per_stage(count
         assert stage["ratio"] <= 1.5, stage
     assert {"first", "last", "reconstructing"} <= {s["kind"] for s in row["stages"]}
     assert row["ratio"] <= 1.5, row["ratio"]
+
+
+@pytest.mark.parametrize("name", host_overhead.MODELS)
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_no_tensor_a_multi_tensor_kernel_could_fuse_goes_one_by_one_because_of_its_list(counts, name, bf16):
+    """Every ``_foreach_*`` op of a steady-state call (the NaN watch's, the accumulation's, clipping's) hands CUDA
+    lists it fuses: RevNet18's stem and downsampling send the watch channel halves that are not dense, which must
+    not take the rest of the clock's tensors one by one with them (218 reductions a call on an H200)."""
+    assert counts[(name, bf16, True)]["petra_foreach_dragged"] == 0
 
 
 @pytest.mark.parametrize("name", host_overhead.MODELS)

@@ -14,7 +14,9 @@ One process hosts all J stages (the paper's single-device setting, the same engi
   first / FIFO (non-reversible middle) / reconstructing / last, against the plain forward + backward of that
   stage's layers. The models have the depth, stages, heads, k and optimizer of ``python -m benchmarks.gpu`` (RevGPT:
   12 blocks, J = 4; RevNet18: J = 10), narrowed in width, sequence and batch, which change no count
-  (``tests/test_host_overhead.py`` checks that). On a GPU each op is at least one kernel launch.
+  (``tests/test_host_overhead.py`` checks that). On a GPU each op is at least one kernel launch; a multi-tensor op
+  more where its list mixes dtypes or layouts (CUDA then goes tensor by tensor): ``petra_foreach_dragged`` counts
+  the tensors per micro-batch that would go one by one for that reason alone.
 - ``syncs``: host reads of device values inside one steady-state ``train_batch`` (``HostSyncs``), with
   the line that made each.
 - ``time``: host seconds per ``train_batch`` of a RevGPT with negligible compute (d 8, seq 4; ``--time-model
@@ -200,12 +202,14 @@ def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: boo
             per_stage[scope[0]] += total / k
     kinds = {j: stage_kind(st) for j, st in engine.stages.items()}
     parts = [int(p) for p in engine.module.petra_parts]
+    dragged = sum(counter.dragged.values()) / k
     if not plain:
         return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
-                "petra_ops": counter.total / k, "parts": parts}
+                "petra_ops": counter.total / k, "petra_foreach_dragged": dragged, "parts": parts}
     plain_total, plain_stages = count_plain(m, k, bf16, parts)
     return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
-            "petra_ops": counter.total / k, "plain_ops": plain_total, "ratio": counter.total / k / plain_total,
+            "petra_ops": counter.total / k, "petra_foreach_dragged": dragged, "plain_ops": plain_total,
+            "ratio": counter.total / k / plain_total,
             "engine_ops": counter.scope_totals().get(None, 0) / k, "parts": parts,
             "layers": [getattr(spec, "typename", type(spec)).__name__ for spec in m["specs"]],
             "stages": [{"stage": j, "kind": kinds[j], "petra_ops": per_stage[j], "plain_ops": plain_stages[j],
@@ -518,7 +522,8 @@ def print_report(report: dict) -> None:
         stages = ", ".join(f"{s['stage']} {s['kind']} {s['ratio']:.2f}x" for s in row["stages"])
         print(f"ops/micro-batch {row['model']:8s} {row['dtype']} check_finite={row['check_finite']!s:5s}: "
               f"PETRA {row['petra_ops']:.0f} vs plain {row['plain_ops']:.0f} = {row['ratio']:.3f}x "
-              f"(check_finite +{row['check_finite_cost']:.1%}); per stage: {stages}")
+              f"(check_finite +{row['check_finite_cost']:.1%}); tensors CUDA's foreach kernels would take one by "
+              f"one: {row['petra_foreach_dragged']:g}; per stage: {stages}")
     for row in report.get("syncs", []):
         print(f"host syncs per train_batch {row['model']:8s} {row['dtype']}: {row['syncs']} {row['where']}")
     if "instructions" in report:

@@ -6,7 +6,8 @@ makes the host wait for the device to catch up. Both are properties of the progr
 CPU run counts them as a GPU run would meet them:
 
 - :class:`OpCounter` counts the ops dispatched (a ``TorchDispatchMode``: each op once, as the dispatcher sees
-  it from Python, whatever its kernel does inside), by name and by the scope it ran in;
+  it from Python, whatever its kernel does inside), by name and by the scope it ran in, and the tensors a
+  multi-tensor (``_foreach_*``) op would take one by one on CUDA though its fused kernel could take them;
 - :class:`HostSyncs` counts the reads of tensor values on the host, with the line of code that made each;
 - :class:`InstructionScopes` is the observer that tells the counters which instruction of which stage
   runs (``engine.observe``), so that counts come per stage and per instruction.
@@ -45,11 +46,17 @@ class OpCounter(TorchDispatchMode):
         self.by_name: collections.Counter[str] = collections.Counter()
         self.by_scope: dict[Hashable, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.scope: Hashable = None
+        #: per multi-tensor op, the tensors CUDA would reduce or update one by one only because another tensor of
+        #: their list is unlike them: its fused kernels take a list of dense tensors of one dtype, and any other
+        #: list goes tensor by tensor, a kernel or two each (the count a CPU run can make of that GPU cost)
+        self.dragged: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         self.by_name[name] += 1
         self.by_scope[self.scope][name] += 1
+        if name.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
+            self.dragged[name] += _dragged(args[0])
         return func(*args, **(kwargs or {}))
 
     @property
@@ -58,6 +65,21 @@ class OpCounter(TorchDispatchMode):
 
     def scope_totals(self) -> dict[Hashable, int]:
         return {scope: sum(counts.values()) for scope, counts in self.by_scope.items()}
+
+
+def _fusable(t: torch.Tensor) -> bool:
+    """Whether a multi-tensor kernel could take ``t`` (dense: contiguous, or channels-last)."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def _dragged(tensors: list) -> int:
+    """The fusable tensors of a multi-tensor op's list that go one by one with it: all of them when the list
+    mixes dtypes or holds a tensor that is not dense, else none."""
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    fusable = [_fusable(t) for t in tensors]
+    if all(fusable) and len({t.dtype for t in tensors}) <= 1:
+        return 0
+    return sum(fusable)
 
 
 class _SyncingOps(TorchDispatchMode):

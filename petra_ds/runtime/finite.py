@@ -1,15 +1,15 @@
 """Where a NaN or Inf first appeared in training, named as such: a micro-batch, an activation, a
 reconstruction, a loss or a gradient, with its stage, micro-batch and clock, and what to check.
 
-Met later, a NaN is misread: a round trip through it fails for any inverse, a loss through it sends the
-user to the loss. So each stage checks what it reads and makes, where it makes it (``Stage`` calls the
-watch). The checks stay on the device: one scalar per tensor, max |x|, which is NaN if the tensor holds a NaN and
-Inf if it holds an Inf, reduced in a fused reduction per clock and step (on CUDA one per dtype and layout of the
-tensors). The host reads them once per ``train_batch`` window, in the transfer that reads the window's loss. An
-optimizer step is guarded without the host: its gradients' check is a device flag, and an optimizer that can skip
-on the device (torch's fused ones, ``skips_on_device``) is handed it as ``found_inf``; any other optimizer makes
-the engine read the flag (one host synchronisation per step). So no step applies a non-finite gradient, and the value that went
-non-finite first is named, with its stage, micro-batch and clock, at the end of the window.
+Met later, a NaN is misread: a round trip through it fails for any inverse, a loss through it sends the user to the
+loss. So each stage checks what it reads and makes, where it makes it (``Stage`` calls the watch). The checks stay
+on the device: one scalar per tensor, max |x|, which is NaN if the tensor holds a NaN and Inf if it holds an Inf,
+reduced in a fused reduction per clock and step (one per dtype and layout of the tensors). The host reads them once
+per ``train_batch`` window, in the transfer that reads the window's loss. An optimizer step is guarded without the
+host: its gradients' check is a device flag, and an optimizer that can skip on the device (torch's fused ones,
+``skips_on_device``) is handed it as ``found_inf``; any other optimizer makes the engine read the flag (one host
+synchronisation per step). So no step applies a non-finite gradient, and the value that went non-finite first is
+named, with its stage, micro-batch and clock, at the end of the window.
 """
 
 from __future__ import annotations
@@ -80,25 +80,17 @@ def float_tensors(values: Any) -> list[Tensor]:
     return [t for t in tensors_in(values) if t.is_floating_point() and t.numel()]
 
 
-#: device types whose foreach infinity norm is one fused pass only over tensors of one dtype, each contiguous: given
-#: anything else in the list (the halves of a coupling's output, views across a channel dimension), torch's CUDA
-#: kernel falls back to one reduction per tensor for the whole list, 424 more kernels a RevNet18 call on an H200
-GROUPED_DEVICE_TYPES = {"cuda"}
-
-
 def max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
     """max |x| of each tensor, as one float32 vector on their device (NaN where a tensor holds a NaN, else Inf where
     it holds an Inf), and the position in ``tensors`` of each entry (None: in their order). No host synchronisation.
-    On CUDA the foreach infinity norm, one fused pass per group of tensors that share a dtype and are contiguous,
-    the groups' vectors one after the other; on the CPU, where that norm is a scalar loop 10x slower than a
-    vectorised one, the foreach maximum of the foreach absolute values. Tensors on several devices (a data dict
-    left on the host) are reduced per device and gathered on a GPU's."""
+
+    The tensors are reduced in groups that share a device and a dtype and are each contiguous, one fused pass per
+    group, the groups' vectors one after the other: torch's CUDA foreach norm is one pass only over such a list,
+    and given one tensor that is not (the halves of a coupling's output across channels) it reduces the whole list
+    tensor by tensor (on an H200, 218 reductions and 206 memsets a RevNet18 call). On CUDA the foreach infinity
+    norm; on the CPU, where that norm is a scalar loop 10x slower than a vectorised one, the foreach maximum of the
+    foreach absolute values. Tensors on several devices (a data dict left on the host) end on a GPU's."""
     with torch.no_grad():
-        if tensors[0].device.type not in GROUPED_DEVICE_TYPES:
-            try:
-                return _max_abs_on_one_device(tensors), None
-            except RuntimeError:  # several devices
-                pass
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tensors):
             groups.setdefault((t.device, t.dtype, t.is_contiguous()), []).append(i)

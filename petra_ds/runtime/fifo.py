@@ -10,9 +10,9 @@ waits on that copy's event on the compute stream, never on the host.
 
 How bytes move is a :class:`Copies`, injectable so that a test can hold copies back and check the order.
 :class:`StreamCopies` copies on side CUDA streams, one per direction, through pinned host memory, ordered by events;
-on CPU its copy is a plain copy. An entry moves storage by storage: each distinct storage behind its tensors is copied once, whole,
-and the tensors are rebuilt as the same views of the copy (sizes, strides, offsets), so the backward reads the
-layout the forward stored and computes the same bits.
+on CPU its copy is a plain copy. An entry moves storage by storage: each distinct storage behind its tensors is
+copied once, whole, and the tensors are rebuilt as the same views of the copy (sizes, strides, offsets), so the
+backward reads the layout the forward stored and computes the same bits.
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ class StreamCopies:
         return stream
 
     def to_host(self, buffers: list[Tensor]) -> tuple[list[Tensor], Any]:
-        """Device to pinned host memory on the stream of copies out, after what the compute stream queued (which made
-        them); each device buffer is marked used by the side stream, so that dropping it cannot hand its
-        memory to new work before the copy has read it."""
+        """Device to pinned host memory on the stream of copies out, after what the compute stream queued (which
+        made them); each device buffer is marked used by that stream, so that dropping it cannot hand its memory to
+        new work before the copy has read it."""
         if not buffers or not buffers[0].is_cuda:
             HOST_COPIES.active = True
             try:

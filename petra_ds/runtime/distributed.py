@@ -4,6 +4,7 @@ timeouts of the pipeline's groups, torchrun's restarts, who speaks for the run."
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import sys
@@ -25,10 +26,37 @@ def is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+#: where the kernel takes the local ports of outgoing connections when the system does not say
+EPHEMERAL_PORTS = (32768, 60999)
+#: the lowest port :func:`free_port` returns
+LOWEST_FREE_PORT = 10000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range of local ports the kernel gives outgoing connections (Linux's ``ip_local_port_range``)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(part) for part in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return EPHEMERAL_PORTS
+
+
 def free_port() -> int:
-    """A TCP port that no socket on any of this machine's addresses holds now. torch's rendezvous store listens on
-    every address, so a port free on the loopback alone is not enough: on a GPU machine NCCL's bootstrap holds
-    ports on the network interface's address, and a store given one of them fails with EADDRINUSE."""
+    """A TCP port for a rendezvous store that no socket on any of this machine's addresses holds now, chosen below
+    the ephemeral range. torch's store listens on every address: a port free on the loopback alone can be held on
+    the network interface's address (NCCL's bootstrap listens there: EADDRINUSE on an H200), and a port of the
+    ephemeral range can become the local port of any new outgoing connection between this choice and the store's
+    bind (a gloo or store connection of another run: 1 of 50 launches beside the test suite)."""
+    low = ephemeral_ports()[0]
+    if low - LOWEST_FREE_PORT >= 1000:
+        for port in random.Random().sample(range(LOWEST_FREE_PORT, low), 64):
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

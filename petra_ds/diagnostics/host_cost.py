@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..runtime.finite import fusable
 from ..runtime.observe import Observer
 
 #: ops that read a tensor's values on the host, or whose output shape depends on them (a sync on a GPU)
@@ -67,19 +68,14 @@ class OpCounter(TorchDispatchMode):
         return {scope: sum(counts.values()) for scope, counts in self.by_scope.items()}
 
 
-def _fusable(t: torch.Tensor) -> bool:
-    """Whether a multi-tensor kernel could take ``t`` (dense: contiguous, or channels-last)."""
-    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
-
-
 def _dragged(tensors: list) -> int:
     """The fusable tensors of a multi-tensor op's list that go one by one with it: all of them when the list
     mixes dtypes or holds a tensor that is not dense, else none."""
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    fusable = [_fusable(t) for t in tensors]
-    if all(fusable) and len({t.dtype for t in tensors}) <= 1:
+    fused = [fusable(t) for t in tensors]
+    if all(fused) and len({t.dtype for t in tensors}) <= 1:
         return 0
-    return sum(fusable)
+    return sum(fused)
 
 
 class _SyncingOps(TorchDispatchMode):

@@ -50,6 +50,7 @@ def free_port() -> int:
     bind (a gloo or store connection of another run: 1 of 50 launches beside the test suite)."""
     low = ephemeral_ports()[0]
     if low - LOWEST_FREE_PORT >= 1000:
+        # a generator of its own, seeded by the system: processes that seeded Python's alike must not pick alike
         for port in random.Random().sample(range(LOWEST_FREE_PORT, low), 64):
             with socket.socket() as s:
                 try:

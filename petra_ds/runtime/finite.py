@@ -80,11 +80,17 @@ def float_tensors(values: Any) -> list[Tensor]:
     return [t for t in tensors_in(values) if t.is_floating_point() and t.numel()]
 
 
+def fusable(t: Tensor) -> bool:
+    """Whether CUDA's multi-tensor (``_foreach_*``) kernels can take ``t`` in a fused pass: dense (contiguous, or
+    channels-last). A list holding a tensor that is not, or tensors of several dtypes, goes tensor by tensor."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
 def max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
     """max |x| of each tensor, as one float32 vector on their device (NaN where a tensor holds a NaN, else Inf where
     it holds an Inf), and the position in ``tensors`` of each entry (None: in their order). No host synchronisation.
 
-    The tensors are reduced in groups that share a device and a dtype and are each contiguous, one fused pass per
+    The tensors are reduced in groups that share a device and a dtype and are each :func:`fusable`, one fused pass per
     group, the groups' vectors one after the other: torch's CUDA foreach norm is one pass only over such a list,
     and given one tensor that is not (the halves of a coupling's output across channels) it reduces the whole list
     tensor by tensor (on an H200, 218 reductions and 206 memsets a RevNet18 call). On CUDA the foreach infinity
@@ -93,7 +99,7 @@ def max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
     with torch.no_grad():
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tensors):
-            groups.setdefault((t.device, t.dtype, t.is_contiguous()), []).append(i)
+            groups.setdefault((t.device, t.dtype, fusable(t)), []).append(i)
         if len(groups) == 1:
             return _max_abs_on_one_device(tensors), None
         target = next((device for device, _, _ in groups if device.type != "cpu"), tensors[0].device)

@@ -41,6 +41,22 @@ def test_live_and_peak_bytes_follow_allocations_and_frees():
         assert counter.reset_peak() - start == 3000 * F32 and counter.peak_bytes == start
 
 
+def test_garbage_left_before_the_count_is_not_alive():
+    """A reference cycle holding a tensor, unreachable but not yet collected when the count starts, is not counted:
+    a collection during the block would free it and hide the block's own peak below the start."""
+
+    class Cycle:
+        pass
+
+    with AllocatedStorages() as clean:
+        alive = clean.live_bytes
+    cycle = Cycle()
+    cycle.itself, cycle.tensor = cycle, torch.empty(1 << 20, dtype=torch.float32)
+    del cycle  # unreachable; the fixture holds collections back
+    with AllocatedStorages() as counter:
+        assert counter.live_bytes == alive
+
+
 def test_what_lived_before_counts_and_its_release_too():
     kept = torch.zeros(4096, dtype=torch.float32)
     with AllocatedStorages(parts=lambda: {"kept": kept}) as counter:

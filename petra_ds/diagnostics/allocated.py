@@ -51,6 +51,9 @@ class AllocatedStorages(TorchDispatchMode):
         self._lock = threading.Lock()  # storages may be freed on autograd's threads (CUDA)
 
     def __enter__(self) -> "AllocatedStorages":
+        # the scan sees unreachable cycles too: counted, then freed by a collection inside the block, they would take
+        # the count below where it started and hide the block's own peak
+        gc.collect()
         for obj in gc.get_objects():
             if issubclass(type(obj), Tensor):  # type(), not isinstance: some modules' objects warn on __class__
                 self._add(obj)

@@ -14,7 +14,6 @@ named, with its stage, micro-batch and clock, at the end of the window.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -49,7 +48,8 @@ _TRAIN_ON = (' ("petra": {"non_finite": "skip"} skips the updates it poisons and
 
 @dataclass(frozen=True)
 class Sighting:
-    """One value checked: what it is and where training made it."""
+    """One value checked: what it is and where training made it (the watch keeps each as a :data:`Record` and
+    makes this of the one a read names)."""
 
     kind: str
     what: str
@@ -73,10 +73,26 @@ class Sighting:
                      "stopped with a NonFiniteError too, its message names where this began.")
         return text
 
+    @classmethod
+    def of(cls, record: "Record") -> "Sighting":
+        """The sighting a :data:`Record` keeps, its description written out."""
+        kind, what, stage, m, clock, sender, step, hint = record
+        return cls(kind, what.format(stage=stage, previous=stage - 1, step=step), stage, m, clock, sender, step, hint)
+
+
+#: a value reported, as the watch keeps it until a read: :class:`Sighting`'s fields, ``what`` a template for
+#: ``str.format`` of ``stage``, ``previous`` (stage - 1) and ``step``. A clock reports a few values per stage, and
+#: a read names one at most, so the sighting and its text are made only then.
+Record = tuple
+
 
 def float_tensors(values: Any) -> list[Tensor]:
     """The non-empty floating-point tensors inside ``values`` (nested), as they are: they are only reduced,
     under ``no_grad``, so no detached view (one more op per tensor) is made."""
+    if isinstance(values, Tensor):  # the usual report: one tensor, or a flat pair (no walk then)
+        return [values] if values.is_floating_point() and values.numel() else []
+    if isinstance(values, tuple) and all(isinstance(t, Tensor) for t in values):
+        return [t for t in values if t.is_floating_point() and t.numel()]
     return [t for t in tensors_in(values) if t.is_floating_point() and t.numel()]
 
 
@@ -97,11 +113,12 @@ def max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
     norm; on the CPU, where that norm is a scalar loop 10x slower than a vectorised one, the foreach maximum of the
     foreach absolute values. Tensors on several devices (a data dict left on the host) end on a GPU's."""
     with torch.no_grad():
-        groups: dict[tuple, list[int]] = {}
-        for i, t in enumerate(tensors):
-            groups.setdefault((t.device, t.dtype, fusable(t)), []).append(i)
-        if len(groups) == 1:
+        keys = [(t.device, t.dtype, t.is_contiguous() or fusable(t)) for t in tensors]
+        if keys.count(keys[0]) == len(keys):
             return _max_abs_on_one_device(tensors), None
+        groups: dict[tuple, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
         target = next((device for device, _, _ in groups if device.type != "cpu"), tensors[0].device)
         parts, order = [], []
         for indices in groups.values():
@@ -134,12 +151,12 @@ class FiniteWatch:
     def __init__(self, clock: Callable[[], int], local_stages: Iterable[int], petra_stages: int, *,
                  check_finite: bool = True, non_finite: str = "raise", hold: bool = True) -> None:
         self._clock = clock
-        self._local = set(local_stages)
-        self._petra_stages = petra_stages
+        #: the stages on other ranks: a value computed from their message names its sender
+        self._remote = frozenset(range(petra_stages)) - set(local_stages)
         self.check_finite = check_finite
         self.non_finite = non_finite
         self.hold = hold
-        self._seen: list[Sighting] = []  # one per tensor reduced, in the order reported
+        self._seen: list[Record] = []  # one per tensor reduced, in the order reported
         self._maxima: list[Tensor] = []  # device vectors, one per flush
         self._positions: list[int] = []  # the position in _seen of each entry of _maxima's vectors, end to end
         self._pending: list[list] = []  # [sighting, tensors] in the order reported
@@ -162,7 +179,7 @@ class FiniteWatch:
 
     def activation(self, stage: int, m: int, y: Any) -> None:
         """A stage's forward output, which it sends to the next stage."""
-        self._see("activation", f"the output of stage {stage}'s forward", stage, m, y, sender=stage - 1)
+        self._see("activation", "the output of stage {stage}'s forward", stage, m, y, sender=stage - 1)
 
     def loss(self, stage: int, m: int, loss: Tensor) -> None:
         """The last stage's loss (also with ``check_finite`` off, under ``non_finite: "raise"``)."""
@@ -185,8 +202,7 @@ class FiniteWatch:
             self._pending.append(report)
             self._backward_gradients[stage] = report
         if stage > 0:
-            self._see("gradient", f"the input gradient it sends to stage {stage - 1}", stage, m, dx,
-                      sender=stage + 1)
+            self._see("gradient", "the input gradient it sends to stage {previous}", stage, m, dx, sender=stage + 1)
 
     def step(self, stage: int, step: int, m: int, grads: Sequence[Tensor],
              norm: Tensor | None = None) -> Tensor | None:
@@ -208,10 +224,10 @@ class FiniteWatch:
             found_inf = torch.nan_to_num(value * 0, nan=1.0)
         report = self._backward_gradients.pop(stage, None)
         if report is not None:
-            report[:] = [dataclasses.replace(report[0], step=step), [value]]
+            report[:] = [(*report[0][:6], step, None), [value]]
         else:
-            self._pending.append([Sighting("gradient", f"the gradients of its optimizer step {step}", stage, m,
-                                           self._clock(), step=step, hint="step"), [value]])
+            self._pending.append([("gradient", "the gradients of its optimizer step {step}", stage, m, self._clock(),
+                                   None, step, "step"), [value]])
         return found_inf
 
     def flush_gradients(self) -> None:
@@ -224,14 +240,13 @@ class FiniteWatch:
         if self.check_finite:
             self._record(self._sighting(kind, what, stage, m, sender), values)
 
-    def _sighting(self, kind: str, what: str, stage: int, m: int, sender: int | None) -> Sighting:
-        remote = sender is not None and 0 <= sender < self._petra_stages and sender not in self._local
-        return Sighting(kind, what, stage, m, self._clock(), sender if remote else None)
+    def _sighting(self, kind: str, what: str, stage: int, m: int, sender: int | None) -> Record:
+        return kind, what, stage, m, self._clock(), sender if sender in self._remote else None, None, None
 
-    def _record(self, sighting: Sighting, values: Any) -> None:
+    def _record(self, record: Record, values: Any) -> None:
         tensors = float_tensors(values)
         if tensors:
-            self._pending.append([sighting, tensors])
+            self._pending.append([record, tensors])
             if not self.hold:
                 self.flush()
 
@@ -246,7 +261,9 @@ class FiniteWatch:
         base = len(self._seen)
         self._maxima.append(maxima)
         self._positions.extend(range(base, base + len(maxima)) if order is None else (base + i for i in order))
-        self._seen.extend(s for s, tensors in pending for _ in tensors)
+        seen = self._seen
+        for record, tensors in pending:
+            seen += [record] * len(tensors)
 
     # --- what the engine reads ---
 
@@ -265,7 +282,7 @@ class FiniteWatch:
         self._seen, self._maxima, self._positions = [], [], []
         found, skipped = None, []
         for position, value in sorted((p, v) for p, v in zip(positions, values) if not math.isfinite(v)):
-            sighting = seen[position]
+            sighting = Sighting.of(seen[position])
             found = found or (sighting, "NaN" if math.isnan(value) else "Inf")
             if sighting.step is not None and (sighting.stage, sighting.step) not in skipped:
                 skipped.append((sighting.stage, sighting.step))

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from petra_ds.runtime.config import INPUT_BUFFERS
 from petra_ds.verify.replay import replay, streams_for
-from petra_ds.schedule import (PetraSchedule, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight,
+from petra_ds.schedule import (ClockTemplates, PetraSchedule, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight,
                                ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad, SendTiedWeight, Timeline,
                                Window, backward_micro_batch, delay, forward_micro_batch)
 
@@ -200,3 +200,37 @@ def test_train_batch_finishes_nothing_for_its_first_floor_of_j_minus_1_over_k_ca
     empty = (J - 1) // k
     assert finished[:empty] == [0] * min(empty, calls)
     assert all(n > 0 for n in finished[empty:])
+
+
+def _clocks(run: dict, rank: int, templates: ClockTemplates | None) -> list[list[tuple[str, dict]]]:
+    """Every clock of ``rank`` over the run's windows, each instruction as (class, fields)."""
+    reconstructs = [r and run["input_buffer"] != "all" for r in run["reversible"]]
+    return [[(type(c).__name__, vars(c)) for c in cmds]
+            for window in windows_of(run)
+            for cmds in PetraSchedule.for_window(window, run["ranks"], rank, stages_per_rank=run["S"],
+                                                 gradient_accumulation_steps=run["k"], reversible=reconstructs,
+                                                 ties=run["ties"], templates=templates)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(run=runs())
+def test_a_clock_shifted_from_an_earlier_steady_clock_is_the_clock_the_equations_give(run):
+    """The engine derives one steady clock per phase of the steps and shifts it by whole steps from then on
+    (``ClockTemplates``, kept across windows): over train_batch calls that feed all, some or none of their clocks,
+    drains, ties and every layout, each clock it makes equals the one derived from the equations, field by field."""
+    for rank in range(run["ranks"]):
+        assert _clocks(run, rank, ClockTemplates()) == _clocks(run, rank, None)
+
+
+def test_steady_clocks_are_shifted_across_windows_holes_in_the_feed_and_drains():
+    """A long run through every case the templates meet (a short call leaves a hole: a new run of fed micro-batches
+    with another base for the step count; a drain; ties, a FIFO, reconstructing stages, two ranks): most clocks come
+    from templates, and all equal the derived ones."""
+    k, plan = 3, [3] * 8 + [2] + [3] * 6 + [DRAIN] + [3] * 7 + [1, 0] + [3] * 6 + [DRAIN]
+    run = {"ranks": 2, "S": 2, "J": 4, "k": k, "plan": plan, "reversible": [False, True, False, True],
+           "input_buffer": "non_reversible", "ties": [("tie0", 0, (3,))]}
+    for rank in range(2):
+        templates = ClockTemplates()
+        shifted = _clocks(run, rank, templates)
+        assert shifted == _clocks(run, rank, None)
+        assert 0 < len(templates) <= 2 * k and len(shifted) > 5 * len(templates)

@@ -22,10 +22,10 @@ from ..nn.batchnorm import BatchNormPolicy
 from ..nn.rng import RowBlocks
 from ..pipeline.module import layer_module, stage_layers, stage_reversible, stages_per_rank_of
 from ..pipeline.ties import TiedWeights
-from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, EvalForward, EvalSchedule, FedMicroBatches,
-                        ForwardPass, LoadMicroBatch, PetraSchedule, PostP2P, RecvActivation, RecvGrad, RecvTiedGrad,
-                        RecvTiedWeight, ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad, SendTiedWeight,
-                        Timeline, Window, channels)
+from ..schedule import (AccumulateAndStep, ClockTemplates, CommitP2P, DelayedBackward, EvalForward, EvalSchedule,
+                        FedMicroBatches, ForwardPass, LoadMicroBatch, PetraSchedule, PostP2P, RecvActivation, RecvGrad,
+                        RecvTiedGrad, RecvTiedWeight, ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad,
+                        SendTiedWeight, Timeline, Window, channels)
 from . import checkpoint
 from .config import PetraConfig, check_stages_per_rank
 from .fifo import StreamCopies
@@ -80,6 +80,7 @@ class PetraEngine(PipelineEngine):
         #: reads found them (DeepSpeed's count of skipped steps becomes this list)
         self.skipped_steps: list[tuple[int, int]] = self.stages.skipped_steps
         self.timeline = Timeline(self.num_petra_stages)
+        self._clock_templates = ClockTemplates()  # this rank's steady clocks, derived once per phase
         #: messages received for the next clock, by ``channels.Key`` (the receiving stage first); with
         #: ``message_offload`` those between this rank's stages wait in host memory
         self.inbox = Inbox(StreamCopies() if petra_config.message_offload == "cpu" else None)
@@ -257,7 +258,8 @@ class PetraEngine(PipelineEngine):
             self._exec(PetraSchedule.for_window(
                 window, self.pipeline_ranks, self.stage_id, stages_per_rank=self.stages_per_rank,
                 gradient_accumulation_steps=self.micro_batches, reversible=self.reversible,
-                input_buffer=self.petra_config.input_buffer, ties=self.stages.tie_specs()))
+                input_buffer=self.petra_config.input_buffer, ties=self.stages.tie_specs(),
+                templates=self._clock_templates))
         loss = self._reduce_loss(self._window_losses)
         self._read_window(loss)
         self.timeline.advance(window)

@@ -6,11 +6,11 @@ from .clock import backward_micro_batch, delay, first_stage_lateness, forward_mi
 from .instructions import (INSTRUCTIONS, AccumulateAndStep, CommitP2P, DelayedBackward, EvalForward, ForwardPass,
                            LoadMicroBatch, PostP2P, RecvActivation, RecvGrad, RecvTiedGrad, RecvTiedWeight,
                            ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad, SendTiedWeight)
-from .schedules import Clock, EvalSchedule, PetraSchedule
+from .schedules import Clock, ClockTemplates, EvalSchedule, PetraSchedule
 from .progress import FedMicroBatches, Timeline, Window
 
 __all__ = [
-    "INSTRUCTIONS", "AccumulateAndStep", "Clock", "CommitP2P", "DelayedBackward", "EvalForward", "EvalSchedule",
+    "INSTRUCTIONS", "AccumulateAndStep", "Clock", "ClockTemplates", "CommitP2P", "DelayedBackward", "EvalForward", "EvalSchedule",
     "FedMicroBatches", "ForwardPass", "LoadMicroBatch", "PetraSchedule", "PostP2P", "RecvActivation", "RecvGrad",
     "RecvTiedGrad", "RecvTiedWeight", "ReverseReconstruct", "SendActivation", "SendGrad", "SendTiedGrad",
     "SendTiedWeight", "Timeline", "Window", "backward_micro_batch", "delay", "first_stage_lateness",

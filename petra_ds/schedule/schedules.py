@@ -84,6 +84,35 @@ class Clock(list):
         self.forwards_end = forwards_end
 
 
+class ClockTemplates(dict):
+    """Steady clocks already derived, kept across windows by whoever runs them (the engine): a clock whose every
+    micro-batch of the clock equations lies inside one run of fed micro-batches is the clock ``k`` clocks earlier
+    shifted by ``k`` micro-batches and one optimizer step, so a rank derives one clock per phase of its steps and
+    shifts it from then on (what a schedule asks of the equations per clock is most of a rank's host work per clock
+    on layers of negligible cost, at J = 10 in one process). Keyed by (phase, whether the next clock feeds)."""
+
+
+def shifted(cmd: PipeInstruction, micro_batches: int, steps: int) -> PipeInstruction:
+    """``cmd`` for the micro-batch ``micro_batches`` later and the optimizer step ``steps`` later: the same
+    instruction, as the schedule would build it then (its micro-batch, step and message keys moved)."""
+    kwargs = cmd.kwargs.copy()
+    if "micro_batch" in kwargs:
+        kwargs["micro_batch"] += micro_batches
+        for field in ("consumes", "produces"):  # a compute instruction's keys, indexed by micro-batch
+            key = kwargs.get(field)
+            if key is not None:
+                kwargs[field] = _new_key(Key, (key[0], key[1], key[2] + micro_batches))
+    if "step" in kwargs:
+        kwargs["step"] += steps
+    copy = object.__new__(type(cmd))
+    copy.__dict__ = {**cmd.__dict__, **kwargs, "kwargs": kwargs}
+    return copy
+
+
+#: a :class:`Key` made from its fields without the named tuple's Python-level constructor
+_new_key = tuple.__new__
+
+
 class PetraSchedule(PipeSchedule):
     """Instructions of pipeline rank ``stage_id`` for clocks ``[start_clock, start_clock + clocks)``.
 
@@ -93,7 +122,8 @@ class PetraSchedule(PipeSchedule):
     ``j``'s layers are reversible, and :func:`reconstructs` with ``input_buffer`` whether it rebuilds its
     input instead of keeping it. ``ties`` lists ``(key, owner, readers)`` of the
     tied weights shared across stages (see ``petra_ds.pipeline.module.Tie``): a reader sends its gradient at
-    its step, the owner sends its new weights at its step.
+    its step, the owner sends its new weights at its step. ``templates``: steady clocks derived by earlier
+    windows of the same rank and arguments (:class:`ClockTemplates`), which this one reads and adds to.
     """
 
     def __init__(
@@ -110,6 +140,7 @@ class PetraSchedule(PipeSchedule):
         reversible: Sequence[bool] | None = None,
         ties: Sequence[tuple[str, int, Sequence[int]]] = (),
         input_buffer: str = "non_reversible",
+        templates: ClockTemplates | None = None,
     ) -> None:
         super().__init__(micro_batches, stages, stage_id)
         self.ties = [(key, owner, tuple(readers)) for key, owner, readers in ties]
@@ -126,6 +157,7 @@ class PetraSchedule(PipeSchedule):
             raise ValueError(f"reversible has {len(reversible)} entries for {self.num_petra_stages} stages")
         self.reversible = reversible
         self.input_buffer = input_buffer
+        self.templates = templates
         self._computed: dict[tuple[int, int], tuple[list[ComputeInstruction], list[ComputeInstruction]]] = {}
 
     @classmethod
@@ -213,6 +245,34 @@ class PetraSchedule(PipeSchedule):
         this rank sends or receives in this clock, posted as one batch; the backwards, then the gradients'
         batch; the optimizer steps, the tied-weight messages, and a ``CommitP2P`` that posts those and waits
         for all of them. Receives are for the inputs of the next clock."""
+        steady = None if self.templates is None else self._steady(clock)
+        if steady is None:
+            return self._derive(clock)
+        key, base = steady
+        found = self.templates.get(key)
+        if found is None:
+            cmds = self._derive(clock)
+            self.templates[key] = (clock, base, tuple(cmds), cmds.forwards_end)
+            return cmds
+        start, start_base, cmds, forwards_end = found
+        later = clock - start
+        steps = (later - base + start_base) // self.k
+        return Clock([shifted(c, later, steps) for c in cmds], forwards_end)
+
+    def _steady(self, clock: int) -> tuple[tuple[int, bool], int] | None:
+        """For a clock whose micro-batches (``clock - 2(J-1)`` .. ``clock``, at any stage, and the next clock's)
+        all lie in one run of fed micro-batches, its template's key and the ``base`` that makes a micro-batch's
+        ordinal ``m - base``; None for any other clock (the pipeline fills or drains around it)."""
+        before = 0
+        for lo, hi in self.feed.intervals:
+            if lo <= clock - delay(0, self.num_petra_stages) and clock < hi:
+                base = lo - 1 - before
+                return ((clock - base) % self.k, clock + 1 < hi), base
+            before += hi - lo
+        return None
+
+    def _derive(self, clock: int) -> Clock:
+        """:meth:`clock_instructions` from the clock equations."""
         now = [self.compute(clock, stage) for stage in self.local_stages]
         following = [self.compute(clock + 1, stage) for stage in self.local_stages]
         cmds = with_messages([c for f, _ in now for c in f], [c for f, _ in following for c in f],

@@ -184,7 +184,7 @@ class FiniteWatch:
     def loss(self, stage: int, m: int, loss: Tensor) -> None:
         """The last stage's loss (also with ``check_finite`` off, under ``non_finite: "raise"``)."""
         if self.check_finite or self.non_finite == "raise":
-            self._record(self._sighting("loss", "the loss", stage, m, stage - 1), loss)
+            self._record("loss", "the loss", stage, m, loss, stage - 1)
 
     def reconstruction(self, stage: int, m: int, x: Any) -> None:
         """The input a reversible stage rebuilt by inverting its layers (it sends it upstream)."""
@@ -238,15 +238,16 @@ class FiniteWatch:
 
     def _see(self, kind: str, what: str, stage: int, m: int, values: Any, sender: int | None = None) -> None:
         if self.check_finite:
-            self._record(self._sighting(kind, what, stage, m, sender), values)
+            self._record(kind, what, stage, m, values, sender)
 
     def _sighting(self, kind: str, what: str, stage: int, m: int, sender: int | None) -> Record:
         return kind, what, stage, m, self._clock(), sender if sender in self._remote else None, None, None
 
-    def _record(self, record: Record, values: Any) -> None:
+    def _record(self, kind: str, what: str, stage: int, m: int, values: Any, sender: int | None) -> None:
         tensors = float_tensors(values)
         if tensors:
-            self._pending.append([record, tensors])
+            self._pending.append([(kind, what, stage, m, self._clock(), sender if sender in self._remote else None,
+                                   None, None), tensors])
             if not self.hold:
                 self.flush()
 
@@ -281,6 +282,8 @@ class FiniteWatch:
         seen, positions = self._seen, self._positions
         self._seen, self._maxima, self._positions = [], [], []
         found, skipped = None, []
+        if math.isfinite(sum(values)):  # maxima of |x|: their sum is finite exactly when each is
+            return None
         for position, value in sorted((p, v) for p, v in zip(positions, values) if not math.isfinite(v)):
             sighting = Sighting.of(seen[position])
             found = found or (sighting, "NaN" if math.isnan(value) else "Inf")

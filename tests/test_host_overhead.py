@@ -1,11 +1,12 @@
 """The host cost of a PETRA clock, counted (``python -m benchmarks.host_overhead`` at CI sizes): aten ops per
 micro-batch against plain forward + backward of the same layers, host syncs per ``train_batch``, what
-``check_finite`` adds, and the counters themselves against hand-made programs."""
+``check_finite`` adds, the Python bytecodes around them, and the counters themselves against hand-made programs."""
 
 import pytest
 import torch
 
-from petra_ds.diagnostics.host_cost import HostSyncs, OpCounter
+from petra_ds.diagnostics.host_cost import Bytecodes, HostSyncs, OpCounter
+from petra_ds.schedule import ClockTemplates, PetraSchedule, Timeline
 
 from benchmarks.lib import host_overhead
 
@@ -41,6 +42,51 @@ def test_host_syncs_counts_every_read_of_values_and_nothing_else():
     with HostSyncs() as none:
         torch._foreach_mul_([x], 2.0)
     assert none.count == 0
+
+
+def _loop(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+def test_the_bytecode_counter_counts_each_bytecode_once_where_its_code_lives():
+    """Each iteration of a loop adds the same bytecodes; the code of this file is "other", the counter's own way in and
+    out is not counted, and counting stops at the block's end."""
+    totals = []
+    for n in (0, 10, 20):
+        with Bytecodes() as counter:
+            _loop(n)
+        totals.append(counter.total)
+        assert set(counter.by_area) == {"other"}
+    assert totals[2] - totals[1] == totals[1] - totals[0] > 0
+    with Bytecodes() as counter:
+        PetraSchedule.for_window(Timeline(2).train_window(2), 1, 0, stages_per_rank=2).clock_instructions(1)
+    assert counter.by_area["petra_ds.schedule"] > 0
+    after = counter.total
+    _loop(100)
+    assert counter.total == after
+
+
+def test_a_steady_clock_shifted_from_its_template_costs_at_most_half_the_bytecodes_of_deriving_it():
+    """RevNet18's cut, J = 10 stages in one process, k = 4: once the pipeline is full, a window of clocks shifted from
+    the engine's templates interprets at most half the bytecodes the clock equations take (measured: 0.46x)."""
+    reversible = [False] + [True] * 8 + [False]
+
+    def steady_window(templates: ClockTemplates | None) -> int:
+        timeline = Timeline(10)
+        for _ in range(8):
+            window = timeline.train_window(4)
+            timeline.advance(window)
+            schedule = PetraSchedule.for_window(window, 1, 0, stages_per_rank=10, gradient_accumulation_steps=4,
+                                                reversible=reversible, templates=templates)
+            with Bytecodes() as counter:
+                clocks = [list(cmds) for cmds in schedule]
+        assert sum(map(len, clocks)) > 250
+        return counter.total
+
+    assert steady_window(ClockTemplates()) <= 0.5 * steady_window(None)
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +261,17 @@ def test_petra_s_work_without_its_engine_trains_as_a_synchronous_petra_call(worl
     assert all(not torch.equal(p, b) for _, p, b in pairs)  # every parameter took its step
     for theirs, ours, _ in pairs:
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", host_overhead.MODELS)
+def test_the_bytecode_part_counts_every_variant_by_package(world_of_one, name):
+    """The benchmark's ``bytecodes`` part: each variant's count is the sum of its packages', the NaN watch's reports
+    are bytecodes that ``check_finite: false`` does not interpret, and the engine interprets more than PETRA's work
+    without it (petra_structure) and less than twice of it."""
+    row = host_overhead.count_bytecodes(name, TINY, ("petra", "petra_unchecked", "petra_structure"))
+    for variant, total in row["per_call"].items():
+        assert sum(row["by_area"][variant].values()) == total > 0
+    calls = row["per_call"]
+    assert calls["petra_unchecked"] < calls["petra"]
+    assert calls["petra_structure"] < calls["petra_unchecked"] < 2 * calls["petra_structure"]
+    assert row["by_area"]["petra"]["petra_ds.runtime"] > row["by_area"]["petra_structure"].get("petra_ds.runtime", 0)

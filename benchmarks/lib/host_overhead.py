@@ -19,6 +19,10 @@ One process hosts all J stages (the paper's single-device setting, the same engi
   the tensors per micro-batch that would go one by one for that reason alone.
 - ``syncs``: host reads of device values inside one steady-state ``train_batch`` (``HostSyncs``), with
   the line that made each.
+- ``bytecodes``: Python bytecodes interpreted per steady-state ``train_batch`` (``Bytecodes``), fp32, at the
+  ``ops`` sizes: PETRA with ``check_finite`` on and off, its work without the engine (``petra_structure``, below),
+  plain backprop and DeepSpeed's one-stage engine; PETRA's by package. The interpreted glue around the ops, which
+  a GPU that waits for its host pays for as it pays for the ops.
 - ``time``: host seconds per ``train_batch`` of a RevGPT with negligible compute (d 8, seq 4; ``--time-model
   revnet18``: RevNet18 at the ``ops`` sizes, J = 10 one-layer stages, the GPU benchmark's cut), medians over
   interleaved rounds: PETRA (J stages), DeepSpeed's ``PipelineEngine`` with one stage, torch's
@@ -53,9 +57,9 @@ from petra_ds.util.files import write_text_atomic
 from . import host_instructions
 from .example_runs import one_cpu_process, save_report
 
-PARTS = ("ops", "syncs", "time", "instructions")
+PARTS = ("ops", "syncs", "bytecodes", "time", "instructions")
 #: what a run without --parts measures (instructions need valgrind and minutes)
-DEFAULT_PARTS = ("ops", "syncs", "time")
+DEFAULT_PARTS = ("ops", "syncs", "bytecodes", "time")
 MODELS = ("revgpt", "revnet18")
 #: what changes an op count is kept from the GPU benchmark (blocks, stages, heads, k); the rest is narrowed
 FULL = {"k": 4, "revgpt_blocks": 12, "revgpt_heads": 12, "revgpt_d": 96, "revgpt_seq": 16, "revgpt_batch": 2,
@@ -297,6 +301,39 @@ def count_syncs(name: str, args: argparse.Namespace, bf16: bool) -> dict:
     return {"model": name, "dtype": "bf16" if bf16 else "fp32", "syncs": syncs.count, "where": dict(syncs.where)}
 
 
+# --- bytecodes ---
+
+#: the variants of the ``bytecodes`` part
+BYTECODE_VARIANTS = ("petra", "petra_unchecked", "petra_structure", "plain", "deepspeed_1f1b_one_stage")
+
+
+def count_bytecodes(name: str, args: argparse.Namespace, variants: tuple[str, ...] = BYTECODE_VARIANTS) -> dict:
+    """Python bytecodes per steady-state ``train_batch`` of each of ``variants``, fp32; by package. The ratios need
+    the default variants."""
+    from petra_ds.diagnostics.host_cost import Bytecodes
+
+    m, k = model(name, args), args.k
+    builders = {"petra": lambda: _petra_call(m, k), "petra_unchecked": lambda: _petra_call(m, k, check_finite=False),
+                "petra_structure": lambda: structure_call(m, k), "plain": lambda: _plain_call(m, k),
+                "deepspeed_1f1b_one_stage": lambda: _deepspeed_call(m, k)}
+    per_call, areas = {}, {}
+    for variant in variants:
+        build = builders[variant]
+        call = build()
+        for _ in range(fill_calls(m["J"], k) + 1):
+            call()
+        with Bytecodes() as counter:
+            call()
+        per_call[variant] = counter.total
+        areas[variant] = dict(counter.by_area.most_common())
+    if variants != BYTECODE_VARIANTS:
+        return {"model": name, "J": m["J"], "k": k, "per_call": per_call, "by_area": areas}
+    return {"model": name, "J": m["J"], "k": k, "per_call": per_call,
+            "petra/plain": per_call["petra"] / per_call["plain"],
+            "petra/deepspeed": per_call["petra"] / per_call["deepspeed_1f1b_one_stage"],
+            "petra/structure": per_call["petra"] / per_call["petra_structure"], "by_area": areas}
+
+
 # --- host time on layers of negligible cost ---
 
 def negligible_model(args: argparse.Namespace) -> dict[str, Any]:
@@ -514,6 +551,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
             row["check_finite_cost"] = row["petra_ops"] / off["petra_ops"] - 1
     if "syncs" in args.parts:
         report["syncs"] = [count_syncs(name, args, bf16) for name in args.models for bf16 in (False, True)]
+    if "bytecodes" in args.parts:
+        report["bytecodes"] = [count_bytecodes(name, args) for name in args.models]
     return report
 
 
@@ -526,6 +565,13 @@ def print_report(report: dict) -> None:
               f"one: {row['petra_foreach_dragged']:g}; per stage: {stages}")
     for row in report.get("syncs", []):
         print(f"host syncs per train_batch {row['model']:8s} {row['dtype']}: {row['syncs']} {row['where']}")
+    for row in report.get("bytecodes", []):
+        engine = {area: n for area, n in row["by_area"]["petra"].items() if area.startswith("petra_ds.")}
+        print(f"Python bytecodes per train_batch {row['model']:8s} fp32: "
+              + ", ".join(f"{n} {c / 1e3:.1f} K" for n, c in row["per_call"].items())
+              + f"; PETRA/plain {row['petra/plain']:.2f}x, PETRA/DeepSpeed {row['petra/deepspeed']:.2f}x, "
+              f"PETRA/structure {row['petra/structure']:.2f}x; PETRA's in petra_ds: "
+              + ", ".join(f"{area[9:]} {n / 1e3:.1f} K" for area, n in engine.items()))
     if "instructions" in report:
         t = report["instructions"]
         print(f"host instructions per train_batch ({report['time_model']} negligible, J={t['J']}, k={t['k']}, "

@@ -184,7 +184,7 @@ class FiniteWatch:
     def loss(self, stage: int, m: int, loss: Tensor) -> None:
         """The last stage's loss (also with ``check_finite`` off, under ``non_finite: "raise"``)."""
         if self.check_finite or self.non_finite == "raise":
-            self._record("loss", "the loss", stage, m, loss, stage - 1)
+            self._record(self._sighting("loss", "the loss", stage, m, stage - 1), loss)
 
     def reconstruction(self, stage: int, m: int, x: Any) -> None:
         """The input a reversible stage rebuilt by inverting its layers (it sends it upstream)."""
@@ -223,8 +223,9 @@ class FiniteWatch:
             value = max_abs_each(grads)[0].amax() if norm is None else norm.float()
             found_inf = torch.nan_to_num(value * 0, nan=1.0)
         report = self._backward_gradients.pop(stage, None)
-        if report is not None:
-            report[:] = [(*report[0][:6], step, None), [value]]
+        if report is not None:  # the backward's record, its step (the seventh field) set
+            record = report[0]
+            report[:] = [(*record[:6], step, record[7]), [value]]
         else:
             self._pending.append([("gradient", "the gradients of its optimizer step {step}", stage, m, self._clock(),
                                    None, step, "step"), [value]])
@@ -238,16 +239,15 @@ class FiniteWatch:
 
     def _see(self, kind: str, what: str, stage: int, m: int, values: Any, sender: int | None = None) -> None:
         if self.check_finite:
-            self._record(kind, what, stage, m, values, sender)
+            self._record(self._sighting(kind, what, stage, m, sender), values)
 
     def _sighting(self, kind: str, what: str, stage: int, m: int, sender: int | None) -> Record:
         return kind, what, stage, m, self._clock(), sender if sender in self._remote else None, None, None
 
-    def _record(self, kind: str, what: str, stage: int, m: int, values: Any, sender: int | None) -> None:
+    def _record(self, record: Record, values: Any) -> None:
         tensors = float_tensors(values)
         if tensors:
-            self._pending.append([(kind, what, stage, m, self._clock(), sender if sender in self._remote else None,
-                                   None, None), tensors])
+            self._pending.append([record, tensors])
             if not self.hold:
                 self.flush()
 

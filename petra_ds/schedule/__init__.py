@@ -10,9 +10,9 @@ from .schedules import Clock, ClockTemplates, EvalSchedule, PetraSchedule
 from .progress import FedMicroBatches, Timeline, Window
 
 __all__ = [
-    "INSTRUCTIONS", "AccumulateAndStep", "Clock", "ClockTemplates", "CommitP2P", "DelayedBackward", "EvalForward", "EvalSchedule",
-    "FedMicroBatches", "ForwardPass", "LoadMicroBatch", "PetraSchedule", "PostP2P", "RecvActivation", "RecvGrad",
-    "RecvTiedGrad", "RecvTiedWeight", "ReverseReconstruct", "SendActivation", "SendGrad", "SendTiedGrad",
+    "INSTRUCTIONS", "AccumulateAndStep", "Clock", "ClockTemplates", "CommitP2P", "DelayedBackward", "EvalForward",
+    "EvalSchedule", "FedMicroBatches", "ForwardPass", "LoadMicroBatch", "PetraSchedule", "PostP2P", "RecvActivation",
+    "RecvGrad", "RecvTiedGrad", "RecvTiedWeight", "ReverseReconstruct", "SendActivation", "SendGrad", "SendTiedGrad",
     "SendTiedWeight", "Timeline", "Window", "backward_micro_batch", "delay", "first_stage_lateness",
     "forward_micro_batch", "channels", "kept_first", "reconstructs",
 ]

@@ -14,7 +14,9 @@ named, with its stage, micro-batch and clock, at the end of the window.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -91,7 +93,7 @@ def float_tensors(values: Any) -> list[Tensor]:
     under ``no_grad``, so no detached view (one more op per tensor) is made."""
     if isinstance(values, Tensor):  # the usual report: one tensor, or a flat pair (no walk then)
         return [values] if values.is_floating_point() and values.numel() else []
-    if isinstance(values, tuple) and all(isinstance(t, Tensor) for t in values):
+    if isinstance(values, tuple) and all(map(isinstance, values, itertools.repeat(Tensor))):
         return [t for t in values if t.is_floating_point() and t.numel()]
     return [t for t in tensors_in(values) if t.is_floating_point() and t.numel()]
 
@@ -113,18 +115,28 @@ def max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
     norm; on the CPU, where that norm is a scalar loop 10x slower than a vectorised one, the foreach maximum of the
     foreach absolute values. Tensors on several devices (a data dict left on the host) end on a GPU's."""
     with torch.no_grad():
-        keys = [(t.device, t.dtype, t.is_contiguous() or fusable(t)) for t in tensors]
-        if keys.count(keys[0]) == len(keys):
+        # a group's key per tensor, in passes that run in C: the per-tensor loop of a clock's flush is the watch's cost
+        dense = list(map(Tensor.is_contiguous, tensors))
+        for i in itertools.compress(range(len(dense)), map(operator.not_, dense)):
+            dense[i] = fusable(tensors[i])  # channels-last, or not dense at all
+        keys = list(zip(map(_PLACE, tensors), dense))
+        codes = {key: code for code, key in enumerate(dict.fromkeys(keys))}  # the groups, by first appearance
+        if len(codes) == 1:
             return _max_abs_on_one_device(tensors), None
-        groups: dict[tuple, list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(key, []).append(i)
-        target = next((device for device, _, _ in groups if device.type != "cpu"), tensors[0].device)
-        parts, order = [], []
-        for indices in groups.values():
-            parts.append(_max_abs_on_one_device([tensors[i] for i in indices]).to(target))
-            order.extend(indices)
+        code_of = list(map(codes.__getitem__, keys))
+        order = sorted(range(len(tensors)), key=code_of.__getitem__)  # stable: reported order within a group
+        ordered = list(map(tensors.__getitem__, order))
+        target = next((device for (device, _), _ in codes if device.type != "cpu"), tensors[0].device)
+        parts, start = [], 0
+        for code in range(len(codes)):
+            end = start + code_of.count(code)
+            parts.append(_max_abs_on_one_device(ordered[start:end]).to(target))
+            start = end
         return torch.cat(parts), order
+
+
+#: a tensor's device and dtype (a group of :func:`max_abs_each` shares them)
+_PLACE = operator.attrgetter("device", "dtype")
 
 
 def _max_abs_on_one_device(tensors: Sequence[Tensor]) -> Tensor:
@@ -258,13 +270,14 @@ class FiniteWatch:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        maxima, order = max_abs_each([t for _, tensors in pending for t in tensors])
-        base = len(self._seen)
+        seen, tensors = self._seen, []
+        base = len(seen)
+        for record, reported in pending:
+            tensors += reported
+            seen += [record] * len(reported)
+        maxima, order = max_abs_each(tensors)
         self._maxima.append(maxima)
-        self._positions.extend(range(base, base + len(maxima)) if order is None else (base + i for i in order))
-        seen = self._seen
-        for record, tensors in pending:
-            seen += [record] * len(tensors)
+        self._positions.extend(range(base, base + len(tensors)) if order is None else map(base.__add__, order))
 
     # --- what the engine reads ---
 

@@ -11,6 +11,7 @@ its gradients (and batch-norm running statistics) inside its data-parallel group
 from __future__ import annotations
 
 import math
+import operator
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -204,7 +205,7 @@ class PetraEngine(PipelineEngine):
     def _train_mode(self) -> None:
         """``module.train()``, as DeepSpeed's ``train_batch`` calls it, when a module is in eval mode (it sets every flag
         by ``nn.Module.__setattr__``); the modules are those the engine was built with, not the tree walked anew."""
-        if not all(m.training for m in self._all_modules):
+        if not all(map(operator.attrgetter("training"), self._all_modules)):
             self.module.train()
 
     @property

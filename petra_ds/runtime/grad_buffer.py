@@ -62,8 +62,9 @@ class GradBuffer:
         """Every gradient to zero, attached."""
         for flat in self.flats:
             flat.zero_()
-        for p, view in zip(self.params, self.views):
-            p.grad = view
+        if not self.attached():
+            for p, view in zip(self.params, self.views):
+                p.grad = view
 
     def tensors(self) -> list[Tensor]:
         """The gradients as few tensors as they are held: the flat buffers when attached, else each ``.grad``."""
@@ -103,6 +104,8 @@ class StageGrads:
         """Before a step: every parameter that trains has a gradient (zero where no backward reached it), and a
         frozen one has none, so that the optimizer skips it (a zero gradient would still move it by its momentum
         or weight decay)."""
+        if not self._unbuffered and self._current() and self.buffer.attached():
+            return  # every parameter is in the buffer and trains, and has its view
         for p in self.params:
             if not p.requires_grad:
                 p.grad = None

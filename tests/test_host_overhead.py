@@ -69,9 +69,9 @@ def test_the_bytecode_counter_counts_each_bytecode_once_where_its_code_lives():
     assert counter.total == after
 
 
-def test_a_steady_clock_shifted_from_its_template_costs_at_most_half_the_bytecodes_of_deriving_it():
+def test_a_steady_clock_shifted_from_its_template_costs_at_most_0_4x_the_bytecodes_of_deriving_it():
     """RevNet18's cut, J = 10 stages in one process, k = 4: once the pipeline is full, a window of clocks shifted from
-    the engine's templates interprets at most half the bytecodes the clock equations take (measured: 0.46x)."""
+    the engine's templates interprets at most 0.4x the bytecodes the clock equations take (measured: 0.33x)."""
     reversible = [False] + [True] * 8 + [False]
 
     def steady_window(templates: ClockTemplates | None) -> int:
@@ -86,7 +86,7 @@ def test_a_steady_clock_shifted_from_its_template_costs_at_most_half_the_bytecod
         assert sum(map(len, clocks)) > 250
         return counter.total
 
-    assert steady_window(ClockTemplates()) <= 0.5 * steady_window(None)
+    assert steady_window(ClockTemplates()) <= 0.4 * steady_window(None)
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +279,7 @@ def test_the_bytecode_part_counts_every_variant_by_package(world_of_one, name):
 
 def test_the_engine_shifts_its_steady_clocks_instead_of_deriving_them(world_of_one):
     """RevNet18 at J = 10 in one process: in a steady train_batch the engine's schedule interprets at most 0.6x the
-    bytecodes of deriving the same window from the clock equations (measured: about 0.5x), so the engine keeps its
+    bytecodes of deriving the same window from the clock equations (measured: 0.46x), so the engine keeps its
     templates across calls."""
     m, k = host_overhead.model("revnet18", TINY), TINY.k
     engine, stream = host_overhead.petra_engine(m, k), host_overhead.data(m)

@@ -17,8 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 from deepspeed.utils import logger
@@ -48,10 +47,10 @@ _TRAIN_ON = (' ("petra": {"non_finite": "skip"} skips the updates it poisons and
              "false stops checking micro-batches, activations, reconstructions and gradients.)")
 
 
-@dataclass(frozen=True)
-class Sighting:
-    """One value checked: what it is and where training made it (the watch keeps each as a :data:`Record` and
-    makes this of the one a read names)."""
+class Sighting(NamedTuple):
+    """One value checked: what it is and where training made it. The watch keeps each report as one whose ``what``
+    is still a template for ``str.format`` of ``stage``, ``previous`` (stage - 1) and ``step``; :meth:`written`
+    fills it in for the one a read names (a clock reports a few values per stage, a read names one at most)."""
 
     kind: str
     what: str
@@ -75,17 +74,9 @@ class Sighting:
                      "stopped with a NonFiniteError too, its message names where this began.")
         return text
 
-    @classmethod
-    def of(cls, record: "Record") -> "Sighting":
-        """The sighting a :data:`Record` keeps, its description written out."""
-        kind, what, stage, m, clock, sender, step, hint = record
-        return cls(kind, what.format(stage=stage, previous=stage - 1, step=step), stage, m, clock, sender, step, hint)
-
-
-#: a value reported, as the watch keeps it until a read: :class:`Sighting`'s fields, ``what`` a template for
-#: ``str.format`` of ``stage``, ``previous`` (stage - 1) and ``step``. A clock reports a few values per stage, and
-#: a read names one at most, so the sighting and its text are made only then.
-Record = tuple
+    def written(self) -> "Sighting":
+        """This sighting with its description written out."""
+        return self._replace(what=self.what.format(stage=self.stage, previous=self.stage - 1, step=self.step))
 
 
 def float_tensors(values: Any) -> list[Tensor]:
@@ -168,7 +159,7 @@ class FiniteWatch:
         self.check_finite = check_finite
         self.non_finite = non_finite
         self.hold = hold
-        self._seen: list[Record] = []  # one per tensor reduced, in the order reported
+        self._seen: list[Sighting] = []  # one per tensor reduced, in the order reported
         self._maxima: list[Tensor] = []  # device vectors, one per flush
         self._positions: list[int] = []  # the position in _seen of each entry of _maxima's vectors, end to end
         self._pending: list[list] = []  # [sighting, tensors] in the order reported
@@ -235,12 +226,11 @@ class FiniteWatch:
             value = max_abs_each(grads)[0].amax() if norm is None else norm.float()
             found_inf = torch.nan_to_num(value * 0, nan=1.0)
         report = self._backward_gradients.pop(stage, None)
-        if report is not None:  # the backward's record, its step (the seventh field) set
-            record = report[0]
-            report[:] = [(*record[:6], step, record[7]), [value]]
+        if report is not None:
+            report[:] = [report[0]._replace(step=step), [value]]
         else:
-            self._pending.append([("gradient", "the gradients of its optimizer step {step}", stage, m, self._clock(),
-                                   None, step, "step"), [value]])
+            self._pending.append([Sighting("gradient", "the gradients of its optimizer step {step}", stage, m,
+                                           self._clock(), step=step, hint="step"), [value]])
         return found_inf
 
     def flush_gradients(self) -> None:
@@ -253,13 +243,13 @@ class FiniteWatch:
         if self.check_finite:
             self._record(self._sighting(kind, what, stage, m, sender), values)
 
-    def _sighting(self, kind: str, what: str, stage: int, m: int, sender: int | None) -> Record:
-        return kind, what, stage, m, self._clock(), sender if sender in self._remote else None, None, None
+    def _sighting(self, kind: str, what: str, stage: int, m: int, sender: int | None) -> Sighting:
+        return Sighting(kind, what, stage, m, self._clock(), sender if sender in self._remote else None)
 
-    def _record(self, record: Record, values: Any) -> None:
+    def _record(self, sighting: Sighting, values: Any) -> None:
         tensors = float_tensors(values)
         if tensors:
-            self._pending.append([record, tensors])
+            self._pending.append([sighting, tensors])
             if not self.hold:
                 self.flush()
 
@@ -272,9 +262,9 @@ class FiniteWatch:
         pending, self._pending = self._pending, []
         seen, tensors = self._seen, []
         base = len(seen)
-        for record, reported in pending:
+        for sighting, reported in pending:
             tensors += reported
-            seen += [record] * len(reported)
+            seen += [sighting] * len(reported)
         maxima, order = max_abs_each(tensors)
         self._maxima.append(maxima)
         self._positions.extend(range(base, base + len(tensors)) if order is None else map(base.__add__, order))
@@ -298,7 +288,7 @@ class FiniteWatch:
         if math.isfinite(sum(values)):  # maxima of |x|: their sum is finite exactly when each is
             return None
         for position, value in sorted((p, v) for p, v in zip(positions, values) if not math.isfinite(v)):
-            sighting = Sighting.of(seen[position])
+            sighting = seen[position].written()
             found = found or (sighting, "NaN" if math.isnan(value) else "Inf")
             if sighting.step is not None and (sighting.stage, sighting.step) not in skipped:
                 skipped.append((sighting.stage, sighting.step))

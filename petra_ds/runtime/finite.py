@@ -74,6 +74,10 @@ class Sighting(NamedTuple):
                      "stopped with a NonFiniteError too, its message names where this began.")
         return text
 
+    def for_step(self, step: int) -> "Sighting":
+        """This sighting, of the gradients optimizer step ``step`` is about to apply."""
+        return self._replace(step=step)
+
     def written(self) -> "Sighting":
         """This sighting with its description written out."""
         return self._replace(what=self.what.format(stage=self.stage, previous=self.stage - 1, step=self.step))
@@ -227,7 +231,7 @@ class FiniteWatch:
             found_inf = torch.nan_to_num(value * 0, nan=1.0)
         report = self._backward_gradients.pop(stage, None)
         if report is not None:
-            report[:] = [report[0]._replace(step=step), [value]]
+            report[:] = [report[0].for_step(step), [value]]
         else:
             self._pending.append([Sighting("gradient", "the gradients of its optimizer step {step}", stage, m,
                                            self._clock(), step=step, hint="step"), [value]])

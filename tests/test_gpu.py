@@ -35,6 +35,7 @@ import torch
 
 import oracle
 from harness import launch, model_for, run_rank
+from petra_ds.runtime.graphed import GraphedForward
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,6 +72,12 @@ RUNS = {
     # "petra": {"compile": true}: inductor with keyed dropout
     "dropout_compiled": {"optimizer": FROZEN, "dropout": 0.1, "track_reconstruction": True,
                          "petra": {"compile": True}},
+    # "petra": {"cuda_graphs": true}: training, bf16 autocast, keyed dropout, RevGPT's attention, replayed graphs
+    "fp32_sgd_graphs": {"optimizer": SGD, "petra": {"cuda_graphs": True}},
+    "bf16_sgd_graphs": {"optimizer": SGD, "bf16": True, "petra": {"cuda_graphs": True}},
+    "dropout_graphs": {"optimizer": FROZEN, "dropout": 0.1, "track_reconstruction": True,
+                       "petra": {"cuda_graphs": True}},
+    "revgpt_bf16_graphs": {"optimizer": FROZEN, "model": "revgpt", "bf16": True, "petra": {"cuda_graphs": True}},
 }
 
 
@@ -105,6 +112,8 @@ def _run(spec: dict) -> dict:
     result["device"] = str(engine.device)
     result["backend"] = torch.distributed.get_backend()
     result["side_streams"] = {j: st.side_stream is not None for j, st in engine.stages.items()}
+    result["graph_replays"] = sum(m.forward.replays for m in engine.module.modules()
+                                  if isinstance(m.__dict__.get("forward"), GraphedForward))
     return _cpu(result)
 
 
@@ -174,10 +183,11 @@ def test_it_ran_on_the_gpu_with_nccl_as_a_world_of_one():
         assert result["device"].startswith("cuda") and result["backend"] == "nccl", name
         assert result["stages"] == list(range(J)) and result["reconstructs"][1], name
         assert result["side_streams"][1] == bool(RUNS[name].get("petra", {}).get("reconstruct_overlap")), name
+        assert (result["graph_replays"] > 0) == bool(RUNS[name].get("petra", {}).get("cuda_graphs")), name
 
 
-@pytest.mark.parametrize("name,tol", [("fp32", FP32_TOL), ("bf16", BF16_TOL),
-                                      ("revgpt_fp32", FP32_TOL), ("revgpt_bf16", BF16_TOL)])
+@pytest.mark.parametrize("name,tol", [("fp32", FP32_TOL), ("bf16", BF16_TOL), ("revgpt_fp32", FP32_TOL),
+                                      ("revgpt_bf16", BF16_TOL), ("revgpt_bf16_graphs", BF16_TOL)])
 def test_frozen_gradients_match_the_float64_oracle(name, tol):
     """lr = 0: every stage's gradient of every step is plain autograd's (the lr = 0 oracle of tests/oracle.py)."""
     stages, data, loss_fn = oracle_for(name)
@@ -188,7 +198,8 @@ def test_frozen_gradients_match_the_float64_oracle(name, tol):
             assert rel(grads[j][step], ref[j]) < tol, (name, step, j)
 
 
-@pytest.mark.parametrize("name,tol", [("fp32_sgd", FP32_TOL), ("bf16_sgd", BF16_TOL)])
+@pytest.mark.parametrize("name,tol", [("fp32_sgd", FP32_TOL), ("bf16_sgd", BF16_TOL),
+                                      ("fp32_sgd_graphs", FP32_TOL), ("bf16_sgd_graphs", BF16_TOL)])
 def test_training_matches_the_float64_delayed_reference(name, tol):
     """lr > 0: the parameters after 4 steps are PETRA's clock replayed in float64 (``oracle.delayed_training``);
     the error is measured against how far training moved them."""
@@ -229,6 +240,19 @@ def test_compiled_stages_on_cuda_train_as_eager_ones_do():
         for a, b in zip(steps, compiled["grads"][j]):
             assert rel(b, a) < FP32_TOL, (name, j)
     assert max(compiled["reconstruction_errors"][1]) < RECONSTRUCTION_TOL
+
+
+def test_graphed_stages_on_cuda_train_as_eager_ones_do():
+    """Replayed CUDA graphs against eager on the same runs: the same gradients and weights to fp32 rounding (the
+    same kernels; keyed dropout draws its masks from the seed the keyed scope set, at the same Philox offsets), and
+    the reconstruction with dropout still exact, which fails if the forward's and the reconstruction's graphs drew
+    different masks."""
+    for eager, graphed in (("dropout", "dropout_graphs"), ("fp32_sgd", "fp32_sgd_graphs")):
+        for j, steps in runs()[eager]["grads"].items():
+            for a, b in zip(steps, runs()[graphed]["grads"][j]):
+                assert rel(b, a) < FP32_TOL, (graphed, j)
+    assert rel(runs()["fp32_sgd_graphs"]["params"], runs()["fp32_sgd"]["params"]) < FP32_TOL
+    assert max(runs()["dropout_graphs"]["reconstruction_errors"][1]) < RECONSTRUCTION_TOL
 
 
 def test_benchmark_script_runs_on_the_gpu(tmp_path):

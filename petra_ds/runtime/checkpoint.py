@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
 LATEST = "latest"
 #: ``petra`` keys that do not change training: a checkpoint resumes under other values
-DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible", "reconstruct_overlap", "compile", "fifo_offload",
-                   "message_offload", "async_save")
+DIAGNOSTIC_KEYS = ("gradient_quality_every", "check_reversible", "reconstruct_overlap", "compile", "cuda_graphs",
+                   "fifo_offload", "message_offload", "async_save")
 
 
 def partial_dir(save_dir: str, tag: str) -> str:

@@ -39,13 +39,15 @@ def compile_layers(layers: Iterable[object], how: bool | str = True) -> None:
     torch._inductor.config.fallback_random = True
     options = {"mode": how} if how in MODES else {"backend": "inductor" if how is True else how}
     for layer in layers:
-        for module in _compiled_parts(layer):
+        for module in compiled_parts(layer):
             module.compile(**options)
 
 
-def _compiled_parts(layer: object) -> list[nn.Module]:
+def compiled_parts(layer: object) -> list[nn.Module]:
+    """The modules of ``layer`` that run its arithmetic: a coupling's F and G, or the layer itself when it is not
+    reversible (what ``compile`` compiles and ``cuda_graphs`` graphs)."""
     if isinstance(layer, ReversibleSequential):
-        return [part for sub in layer.layers for part in _compiled_parts(sub)]
+        return [part for sub in layer.layers for part in compiled_parts(sub)]
     if isinstance(layer, AdditiveCoupling):
         return [layer.F, layer.G]
     if isinstance(layer, (SwapCoupling, HalfCoupling)):

@@ -11,6 +11,7 @@ from ..schedule import kept_first
 from ..util.checks import int_at_least, positive_int
 from .compensation import Combined, DelayCompensation, DelayCompensationError
 from .compiled import CUDA_GRAPH_MODES
+from .graphed import EMULATE
 from .fifo import FIFO_OFFLOADS
 from .transport import MESSAGE_OFFLOADS
 
@@ -58,6 +59,11 @@ class PetraConfig:
     #: unchanged). The same arithmetic up to the compiler's rounding (float64 on CPU: tested). Off by default: it
     #: costs compile time at the first clocks, and no GPU run has yet shown what it saves
     compile: bool | str = False
+    #: each of those parts replays CUDA graphs, one per argument signature, captured at its first call
+    #: (``runtime/graphed.py``): fewer host launches where a clock is host-bound. "emulate" runs the same code with
+    #: eager stand-ins on any device, to check on a CPU that a model can be graphed (bit for bit against eager).
+    #: Off by default until a GPU run shows what it saves
+    cuda_graphs: bool | str = False
     #: what each stage does about its delay tau_j (``petra_ds.runtime.compensation``): "none" (the paper's PETRA),
     #: "weight_prediction", "lr_rescale", "adaptive_momentum" or "error_feedback", an object {"method": ...,
     #: its parameters}, or a list of them applied together
@@ -128,6 +134,7 @@ class PetraConfig:
                 f'keeps across other replays, from its reconstruction until its VJP reads them (an H100 with torch '
                 f'2.11 stopped training so). Set it to true (inductor without CUDA graphs) or '
                 f'"max-autotune-no-cudagraphs"')
+        self._check_cuda_graphs()
         if not isinstance(self.reconstruct_overlap, bool):
             raise PetraConfigError(
                 f'"petra.reconstruct_overlap" must be true or false, got {self.reconstruct_overlap!r}')
@@ -149,6 +156,21 @@ class PetraConfig:
                 '"petra.param_buffer" (weight stashing) already runs each backward with its forward\'s weights; '
                 'it cannot be combined with "petra.delay_compensation": remove one of them')
         int_at_least(0, self.gradient_quality_every, '"petra.gradient_quality_every"', PetraConfigError, " (0: off)")
+
+    def _check_cuda_graphs(self) -> None:
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == EMULATE):
+            raise PetraConfigError(f'"petra.cuda_graphs" must be true, false or "emulate", got {self.cuda_graphs!r}')
+        if self.cuda_graphs is False:
+            return
+        clashes = [(self.compile, '"petra.compile" (compiled code and graphs of it are not checked together)'),
+                   ("weight_prediction" in self.delay_compensation.method.split("+"),
+                    '"weight_prediction" in "petra.delay_compensation" (its forward swaps in other weight tensors, '
+                    'and a graph reads the ones it was captured with)'),
+                   (self.reconstruct_overlap, '"petra.reconstruct_overlap" (replays on its second stream are not '
+                    'checked)')]
+        for clash, what in clashes:
+            if clash:
+                raise PetraConfigError(f'"petra.cuda_graphs" cannot be combined with {what}: turn one of them off')
 
 
 #: DeepSpeed's "muon" without a "muon_lr": the examples and benchmarks give the hidden matrices this many

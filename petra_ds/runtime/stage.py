@@ -35,6 +35,7 @@ from .compensation import NoCompensation
 from .compiled import compile_layers
 from .fifo import InputFifo, StreamCopies, saved_entries
 from .finite import FiniteWatch
+from .graphed import graph_layers
 from .grad_buffer import StageGrads
 from .ledger import tensor_bytes
 from .scope import StageScope
@@ -70,6 +71,8 @@ class StageOptions:
     #: where a stage's FIFO entries wait for their backward: "none" (on the device) or "cpu" (host memory but the
     #: head, ``petra_ds.runtime.fifo``)
     fifo_offload: str = "none"
+    #: the same parts replay CUDA graphs (``petra_ds.runtime.graphed``): False, True or "emulate"
+    cuda_graphs: bool | str = False
 
 
 @dataclass
@@ -111,6 +114,8 @@ class Stage:
         self.options = options
         if options.compile:
             compile_layers(self.layers, options.compile)
+        if options.cuda_graphs:
+            graph_layers(self.layers, options.cuda_graphs, options.device_type)
         self.loss_fn = loss_fn
         self.is_first = index == 0
         self.is_last = index == petra_stages - 1
@@ -181,13 +186,7 @@ class Stage:
         return iter(self.params)
 
     def _unique_params(self) -> list[nn.Parameter]:
-        seen, out = set(), []
-        for module in self.modules:
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        return list({id(p): p for module in self.modules for p in module.parameters()}.values())
 
     # --- running the layers ---
 

@@ -1,0 +1,290 @@
+"""``"petra": {"cuda_graphs": true}``: a stage's parts replay CUDA graphs instead of launching their kernels one by one.
+
+On a GPU at the micro-batches PETRA trains best with, a clock is host-bound: each op of a coupling's F and G, and of
+each layer that is not reversible, is a kernel launched from Python, twice per micro-batch (forward, reconstruction)
+where backprop launches it once. Those parts (the ones ``"compile"`` compiles, :func:`compiled_parts`) get a
+:class:`GraphedForward` as their ``forward``; the module keeps its parameters, names and state dict.
+
+A call in training mode with tensor arguments replays one graph per signature (grad mode, the arguments' shapes,
+dtypes and ``requires_grad``, the batch norms' update flags, autocast), captured at its first call:
+- without grad, the forward alone;
+- with grad, the forward, and the VJP into the inputs and the parameters in a second graph (as
+  ``torch.cuda.make_graphed_callables`` builds them), behind an autograd function.
+Anything else (evaluation, keyword arguments, other argument types, draws split by row blocks) runs eagerly.
+
+Every output and gradient is copied out of the graph's memory, so a replay never overwrites what the stage still
+holds (a message, a FIFO entry, a tape, a ``.grad``). A VJP replays what its graph's latest forward saved: a second
+forward of the same graph before the VJP raises instead of returning another micro-batch's gradients.
+
+Keyed RNG: a replay draws from the CUDA generator's seed and offset at the moment of replay, so the keyed scope
+around a part (``nn/rng.py``) seeds it as it seeds eager code, and the forward and the reconstruction draw the same
+masks. A capture runs the part a few times: the generators and the part's buffers (running statistics) are put back
+afterwards, and the call itself is the first replay, so capturing changes nothing a run computes.
+
+A graph holds the addresses it was captured with: a parameter replaced by another tensor (weight prediction, weight
+stashing) or a Python attribute changed after capture (a dropout rate) is not seen; the config refuses the first.
+
+``"cuda_graphs": "emulate"`` runs this code on any device with eager stand-ins for the graphs that keep their static
+buffers and replay semantics: a check on CPU that a model's parts are safe to graph, bit for bit against eager.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..nn.batchnorm import batch_norms
+from ..nn.rng import current_draws
+from .compiled import compiled_parts
+
+#: ``"petra": {"cuda_graphs": "emulate"}``: eager stand-ins for the graphs, on any device
+EMULATE = "emulate"
+#: signatures one part captures before it warns and runs eagerly for new ones (each holds its own graph memory)
+MAX_SIGNATURES = 8
+#: eager calls that settle a capture's kernels (cuDNN's choices, lazy allocations) before it is recorded
+WARMUP = 2
+
+_SIGNATURE = operator.attrgetter("shape", "dtype", "requires_grad")
+_TRACKS = operator.attrgetter("track_running_stats")
+
+
+def graph_layers(layers: Iterable[object], mode: bool | str, device_type: str) -> list[GraphedForward]:
+    """Give every part of ``layers`` that ``"compile"`` would compile a :class:`GraphedForward`; ``mode``: true (CUDA
+    graphs, on a CUDA device only) or ``"emulate"``. Returns the installed forwards."""
+    if mode is True and device_type != "cuda":
+        raise ValueError(f'"petra.cuda_graphs": true needs a CUDA device, and this engine runs on {device_type!r}; '
+                         f'set it to false, or to "emulate" to check on this device that the model can be graphed')
+    capture = _capture_cuda if mode is True else _capture_eagerly
+    installed = []
+    for layer in layers:
+        for module in compiled_parts(layer):
+            if not isinstance(module.forward, GraphedForward):
+                module.forward = GraphedForward(module, capture)
+            installed.append(module.forward)
+    return installed
+
+
+class GraphedForward:
+    """A module's ``forward`` that replays graphs (module docstring). ``captured``: the signatures captured;
+    ``replays``: the calls that replayed one."""
+
+    def __init__(self, module: nn.Module, capture: Callable) -> None:
+        self.module, self.eager, self.capture = module, module.forward, capture
+        self.norms = batch_norms(module)
+        self.graphs: dict[tuple, _Graphs] = {}
+        self.replays = 0
+        self._warned = False
+
+    @property
+    def captured(self) -> int:
+        return len(self.graphs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = _flatten(args)
+        if kwargs or flat is None or not self.module.training or current_draws() is not None:
+            return self.eager(*args, **kwargs)
+        device = flat[0].device.type
+        grad = torch.is_grad_enabled()
+        key = (grad, tuple(map(_SIGNATURE, flat)), _spec(args), tuple(map(_TRACKS, self.norms)),
+               torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        graphs = self.graphs.get(key)
+        if graphs is None:
+            if len(self.graphs) >= MAX_SIGNATURES:
+                return self._eager_beyond_cap(args)
+            graphs = self.graphs[key] = _Graphs(self, args, flat, grad, device)
+        self.replays += 1
+        return graphs.run(flat)
+
+    def _eager_beyond_cap(self, args: tuple) -> Any:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"cuda_graphs: {type(self.module).__name__} met more than {MAX_SIGNATURES} argument "
+                          f"signatures (shapes, dtypes, grad mode); new ones run eagerly. Feed micro-batches of one "
+                          f"shape to graph them all", stacklevel=3)
+        return self.eager(*args)
+
+
+class _Graphs:
+    """One signature's graphs: static inputs, the forward (and with grad, the VJP) and their static results."""
+
+    def __init__(self, owner: GraphedForward, args: tuple, flat: list[Tensor], grad: bool, device: str) -> None:
+        self.spec = _spec(args)
+        self.inputs = [t.detach().clone().requires_grad_(t.requires_grad and grad) for t in flat]
+        self.params = [p for p in owner.module.parameters() if p.requires_grad] if grad else []
+        self.grad = grad and (bool(self.params) or any(t.requires_grad for t in self.inputs))
+        self.forwards = 0  # forward replays so far: a VJP must follow the latest
+        module, latest = owner.module, {}
+
+        def forward() -> list[Tensor]:
+            with torch.set_grad_enabled(self.grad):
+                out = owner.eager(*_unflatten(self.inputs, self.spec))
+            latest["out"] = out_flat = [out] if isinstance(out, Tensor) else list(out)
+            self.out_tuple = not isinstance(out, Tensor)
+            return out_flat
+
+        bodies = [forward]
+        if self.grad:
+            wrt = [t for t in self.inputs if t.requires_grad] + self.params
+
+            def vjp() -> list[Tensor | None]:
+                outs = [o for o in latest["out"] if o.requires_grad]
+                return list(torch.autograd.grad(outs, wrt, [self.grad_outputs[i] for i in self.differentiable],
+                                                allow_unused=True))
+
+        with _unchanged(module, device), _autocast_uncached(device):
+            if self.grad:
+                self.outputs = forward()
+                self.differentiable = [i for i, o in enumerate(self.outputs) if o.requires_grad]
+                self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
+                bodies = [forward, vjp]
+            replays, results = owner.capture(bodies, device)
+        self.replay_forward, self.outputs = replays[0], results[0]
+        if self.grad:
+            self.replay_vjp, self.grads = replays[1], results[1]
+            self.wants = [t.requires_grad for t in self.inputs]
+
+    def run(self, flat: list[Tensor]) -> Any:
+        if self.grad:
+            outs = _Replayed.apply(self, *flat, *self.params)
+        else:
+            outs = self.forward_replay(flat)
+        return tuple(outs) if self.out_tuple else outs[0]
+
+    def forward_replay(self, flat: Sequence[Tensor]) -> list[Tensor]:
+        torch._foreach_copy_(self.inputs, list(flat))
+        self.replay_forward()
+        self.forwards += 1
+        return _copies(self.outputs)
+
+    def vjp_replay(self, forwards: int, grad_outputs: Sequence[Tensor]) -> list[Tensor | None]:
+        if forwards != self.forwards:
+            raise RuntimeError(
+                "cuda_graphs: a part's graph ran its forward again before the backward of an earlier forward, so "
+                "its saved activations are another micro-batch's; this stage's order of calls cannot be graphed "
+                'as it is: set "petra.cuda_graphs": false')
+        torch._foreach_copy_(self.grad_outputs, list(grad_outputs))
+        self.replay_vjp()
+        present = [g for g in self.grads if g is not None]
+        copies = iter(_copies(present))
+        return [None if g is None else next(copies) for g in self.grads]
+
+
+class _Replayed(torch.autograd.Function):
+    """A graphed part under autograd: the forward graph's replay, and the VJP graph's in its backward."""
+
+    @staticmethod
+    def forward(ctx: Any, graphs: _Graphs, *inputs_and_params: Tensor) -> tuple[Tensor, ...]:
+        ctx.graphs = graphs
+        outs = graphs.forward_replay(inputs_and_params[:len(graphs.inputs)])
+        ctx.forwards = graphs.forwards
+        ctx.mark_non_differentiable(*(o for o in outs if not o.is_floating_point()))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
+        graphs = ctx.graphs
+        grads = iter(graphs.vjp_replay(ctx.forwards, grad_outputs))
+        into_inputs = [next(grads) if wanted else None for wanted in graphs.wants]
+        return (None, *into_inputs, *grads)
+
+
+def _copies(tensors: list[Tensor]) -> list[Tensor]:
+    """New tensors equal to ``tensors`` bit for bit, in one multi-tensor op (x * 1 keeps -0, NaN and Inf)."""
+    return torch._foreach_mul(tensors, 1) if tensors else []
+
+
+def _flatten(args: tuple) -> list[Tensor] | None:
+    """The tensors of ``args`` (each a tensor or a tuple / list of tensors), or None if any is something else."""
+    flat = []
+    for a in args:
+        if type(a) is Tensor:
+            flat.append(a)
+        elif isinstance(a, (tuple, list)) and a and all(type(t) is Tensor for t in a):
+            flat.extend(a)
+        else:
+            return None
+    return flat or None
+
+
+def _spec(args: tuple) -> tuple[int, ...]:
+    """Each argument's shape in :func:`_flatten`: -1 a tensor, n a tuple of n."""
+    return tuple(-1 if type(a) is Tensor else len(a) for a in args)
+
+
+def _unflatten(flat: Sequence[Tensor], spec: tuple[int, ...]) -> list[Any]:
+    args, i = [], 0
+    for n in spec:
+        if n < 0:
+            args.append(flat[i])
+            i += 1
+        else:
+            args.append(tuple(flat[i:i + n]))
+            i += n
+    return args
+
+
+class _unchanged:
+    """Inside, the module's buffers and the random generators may change: they are put back on exit."""
+
+    def __init__(self, module: nn.Module, device: str) -> None:
+        self.module, self.device = module, device
+
+    def __enter__(self) -> None:
+        self.buffers = [b for b in self.module.buffers()]
+        self.saved = [b.detach().clone() for b in self.buffers]
+        devices = [torch.cuda.current_device()] if self.device == "cuda" else []
+        self.rng = torch.random.fork_rng(devices=devices)
+        self.rng.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.rng.__exit__(*exc)
+        with torch.no_grad():
+            for b, s in zip(self.buffers, self.saved):
+                b.copy_(s)
+
+
+def _autocast_uncached(device: str) -> Any:
+    """The enclosing autocast without its cast cache: a graph must not read a cast made outside it."""
+    enabled = torch.is_autocast_enabled(device)
+    return torch.autocast(device, dtype=torch.get_autocast_dtype(device), enabled=enabled, cache_enabled=False)
+
+
+def _capture_cuda(bodies: Sequence[Callable[[], list]], device: str) -> tuple[list[Callable], list[list]]:
+    """Warm ``bodies`` up in order on a side stream, then record each into a CUDA graph (one memory pool for them);
+    returns each graph's replay and the static results its recording made."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP):
+            for body in bodies:
+                body()
+    torch.cuda.current_stream().wait_stream(side)
+    pool = torch.cuda.graph_pool_handle()
+    replays, results = [], []
+    for body in bodies:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            results.append(body())
+        replays.append(graph.replay)
+    return replays, results
+
+
+def _capture_eagerly(bodies: Sequence[Callable[[], list]], device: str) -> tuple[list[Callable], list[list]]:
+    """The stand-in for :func:`_capture_cuda`: a body's first run makes its static results, and a "replay" runs it
+    again and writes what it computed into those same tensors, as a graph's replay overwrites its memory."""
+    replays, results = [], []
+    for body in bodies:
+        static = body()
+
+        def replay(body: Callable[[], list] = body, static: list = static) -> None:
+            with torch.no_grad():
+                for into, value in zip(static, body()):
+                    if into is not None:
+                        into.copy_(value)
+        replays.append(replay)
+        results.append(static)
+    return replays, results

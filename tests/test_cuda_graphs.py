@@ -1,0 +1,133 @@
+"""``"petra": {"cuda_graphs": ...}``: the parts of every stage replaying graphs, checked on CPU with the eager
+stand-ins of ``"emulate"`` against the same engine without graphs, bit for bit; the replay rules themselves
+(results copied out, a VJP only after its own forward) on one part. On a GPU: tests/test_gpu.py."""
+
+import pytest
+import torch
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+import petra_ds
+from petra_ds.runtime.config import PetraConfig, PetraConfigError
+from petra_ds.runtime.graphed import MAX_SIGNATURES, GraphedForward, graph_layers
+from petra_ds.tools.toy import toy_data, toy_layer_specs
+
+J, K = 3, 2
+
+
+def train(graphs, batchnorm: bool, extra: dict | None = None):
+    torch.set_default_dtype(torch.float64)
+    model = petra_ds.PetraPipelineModule(
+        toy_layer_specs(0.1, batchnorm), topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
+        loss_fn=torch.nn.CrossEntropyLoss(), stages_per_rank=J, partition_method="uniform", base_seed=1234)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": K, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+              "petra": {"stages_per_rank": J, "cuda_graphs": graphs, **(extra or {})}}
+    engine, *_ = petra_ds.initialize(model=model, config=config)
+    data = iter(toy_data(4 * K, 4, 0, torch.float64))
+    losses = [engine.train_batch(data).item() for _ in range(4)] + [engine.drain().item()]
+    state = {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
+    forwards = [m.forward for m in engine.module.modules() if isinstance(m.__dict__.get("forward"), GraphedForward)]
+    return losses, state, forwards
+
+
+@pytest.mark.parametrize("batchnorm", [False, True], ids=["dropout", "dropout+batchnorm"])
+@pytest.mark.parametrize("extra", [{}, {"fifo_offload": "cpu", "input_buffer": "all"}], ids=["", "fifo"])
+def test_emulated_graphs_train_as_eager_parts_do_bit_for_bit(world_of_one, batchnorm, extra):
+    """Keyed dropout, batch norms' running statistics (updated once per micro-batch, in the reconstruction, though
+    each capture runs a part three times), parameter and input gradients: the same bits over 4 windows and a drain,
+    every stage's parts replaying their graphs (one without grad for the forward, one with for the backward)."""
+    eager_losses, eager_state, none = train(False, batchnorm, extra)
+    losses, state, forwards = train("emulate", batchnorm, extra)
+    assert none == [] and len(forwards) == 12  # the Stem, Mixes and Head, and each coupling's F and G
+    assert all(f.captured == 2 for f in forwards)
+    replays = sorted(f.replays for f in forwards)  # the last stage's 4 parts: a forward with grad per micro-batch
+    assert min(replays[:4]) >= 4 * K and min(replays[4:]) >= 2 * 4 * K, replays
+    assert state.keys() == eager_state.keys()  # graphed in place: the same names, the same checkpoints
+    assert losses == pytest.approx(eager_losses, rel=0, abs=0, nan_ok=True)  # the first window has no loss yet
+    for name, value in eager_state.items():
+        assert torch.equal(state[name], value), name
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.norm = torch.nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        return torch.tanh(self.norm(self.linear(x)))
+
+
+def graphed_tiny():
+    torch.manual_seed(0)
+    module = Tiny().double()
+    (forward,) = graph_layers([module], "emulate", "cpu")
+    return module, forward
+
+
+def test_a_replay_leaves_earlier_results_alone():
+    """What a part returned is the caller's: the next replay of the same graph writes only its own memory."""
+    module, forward = graphed_tiny()
+    with torch.no_grad():
+        first = module(torch.ones(4, 3, dtype=torch.float64))
+        kept = first.clone()
+        second = module(torch.full((4, 3), 2.0, dtype=torch.float64))
+    assert torch.equal(first, kept) and not torch.equal(first, second)
+    assert forward.captured == 1 and forward.replays == 2
+
+
+def test_gradients_come_from_the_graph_and_match_eager():
+    module, forward = graphed_tiny()
+    eager = Tiny().double()
+    eager.load_state_dict(module.state_dict())
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    for m in (module, eager):
+        dx, *dparams = torch.autograd.grad(m(x).square().sum(), [x, *m.parameters()])
+        m.results = dx, dparams
+    assert forward.captured == 1 and forward.replays == 1
+    assert torch.equal(module.results[0], eager.results[0])
+    assert all(map(torch.equal, module.results[1], eager.results[1]))
+    assert torch.equal(module.norm.running_mean, eager.norm.running_mean)  # one update, not the capture's three
+
+
+def test_a_backward_after_another_forward_of_its_graph_raises():
+    """The VJP graph reads what the latest forward replay saved: an older forward's backward would get another
+    micro-batch's gradients, so it fails, naming the setting to turn off."""
+    module, _ = graphed_tiny()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    older = module(x).sum()
+    module(x * 2).sum().backward()  # the latest forward's own backward is fine
+    with pytest.raises(RuntimeError, match='another micro-batch.*"petra.cuda_graphs": false'):
+        older.backward()
+
+
+def test_evaluation_keywords_and_new_signatures_beyond_the_cap_run_eagerly():
+    module, forward = graphed_tiny()
+    module.eval()
+    with torch.no_grad():
+        module(torch.ones(4, 3, dtype=torch.float64))
+    assert forward.captured == 0 and forward.replays == 0
+    module.train()
+    with torch.no_grad(), pytest.warns(UserWarning, match=f"more than {MAX_SIGNATURES} argument signatures"):
+        for rows in range(2, MAX_SIGNATURES + 4):
+            module(torch.ones(rows, 3, dtype=torch.float64))
+    assert forward.captured == MAX_SIGNATURES and forward.replays == MAX_SIGNATURES
+
+
+def test_true_needs_a_cuda_device():
+    with pytest.raises(ValueError, match='"petra.cuda_graphs": true needs a CUDA device.*"emulate"'):
+        graph_layers([Tiny()], True, "cpu")
+
+
+@pytest.mark.parametrize("value", [1, "yes", None, [True]])
+def test_cuda_graphs_takes_true_false_or_emulate(value):
+    with pytest.raises(PetraConfigError, match='"petra.cuda_graphs" must be true, false or "emulate"'):
+        PetraConfig.from_dict({"cuda_graphs": value})
+
+
+@pytest.mark.parametrize("other", [{"compile": True}, {"reconstruct_overlap": True},
+                                   {"delay_compensation": ["lr_rescale", "weight_prediction"]}])
+def test_settings_graphs_cannot_serve_are_refused_with_what_to_change(other):
+    with pytest.raises(PetraConfigError, match='"petra.cuda_graphs" cannot be combined with .*turn one of them off'):
+        PetraConfig.from_dict({"cuda_graphs": True, **other})
+    assert PetraConfig.from_dict({"cuda_graphs": False, **other}).cuda_graphs is False

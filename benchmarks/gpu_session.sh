@@ -32,6 +32,10 @@
 #          instruction kind: busy far below the wall says host-bound, and which instruction's host time to cut
 #   lm     steady tokens/s PETRA / backprop: >= 0.65x at micro-batch 4 x k = 4, >= 0.5x at 1 x k = 16
 #   compile  petra_compiled/petra per train_batch: below 1.0x is what would make "compile": true worth its minutes
+#   graphs petra_graphs ("cuda_graphs": true), bf16: RevNet18 petra_graphs/plain <= 1.7x and RevGPT <= 1.5x are the
+#          targets eager PETRA missed on RevNet18 (2.07x on the H200 at 5f6c5f8); petra_graphs/petra well below 1.0x
+#          on RevNet18 (host-bound) and near 1.0x on RevGPT fp32 (device-bound); tests/test_gpu.py checks it trains
+#          as eager does (fp32, bf16, keyed dropout, RevGPT). Its first lease: STEPS="tests graphs", about 7 minutes
 # Afterwards, on a CPU machine with the files brought back: predict 10 and 8 GPUs from what this one measured,
 #     python -m benchmarks.gpu predict --inputs runs/gpu/gpu.json
 set -u
@@ -60,6 +64,10 @@ esac
 case " $STEPS " in *" compile "*)
   step compile 420 python -m benchmarks.gpu --rounds 1 --calls 8 --dtypes bf16 --variants petra petra_compiled \
     --output "$OUT/gpu_compiled.json" ;;
+esac
+case " $STEPS " in *" graphs "*)
+  step graphs 300 python -m benchmarks.gpu --rounds 2 --calls 8 --dtypes bf16 \
+    --variants plain petra petra_unchecked petra_graphs --output "$OUT/gpu_graphs.json" ;;
 esac
 case " $STEPS " in *" lm "*)
   # text no setting was tuned on: this machine's Python standard-library sources, [a-h]*.py / [t-z]*.py
@@ -91,7 +99,7 @@ python - "$OUT" <<'PY'
 import json, os, sys
 
 out = sys.argv[1]
-for name in ("gpu.json", "gpu_compiled.json"):
+for name in ("gpu.json", "gpu_compiled.json", "gpu_graphs.json"):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         continue

@@ -131,3 +131,27 @@ def test_settings_graphs_cannot_serve_are_refused_with_what_to_change(other):
     with pytest.raises(PetraConfigError, match='"petra.cuda_graphs" cannot be combined with .*turn one of them off'):
         PetraConfig.from_dict({"cuda_graphs": True, **other})
     assert PetraConfig.from_dict({"cuda_graphs": False, **other}).cuda_graphs is False
+
+
+def test_memory_report_names_what_the_graphs_hold(world_of_one):
+    """The graphs' static tensors are a stage's ``graphs`` bytes (and the held-bytes tracker's category); the eager
+    stand-ins reserve no pool."""
+    torch.set_default_dtype(torch.float64)
+    model = petra_ds.PetraPipelineModule(
+        toy_layer_specs(0.0, True), topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
+        loss_fn=torch.nn.CrossEntropyLoss(), stages_per_rank=J, partition_method="uniform", base_seed=1234)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": K, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "petra": {"stages_per_rank": J,
+                                                                          "cuda_graphs": "emulate"}}
+    engine, *_ = petra_ds.initialize(model=model, config=config)
+    data = iter(toy_data(4 * K, 4, 0, torch.float64))
+    for _ in range(3):
+        engine.train_batch(data)
+    report = engine.memory_report()
+    for j, stage in engine.stages.items():
+        held = [t for graphed in stage.graphed for t in graphed.held()]
+        assert report[j]["graphs"] == sum(t.numel() * t.element_size() for t in held) > 0, j
+        assert engine.holdings(j).categories()["graphs"] == tuple(held)
+        assert report[j]["graph_pools"] == 0
+        params = {p.untyped_storage().data_ptr() for p in stage.params}
+        assert not params & {t.untyped_storage().data_ptr() for t in held}  # copies, not the weights themselves

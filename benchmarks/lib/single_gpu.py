@@ -19,6 +19,8 @@ freshly built:
                    memory between their send and the instruction before their reader)
     petra_compiled  petra with "petra": {"compile": true} (inductor; its compiling falls in the warm-up calls).
                    Not run unless named in ``--variants``: compiling takes minutes
+    petra_graphs   petra with "petra": {"cuda_graphs": true} (each part's graphs captured in the warm-up calls).
+                   Not run unless named in ``--variants``
 
 RevNet18 takes the paper's partition (J = 10, one layer per stage: each reconstructing stage holds one
 block, so the overlap has nothing to hide there); RevGPT's J = 4 stages hold 3 blocks each (its middle
@@ -63,10 +65,11 @@ PETRA_VARIANTS = {
     "petra": {}, "petra_overlap": {"reconstruct_overlap": True}, "petra_unchecked": {"check_finite": False},
     "petra_offload": {"fifo_offload": "cpu"},
     "petra_offload_messages": {"fifo_offload": "cpu", "message_offload": "cpu"},
-    "petra_offload_auto": {"fifo_offload": "auto"}, "petra_compiled": {"compile": True}}
+    "petra_offload_auto": {"fifo_offload": "auto"}, "petra_compiled": {"compile": True},
+    "petra_graphs": {"cuda_graphs": True}}
 VARIANTS = ("plain", *PETRA_VARIANTS)
 #: run only when named in ``--variants``
-OPT_IN = ("petra_offload_auto", "petra_compiled")
+OPT_IN = ("petra_offload_auto", "petra_compiled", "petra_graphs")
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in OPT_IN)
 #: every variant's optimizer: torch's fused AdamW (no JIT build; skips a non-finite step on the device), and clipping
 OPTIMIZER = {"lr": 1e-4, "weight_decay": 0.01, "fused": True}
@@ -353,6 +356,9 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMem
 
     import petra_ds
 
+    petra = dict(petra or {})
+    if petra.get("cuda_graphs") is True and args.device == "cpu":
+        petra["cuda_graphs"] = "emulate"  # a CPU smoke run: the same code with the graphs' eager stand-ins
     specs, loss_fn, partition, J, size = model(name, args)
     module = petra_ds.PetraPipelineModule(specs, topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
                                           loss_fn=loss_fn, stages_per_rank=J, partition_method=partition,
@@ -360,7 +366,7 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMem
     config = {"train_micro_batch_size_per_gpu": size, "gradient_accumulation_steps": args.k,
               "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}}, "steps_per_print": 10**9,
               "gradient_clipping": CLIPPING,
-              "petra": {"stages_per_rank": J, **(petra or {})}}
+              "petra": {"stages_per_rank": J, **petra}}
     if bf16:
         config["bf16"] = {"enabled": True}
     engine, *_ = petra_ds.initialize(model=module, config=config)
@@ -429,7 +435,8 @@ def summarize(runs: list[dict]) -> dict:
         for a, b in (("petra", "plain"), ("petra_overlap", "plain"), ("petra_overlap", "petra"),
                      ("petra", "petra_unchecked"), ("petra_offload", "plain"), ("petra_offload", "petra"),
                      ("petra_offload_messages", "plain"), ("petra_offload_messages", "petra"),
-                     ("petra_offload_auto", "petra"), ("petra_compiled", "petra")):
+                     ("petra_offload_auto", "petra"), ("petra_compiled", "petra"), ("petra_graphs", "plain"),
+                     ("petra_graphs", "petra")):
             if row_m.get(f"{a}_peak_bytes") and row_m.get(f"{b}_peak_bytes"):
                 row_m[f"{a}/{b}"] = row_m[f"{a}_peak_bytes"] / row_m[f"{b}_peak_bytes"]
             if f"{a}_seconds_per_call" in row_s and f"{b}_seconds_per_call" in row_s:

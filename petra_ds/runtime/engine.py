@@ -144,7 +144,7 @@ class PetraEngine(PipelineEngine):
         mine = tuple(v for data, v in inbox if not data) + tuple(self._outbox[stage].values())
         return Holdings(data=(*own["data"], *loaded), inputs=own["inputs"], outputs=own["outputs"],
                         param_stash=own["param_stash"], messages=(*mine, *own["messages"]),
-                        offloaded=own["offloaded"],
+                        offloaded=own["offloaded"], graphs=own["graphs"],
                         messages_host=tuple(v for key, v in self.inbox.on_host() if key.stage == stage))
 
     # --- optimizers and schedulers, one per local stage (DeepSpeed's constructor calls these) ---

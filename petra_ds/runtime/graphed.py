@@ -83,6 +83,15 @@ class GraphedForward:
     def captured(self) -> int:
         return len(self.graphs)
 
+    def held(self) -> tuple[Tensor, ...]:
+        """The static tensors of its graphs: inputs, outputs, incoming and outgoing gradients."""
+        return tuple(t for graphs in self.graphs.values() for t in graphs.static())
+
+    @property
+    def pool_bytes(self) -> int:
+        """The device bytes its graphs' memory pools reserve (CUDA; 0 for the eager stand-ins)."""
+        return sum(graphs.pool_bytes for graphs in self.graphs.values())
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = _flatten(args)
         if kwargs or flat is None or not self.module.training or current_draws() is not None:
@@ -122,8 +131,10 @@ class _Graphs:
         def forward() -> list[Tensor]:
             with torch.set_grad_enabled(self.grad):
                 out = owner.eager(*_unflatten(self.inputs, self.spec))
-            latest["out"] = out_flat = [out] if isinstance(out, Tensor) else list(out)
+            out_flat = [out] if isinstance(out, Tensor) else list(out)
             self.out_tuple = not isinstance(out, Tensor)
+            if self.grad:  # what the VJP differentiates, until it has
+                latest["out"] = out_flat
             return out_flat
 
         bodies = [forward]
@@ -131,7 +142,7 @@ class _Graphs:
             wrt = [t for t in self.inputs if t.requires_grad] + self.params
 
             def vjp() -> list[Tensor | None]:
-                outs = [o for o in latest["out"] if o.requires_grad]
+                outs = [o for o in latest.pop("out") if o.requires_grad]
                 return list(torch.autograd.grad(outs, wrt, [self.grad_outputs[i] for i in self.differentiable],
                                                 allow_unused=True))
 
@@ -141,11 +152,16 @@ class _Graphs:
                 self.differentiable = [i for i, o in enumerate(self.outputs) if o.requires_grad]
                 self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
                 bodies = [forward, vjp]
-            replays, results = owner.capture(bodies, device)
+            replays, results, self.pool_bytes = owner.capture(bodies, device)
         self.replay_forward, self.outputs = replays[0], results[0]
+        self.grads: list[Tensor | None] = []
         if self.grad:
             self.replay_vjp, self.grads = replays[1], results[1]
             self.wants = [t.requires_grad for t in self.inputs]
+
+    def static(self) -> list[Tensor]:
+        extra = [*self.grad_outputs, *(g for g in self.grads if g is not None)] if self.grad else []
+        return [*self.inputs, *self.outputs, *extra]
 
     def run(self, flat: list[Tensor]) -> Any:
         if self.grad:
@@ -253,9 +269,9 @@ def _autocast_uncached(device: str) -> Any:
     return torch.autocast(device, dtype=torch.get_autocast_dtype(device), enabled=enabled, cache_enabled=False)
 
 
-def _capture_cuda(bodies: Sequence[Callable[[], list]], device: str) -> tuple[list[Callable], list[list]]:
+def _capture_cuda(bodies: Sequence[Callable[[], list]], device: str) -> tuple[list[Callable], list[list], int]:
     """Warm ``bodies`` up in order on a side stream, then record each into a CUDA graph (one memory pool for them);
-    returns each graph's replay and the static results its recording made."""
+    returns each graph's replay, the static results its recording made, and the bytes the pool reserves."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -270,10 +286,12 @@ def _capture_cuda(bodies: Sequence[Callable[[], list]], device: str) -> tuple[li
         with torch.cuda.graph(graph, pool=pool):
             results.append(body())
         replays.append(graph.replay)
-    return replays, results
+    reserved = sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+                   if tuple(segment["segment_pool_id"]) == tuple(pool))
+    return replays, results, reserved
 
 
-def _capture_eagerly(bodies: Sequence[Callable[[], list]], device: str) -> tuple[list[Callable], list[list]]:
+def _capture_eagerly(bodies: Sequence[Callable[[], list]], device: str) -> tuple[list[Callable], list[list], int]:
     """The stand-in for :func:`_capture_cuda`: a body's first run makes its static results, and a "replay" runs it
     again and writes what it computed into those same tensors, as a graph's replay overwrites its memory."""
     replays, results = [], []
@@ -287,4 +305,4 @@ def _capture_eagerly(bodies: Sequence[Callable[[], list]], device: str) -> tuple
                         into.copy_(value)
         replays.append(replay)
         results.append(static)
-    return replays, results
+    return replays, results, 0

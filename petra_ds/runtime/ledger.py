@@ -52,7 +52,8 @@ def stage_tensors(engine: PetraEngine, stage: int) -> dict[str, Any]:
     """The tensors behind each byte count of :func:`memory_report` for local stage ``stage``: parameters,
     gradients, optimizer state, the input buffer on the device, the host copies of its offloaded entries
     (``fifo_host``), the parameter buffer, stage 0's raw micro-batches, messages held, the host copies of its parked
-    messages (``messages_host``) and the delay compensation's state. All on the stage's device but
+    messages (``messages_host``), the static tensors of its CUDA graphs and the delay compensation's state. All on
+    the stage's device but
     :data:`HOST_PARTS`."""
     st = engine.stages[stage]
     optimizer = engine.stage_optimizers[stage - engine.local_stage_ids[0]]
@@ -61,7 +62,7 @@ def stage_tensors(engine: PetraEngine, stage: int) -> dict[str, Any]:
     return {"params": st.params, "grads": [p.grad for p in st.params if p.grad is not None],
             "optimizer_state": [list(s.values()) for s in state.values()], "input_buffer": held.inputs,
             "fifo_host": held.offloaded, "param_buffer": held.param_stash, "raw_micro_batches": held.data,
-            "messages": held.messages, "messages_host": held.messages_host,
+            "messages": held.messages, "messages_host": held.messages_host, "graphs": held.graphs,
             "delay_compensation": st.compensation.state_dict()}
 
 
@@ -75,5 +76,6 @@ def memory_report(engine: PetraEngine) -> dict[int, dict[str, int]]:
         report[j] = {**bytes_, "input_buffer_peak": st.peak_input_bytes,
                      "input_buffer_micro_batches": len(parts["input_buffer"]),
                      "fifo_host_micro_batches": len(parts["fifo_host"]),
-                     "param_buffer_peak": st.peak_param_buffer_bytes}
+                     "param_buffer_peak": st.peak_param_buffer_bytes,
+                     "graph_pools": sum(graphed.pool_bytes for graphed in st.graphed)}
     return report

@@ -111,6 +111,8 @@ class Holdings:
     - ``outputs``: what a clock keeps inside itself (the last stage's graph, a reconstruction's tape);
       empty between clocks;
     - ``param_stash``: the weight-stashing ablation's parameters;
+    - ``graphs``: the static tensors of the stage's CUDA graphs (``cuda_graphs``: inputs, outputs, gradients; the
+      intermediates in the graphs' own memory pools are ``memory_report``'s ``graph_pools``);
     - ``messages``: messages received for, or produced by, this stage and not yet consumed;
     - ``offloaded``: the host copies of the FIFO entries and stage 0's micro-batches offloaded (``fifo_offload``);
     - ``messages_host``: the host copies of messages for this stage parked by ``message_offload``.
@@ -125,7 +127,8 @@ class Holdings:
     messages: tuple
     offloaded: tuple = ()
     messages_host: tuple = ()
+    graphs: tuple = ()
 
     def categories(self) -> dict[str, Any]:
         return {"data": self.data, "inputs": self.inputs, "outputs": self.outputs,
-                "param_stash": self.param_stash, "messages": self.messages}
+                "param_stash": self.param_stash, "messages": self.messages, "graphs": self.graphs}

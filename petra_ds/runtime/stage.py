@@ -114,8 +114,9 @@ class Stage:
         self.options = options
         if options.compile:
             compile_layers(self.layers, options.compile)
-        if options.cuda_graphs:
-            graph_layers(self.layers, options.cuda_graphs, options.device_type)
+        #: the parts' graphed forwards (``cuda_graphs``)
+        self.graphed = graph_layers(self.layers, options.cuda_graphs, options.device_type) if options.cuda_graphs \
+            else []
         self.loss_fn = loss_fn
         self.is_first = index == 0
         self.is_last = index == petra_stages - 1
@@ -462,6 +463,7 @@ class Stage:
             "outputs": tuple(x for x in (self.live, self._rebuilt_input()) if x is not None),
             "messages": (self.reconstruction.delta,) if self.reconstruction is not None else (),
             "param_stash": tuple(self.stash.values()),
+            "graphs": tuple(t for graphed in self.graphed for t in graphed.held()),
         }
 
     @property

@@ -155,3 +155,23 @@ def test_memory_report_names_what_the_graphs_hold(world_of_one):
         assert report[j]["graph_pools"] == 0
         params = {p.untyped_storage().data_ptr() for p in stage.params}
         assert not params & {t.untyped_storage().data_ptr() for t in held}  # copies, not the weights themselves
+
+
+class Syncing(torch.nn.Module):
+    """A batch norm whose momentum is None: its running average's factor is 1 / num_batches_tracked, read on the
+    host at every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(3, momentum=None)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def test_a_part_that_reads_device_values_on_the_host_is_refused_at_capture_with_what_to_do():
+    module = Syncing().double()
+    graph_layers([module], "emulate", "cpu")
+    with pytest.raises(RuntimeError, match=r'cuda_graphs": Syncing cannot be captured.*_local_scalar_dense.*'
+                                           r'"petra.cuda_graphs": false'):
+        module(torch.randn(4, 3, dtype=torch.float64))

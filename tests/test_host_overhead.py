@@ -5,7 +5,8 @@ micro-batch against plain forward + backward of the same layers, host syncs per 
 import pytest
 import torch
 
-from petra_ds.diagnostics.host_cost import Bytecodes, HostSyncs, OpCounter
+from petra_ds.diagnostics.host_cost import Bytecodes, OpCounter
+from petra_ds.util.host_reads import HostSyncs
 from petra_ds.schedule import ClockTemplates, PetraSchedule, Timeline
 
 from benchmarks.lib import host_overhead
@@ -188,7 +189,7 @@ def test_train_batch_puts_a_module_left_in_eval_mode_back_to_training(world_of_o
 
 def test_an_optimizer_that_cannot_skip_on_the_device_costs_one_sync_per_step(world_of_one):
     """The fallback, counted: torch's non-fused SGD makes the engine read each step's flag."""
-    from petra_ds.diagnostics.host_cost import HostSyncs
+    from petra_ds.util.host_reads import HostSyncs
 
     m, k = host_overhead.model("revgpt", TINY), TINY.k
     saved = host_overhead.OPTIMIZER

@@ -289,7 +289,7 @@ def _leaf(x: Any) -> Any:
 
 def count_syncs(name: str, args: argparse.Namespace, bf16: bool) -> dict:
     """Host reads inside one steady-state ``train_batch`` (the returned loss is not read)."""
-    from petra_ds.diagnostics.host_cost import HostSyncs
+    from petra_ds.util.host_reads import HostSyncs
 
     m, k = model(name, args), args.k
     engine = petra_engine(m, k, bf16)

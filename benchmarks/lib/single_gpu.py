@@ -390,7 +390,7 @@ def breakdown(engine: Any, batches: list, result: dict) -> dict:
 
     report = engine.memory_report()
     tensors = {j: stage_tensors(engine, j) for j in engine.stages}
-    parts = {part: sum(r[part] for r in report.values()) for part in next(iter(tensors.values()))}
+    parts = {part: sum(r[part] for r in report.values()) for part in [*next(iter(tensors.values())), "graph_pools"]}
     held = [batches, *([v for part, v in t.items() if part not in HOST_PARTS] for t in tensors.values())]
     on_device = [t for t in tensors_in(held) if t.device == engine.device]  # not a stray host scalar
     out: dict[str, Any] = {"memory_report": parts, "explained_bytes": storage_bytes(on_device, set())}
@@ -473,6 +473,9 @@ def print_report(report: dict) -> None:
                 print(f"    {v}: between calls {row[f'{v}_allocated_after_bytes'] / 2**20:.1f} MiB allocated, "
                       f"{row[f'{v}_explained_bytes'] / 2**20:.1f} MiB named by memory_report, "
                       f"workspace {row[f'{v}_workspace_bytes'] / 2**20:.1f} MiB")
+            pools = (row.get(f"{v}_memory_report") or {}).get("graph_pools")
+            if pools:  # reserved by CUDA graphs' private pools, which max_memory_allocated sees only while capturing
+                print(f"    {v}: its CUDA graphs' pools reserve {pools / 2**20:.1f} MiB more")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,9 @@ A graph holds the addresses it was captured with: a parameter replaced by anothe
 stashing) or a Python attribute changed after capture (a dropout rate) is not seen; the config refuses the first.
 
 ``"cuda_graphs": "emulate"`` runs this code on any device with eager stand-ins for the graphs that keep their static
-buffers and replay semantics: a check on CPU that a model's parts are safe to graph, bit for bit against eager.
+buffers and replay semantics: a check on CPU that a model's parts are safe to graph, bit for bit against eager. A
+stand-in's capture also refuses a part that reads device values on the host, as a CUDA capture would; a copy from
+host memory it cannot see, every tensor being in host memory on a CPU.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch import Tensor, nn
 
 from ..nn.batchnorm import batch_norms
 from ..nn.rng import current_draws
+from ..util.host_reads import HostSyncs
 from .compiled import compiled_parts
 
 #: ``"petra": {"cuda_graphs": "emulate"}``: eager stand-ins for the graphs, on any device
@@ -152,7 +155,14 @@ class _Graphs:
                 self.differentiable = [i for i, o in enumerate(self.outputs) if o.requires_grad]
                 self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
                 bodies = [forward, vjp]
-            replays, results, self.pool_bytes = owner.capture(bodies, device)
+            try:
+                replays, results, self.pool_bytes = owner.capture(bodies, device)
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f'"petra.cuda_graphs": {type(module).__name__} cannot be captured in a CUDA graph ({error}). A '
+                    f'graph holds no read of a device value on the host (.item(), float(t), bool(t), .tolist(), '
+                    f'.cpu(), nonzero) and no copy from host memory: change the module, or set "petra.cuda_graphs": '
+                    f'false') from error
         self.replay_forward, self.outputs = replays[0], results[0]
         self.grads: list[Tensor | None] = []
         if self.grad:
@@ -296,7 +306,10 @@ def _capture_eagerly(bodies: Sequence[Callable[[], list]], device: str) -> tuple
     again and writes what it computed into those same tensors, as a graph's replay overwrites its memory."""
     replays, results = [], []
     for body in bodies:
-        static = body()
+        with HostSyncs() as reads:  # what a CUDA graph could not capture, found on any device
+            static = body()
+        if reads.count:
+            raise RuntimeError(f"it reads device values on the host: {dict(reads.where)}")
 
         def replay(body: Callable[[], list] = body, static: list = static) -> None:
             with torch.no_grad():

@@ -296,8 +296,8 @@ def _capture_cuda(bodies: Sequence[Callable[[], list]], device: str) -> tuple[li
         with torch.cuda.graph(graph, pool=pool):
             results.append(body())
         replays.append(graph.replay)
-    reserved = sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
-                   if tuple(segment["segment_pool_id"]) == tuple(pool))
+    reserved = sum(segment.get("total_size", 0) for segment in torch.cuda.memory_snapshot()
+                   if tuple(segment.get("segment_pool_id", ())) == tuple(pool))
     return replays, results, reserved
 
 

@@ -7,6 +7,7 @@ import torch
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 import petra_ds
+from petra_ds.diagnostics.settings import format_settings
 from petra_ds.runtime.config import PetraConfig, PetraConfigError
 from petra_ds.runtime.graphed import MAX_SIGNATURES, GraphedForward, graph_layers
 from petra_ds.tools.toy import toy_data, toy_layer_specs
@@ -155,6 +156,8 @@ def test_memory_report_names_what_the_graphs_hold(world_of_one):
         assert report[j]["graph_pools"] == 0
         params = {p.untyped_storage().data_ptr() for p in stage.params}
         assert not params & {t.untyped_storage().data_ptr() for t in held}  # copies, not the weights themselves
+    assert "CUDA graphs (eager stand-ins): 12 parts of this rank's stages replay graphs" in format_settings(
+        engine.run_settings)
 
 
 class Syncing(torch.nn.Module):

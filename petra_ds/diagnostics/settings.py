@@ -104,6 +104,8 @@ def run_settings(engine: DeepSpeedEngine, config: dict) -> dict:
         "synchronous_steps": engine.petra_config.synchronous_steps if petra else None,
         "fifo_offload": engine.petra_config.fifo_offload if petra else None,
         "message_offload": engine.petra_config.message_offload if petra else None,
+        "cuda_graphs": engine.petra_config.cuda_graphs if petra else None,
+        "graphed_parts": sum(len(st.graphed) for st in engine.stages.values()) if petra else None,
         "device": engine.device.type,
         "per_stage": stages,
     }
@@ -150,6 +152,10 @@ def format_settings(settings: dict) -> str:
         lines.append(f"  input FIFO: {_describe_fifos(s['per_stage'])}" + _auto_offload(s))
         if s.get("message_offload") == "cpu":
             lines.append("  messages between stages of one rank: wait in host memory (message_offload)")
+        if s.get("cuda_graphs"):
+            lines.append(f"  CUDA graphs{' (eager stand-ins)' if s['cuda_graphs'] == 'emulate' else ''}: "
+                         f"{s['graphed_parts']} parts of this rank's stages replay graphs, captured at their first "
+                         f"calls (cuda_graphs)")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ stand-ins of ``"emulate"`` against the same engine without graphs, bit for bit; 
 import pytest
 import torch
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from harness import assert_same_bits, launch
 
 import petra_ds
 from petra_ds.diagnostics.settings import format_settings
@@ -78,25 +79,29 @@ def test_a_replay_leaves_earlier_results_alone():
 
 
 def test_gradients_come_from_the_graph_and_match_eager():
+    """A signature with grad runs eagerly once (noting how its gradients come laid out), then replays."""
     module, forward = graphed_tiny()
     eager = Tiny().double()
     eager.load_state_dict(module.state_dict())
-    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
-    for m in (module, eager):
-        dx, *dparams = torch.autograd.grad(m(x).square().sum(), [x, *m.parameters()])
-        m.results = dx, dparams
-    assert forward.captured == 1 and forward.replays == 1
-    assert torch.equal(module.results[0], eager.results[0])
-    assert all(map(torch.equal, module.results[1], eager.results[1]))
-    assert torch.equal(module.norm.running_mean, eager.norm.running_mean)  # one update, not the capture's three
+    for call in range(3):
+        x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+        for m in (module, eager):
+            dx, *dparams = torch.autograd.grad(m(x).square().sum(), [x, *m.parameters()])
+            m.results = dx, dparams
+        assert forward.captured == min(call, 1) and forward.replays == max(call, 0)
+        assert torch.equal(module.results[0], eager.results[0])
+        assert all(map(torch.equal, module.results[1], eager.results[1]))
+        assert torch.equal(module.norm.running_mean, eager.norm.running_mean)  # one update, not the capture's three
 
 
 def test_a_backward_after_another_forward_of_its_graph_raises():
     """The VJP graph reads what the latest forward replay saved: an older forward's backward would get another
     micro-batch's gradients, so it fails, naming the setting to turn off."""
-    module, _ = graphed_tiny()
+    module, forward = graphed_tiny()
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    module(x).sum().backward()  # the signature's eager call
     older = module(x).sum()
+    assert forward.captured == 1
     module(x * 2).sum().backward()  # the latest forward's own backward is fine
     with pytest.raises(RuntimeError, match='another micro-batch.*"petra.cuda_graphs": false'):
         older.backward()
@@ -176,5 +181,25 @@ def test_a_part_that_reads_device_values_on_the_host_is_refused_at_capture_with_
     module = Syncing().double()
     graph_layers([module], "emulate", "cpu")
     with pytest.raises(RuntimeError, match=r'cuda_graphs": Syncing cannot be captured.*_local_scalar_dense.*'
-                                           r'"petra.cuda_graphs": false'):
+                                           r'"petra.cuda_graphs": false'), torch.no_grad():
         module(torch.randn(4, 3, dtype=torch.float64))
+
+
+SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+
+
+@pytest.mark.parametrize("spec", [
+    pytest.param({"model": "revnet", "micro_batch": 2, "dropout": 0.0}, id="revnet18"),
+    pytest.param({"model": "revgpt", "micro_batch": 2, "dropout": 0.1}, id="revgpt-dropout")])
+def test_two_ranks_train_the_same_bits_with_emulated_graphs(spec):
+    """RevNet18 (batch norms, downsampling stages keeping FIFOs) and RevGPT (attention, keyed dropout, token ids into
+    the embedding) at J = 4 on two ranks: parameters and every step's gradients as without graphs."""
+    common = {**spec, "pipe": 2, "stages_per_rank": 2, "k": 2, "train_batches": 3, "optimizer": SGD}
+    graphed = launch({**common, "petra": {"cuda_graphs": "emulate"}, "probe": "test_cuda_graphs:replays"})
+    assert all(r["probe"] >= 2 * 3 * 2 for r in graphed)  # every rank's parts replayed, forwards and backwards
+    assert_same_bits(graphed, launch(common))
+
+
+def replays(engine) -> int:
+    """The replays of the parts of a rank's first stage (run in the rank)."""
+    return min(f.replays for f in next(iter(engine.stages.values())).graphed)

@@ -6,10 +6,13 @@ where backprop launches it once. Those parts (the ones ``"compile"`` compiles, :
 :class:`GraphedForward` as their ``forward``; the module keeps its parameters, names and state dict.
 
 A call in training mode with tensor arguments replays one graph per signature (grad mode, the arguments' shapes,
-dtypes and ``requires_grad``, the batch norms' update flags, autocast), captured at its first call:
-- without grad, the forward alone;
+dtypes and ``requires_grad``, the batch norms' update flags, autocast):
+- without grad, the forward alone, captured at its first call;
 - with grad, the forward, and the VJP into the inputs and the parameters in a second graph (as
-  ``torch.cuda.make_graphed_callables`` builds them), behind an autograd function.
+  ``torch.cuda.make_graphed_callables`` builds them), behind an autograd function. Its first call runs eagerly and
+  notes the layouts of the gradients its backward receives; the second captures, its static gradients laid out so.
+  Inputs, outputs and gradients keep the layouts (strides, offsets, shared storages) of the eager call: a kernel's
+  rounding may depend on them.
 Anything else (evaluation, keyword arguments, other argument types, draws split by row blocks) runs eagerly.
 
 Every output and gradient is copied out of the graph's memory, so a replay never overwrites what the stage still
@@ -32,6 +35,8 @@ host memory it cannot see, every tensor being in host memory on a CPU.
 
 from __future__ import annotations
 
+import collections
+import functools
 import operator
 import warnings
 from typing import Any, Callable, Iterable, Sequence
@@ -43,6 +48,7 @@ from ..nn.batchnorm import batch_norms
 from ..nn.rng import current_draws
 from ..util.host_reads import HostSyncs
 from .compiled import compiled_parts
+from .fifo import moved
 
 #: ``"petra": {"cuda_graphs": "emulate"}``: eager stand-ins for the graphs, on any device
 EMULATE = "emulate"
@@ -79,6 +85,8 @@ class GraphedForward:
         self.module, self.eager, self.capture = module, module.forward, capture
         self.norms = batch_norms(module)
         self.graphs: dict[tuple, _Graphs] = {}
+        #: per signature with grad, called once eagerly: the gradients its outputs received (None until they do)
+        self.received: dict[tuple, list[Tensor | None]] = {}
         self.replays = 0
         self._warned = False
 
@@ -107,9 +115,22 @@ class GraphedForward:
         if graphs is None:
             if len(self.graphs) >= MAX_SIGNATURES:
                 return self._eager_beyond_cap(args)
-            graphs = self.graphs[key] = _Graphs(self, args, flat, grad, device)
+            if grad and key not in self.received:
+                return self._noting_gradients(key, args)
+            graphs = self.graphs[key] = _Graphs(self, args, flat, grad, device, self.received.pop(key, None))
         self.replays += 1
         return graphs.run(flat)
+
+    def _noting_gradients(self, key: tuple, args: tuple) -> Any:
+        """An eager call whose outputs' gradients are kept for the capture (their layouts)."""
+        out = self.eager(*args)
+        outs = [out] if isinstance(out, Tensor) else list(out)
+        received: list[Tensor | None] = [None] * len(outs)
+        self.received[key] = received
+        for i, o in enumerate(outs):
+            if isinstance(o, Tensor) and o.requires_grad:
+                o.register_hook(functools.partial(operator.setitem, received, i))
+        return out
 
     def _eager_beyond_cap(self, args: tuple) -> Any:
         if not self._warned:
@@ -123,9 +144,10 @@ class GraphedForward:
 class _Graphs:
     """One signature's graphs: static inputs, the forward (and with grad, the VJP) and their static results."""
 
-    def __init__(self, owner: GraphedForward, args: tuple, flat: list[Tensor], grad: bool, device: str) -> None:
+    def __init__(self, owner: GraphedForward, args: tuple, flat: list[Tensor], grad: bool, device: str,
+                 received: list[Tensor | None] | None) -> None:
         self.spec = _spec(args)
-        self.inputs = [t.detach().clone().requires_grad_(t.requires_grad and grad) for t in flat]
+        self.inputs = [t.requires_grad_(a.requires_grad and grad) for t, a in zip(_same_views(flat), flat)]
         self.params = [p for p in owner.module.parameters() if p.requires_grad] if grad else []
         self.grad = grad and (bool(self.params) or any(t.requires_grad for t in self.inputs))
         self.forwards = 0  # forward replays so far: a VJP must follow the latest
@@ -153,7 +175,7 @@ class _Graphs:
             if self.grad:
                 self.outputs = forward()
                 self.differentiable = [i for i, o in enumerate(self.outputs) if o.requires_grad]
-                self.grad_outputs = [torch.zeros_like(o) for o in self.outputs]
+                self.grad_outputs = _laid_out(self.outputs, received)
                 bodies = [forward, vjp]
             try:
                 replays, results, self.pool_bytes = owner.capture(bodies, device)
@@ -164,14 +186,23 @@ class _Graphs:
                     f'.cpu(), nonzero) and no copy from host memory: change the module, or set "petra.cuda_graphs": '
                     f'false') from error
         self.replay_forward, self.outputs = replays[0], results[0]
+        # an output returned at several places (RevGPT's embedding starts both streams from one h) is one tensor
+        # there too, so that its gradients add up as eager autograd adds them
+        first = {id(o): i for i, o in reversed(list(enumerate(self.outputs)))}
+        self.distinct = sorted(set(first.values()))
+        self.places = [self.distinct.index(first[id(o)]) for o in self.outputs]
+        distinct = [self.outputs[i] for i in self.distinct]
+        self.copy_out = _copies if _plain_layouts(distinct) else _same_views
         self.grads: list[Tensor | None] = []
         if self.grad:
             self.replay_vjp, self.grads = replays[1], results[1]
             self.wants = [t.requires_grad for t in self.inputs]
+            present = [g for g in self.grads if g is not None]
+            self.copy_grads = _copies if _plain_layouts(present) else _same_views
 
     def static(self) -> list[Tensor]:
         extra = [*self.grad_outputs, *(g for g in self.grads if g is not None)] if self.grad else []
-        return [*self.inputs, *self.outputs, *extra]
+        return [*self.inputs, *(self.outputs[i] for i in self.distinct), *extra]
 
     def run(self, flat: list[Tensor]) -> Any:
         if self.grad:
@@ -184,7 +215,8 @@ class _Graphs:
         torch._foreach_copy_(self.inputs, list(flat))
         self.replay_forward()
         self.forwards += 1
-        return _copies(self.outputs)
+        copies = self.copy_out([self.outputs[i] for i in self.distinct])
+        return [copies[i] for i in self.places]
 
     def vjp_replay(self, forwards: int, grad_outputs: Sequence[Tensor]) -> list[Tensor | None]:
         if forwards != self.forwards:
@@ -195,7 +227,7 @@ class _Graphs:
         torch._foreach_copy_(self.grad_outputs, list(grad_outputs))
         self.replay_vjp()
         present = [g for g in self.grads if g is not None]
-        copies = iter(_copies(present))
+        copies = iter(self.copy_grads(present))
         return [None if g is None else next(copies) for g in self.grads]
 
 
@@ -219,8 +251,40 @@ class _Replayed(torch.autograd.Function):
 
 
 def _copies(tensors: list[Tensor]) -> list[Tensor]:
-    """New tensors equal to ``tensors`` bit for bit, in one multi-tensor op (x * 1 keeps -0, NaN and Inf)."""
+    """New tensors equal to ``tensors`` bit for bit, in one multi-tensor op (x * 1 keeps -0, NaN and Inf), each dense
+    one in its layout."""
     return torch._foreach_mul(tensors, 1) if tensors else []
+
+
+def _same_views(tensors: list[Tensor]) -> list[Tensor]:
+    """Copies of ``tensors`` that are the same views (offsets, strides, shared storages) of copies of their storages:
+    a kernel's rounding may depend on its input's layout and alignment (a channel half of a stream is a view at an
+    offset), and a replay must compute what the eager call computes."""
+    return list(moved(tensors, lambda storages: ([s.clone() for s in storages], None))[0])
+
+
+def _laid_out(outputs: list[Tensor], received: list[Tensor | None] | None) -> list[Tensor]:
+    """Static gradients for ``outputs``: the same views as the gradients an eager call received where it did, else
+    each output's layout."""
+    received = received if received is not None and len(received) == len(outputs) else [None] * len(outputs)
+    starts = collections.Counter(g.data_ptr() for g in received if g is not None)
+    # no layout that repeats elements, nor two outputs' gradients at one address (a tensor returned twice)
+    received = [None if g is None or _broadcast(g) or starts[g.data_ptr()] > 1 else g for g in received]
+    kept = [g for g in received if g is not None]
+    copies = iter(_same_views(kept) if kept else [])
+    return [torch.zeros_like(o) if g is None else next(copies) for o, g in zip(outputs, received)]
+
+
+def _broadcast(t: Tensor) -> bool:
+    """Whether ``t`` repeats elements (a gradient expanded from a scalar): no copy can be written into its layout."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+
+
+def _plain_layouts(tensors: Sequence[Tensor]) -> bool:
+    """Whether :func:`_copies` keeps ``tensors``' layouts: each dense, none sharing a storage."""
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    return len(storages) == len(tensors) and all(
+        t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
 
 
 def _flatten(args: tuple) -> list[Tensor] | None:

@@ -17,6 +17,8 @@ One process hosts all J stages (the paper's single-device setting, the same engi
   (``tests/test_host_overhead.py`` checks that). On a GPU each op is at least one kernel launch; a multi-tensor op
   more where its list mixes dtypes or layouts (CUDA then goes tensor by tensor): ``petra_foreach_dragged`` counts
   the tensors per micro-batch that would go one by one for that reason alone.
+  With ``"cuda_graphs"`` (``ops_graphs``, the eager stand-ins of ``"emulate"``): each part's replay counted as the
+  one launch a CUDA graph's replay is, beside the ops it holds: what a graphed clock launches.
 - ``syncs``: host reads of device values inside one steady-state ``train_batch`` (``HostSyncs``), with
   the line that made each.
 - ``bytecodes``: Python bytecodes interpreted per steady-state ``train_batch`` (``Bytecodes``), fp32, at the
@@ -185,21 +187,23 @@ def plain_model(m: dict, bf16: bool) -> tuple[torch.nn.ModuleList, Callable]:
 # --- ops ---
 
 def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: bool = True, plain: bool = True,
-              **sizes: int) -> dict:
+              graphs: bool = False, **sizes: int) -> dict:
     """Ops per micro-batch: PETRA's total and per stage, plain's total and per stage (``plain=False``: PETRA's
-    alone)."""
+    alone). ``graphs``: PETRA with ``"cuda_graphs": "emulate"``, each replay one op, as the launch it is on CUDA."""
     from petra_ds.diagnostics.host_cost import InstructionScopes, OpCounter
 
     m, k = model(name, args, **sizes), args.k
-    engine = petra_engine(m, k, bf16, {"check_finite": check_finite})
+    engine = petra_engine(m, k, bf16, {"check_finite": check_finite, "cuda_graphs": "emulate" if graphs else False})
     stream = data(m)
     for _ in range(fill_calls(m["J"], k)):
         engine.train_batch(stream)
     counter = OpCounter()
     scopes = engine.observe(InstructionScopes(counter))
+    replayed = -sum(part.replays for st in engine.stages.values() for part in st.graphed)
     with counter:
         engine.train_batch(stream)
     engine.unobserve(scopes)
+    replayed += sum(part.replays for st in engine.stages.values() for part in st.graphed)
     per_stage: dict[int, float] = {j: 0.0 for j in range(m["J"])}
     for scope, total in counter.scope_totals().items():
         if scope is not None and scope[0] is not None:
@@ -209,7 +213,9 @@ def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: boo
     dragged = sum(counter.dragged.values()) / k
     if not plain:
         return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
-                "petra_ops": counter.total / k, "petra_foreach_dragged": dragged, "parts": parts}
+                "petra_ops": counter.total / k, "petra_foreach_dragged": dragged, "parts": parts,
+                "graph_replays": counter.by_name["graph_replay"] / k, "in_graphs_ops": sum(counter.in_graphs.values()) / k,
+                "parts_replayed": replayed / k}
     plain_total, plain_stages = count_plain(m, k, bf16, parts)
     return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
             "petra_ops": counter.total / k, "petra_foreach_dragged": dragged, "plain_ops": plain_total,
@@ -551,6 +557,15 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
             off = next(r for r in report["ops"] if r["model"] == row["model"] and r["dtype"] == row["dtype"]
                        and not r["check_finite"])
             row["check_finite_cost"] = row["petra_ops"] / off["petra_ops"] - 1
+        report["ops_graphs"] = []  # what a CUDA-graphed clock launches, counted with the graphs' eager stand-ins
+        for name in args.models:
+            for bf16 in (False, True):
+                row = count_ops(name, args, bf16, plain=False, graphs=True)
+                eager = next(r for r in report["ops"] if r["model"] == name and r["dtype"] == row["dtype"]
+                             and r["check_finite"])
+                row.update(plain_ops=eager["plain_ops"], ratio=row["petra_ops"] / eager["plain_ops"],
+                           eager_petra_ops=eager["petra_ops"])
+                report["ops_graphs"].append(row)
     if "syncs" in args.parts:
         report["syncs"] = [count_syncs(name, args, bf16) for name in args.models for bf16 in (False, True)]
     if "bytecodes" in args.parts:
@@ -565,6 +580,10 @@ def print_report(report: dict) -> None:
               f"PETRA {row['petra_ops']:.0f} vs plain {row['plain_ops']:.0f} = {row['ratio']:.3f}x "
               f"(check_finite +{row['check_finite_cost']:.1%}); tensors CUDA's foreach kernels would take one by "
               f"one: {row['petra_foreach_dragged']:g}; per stage: {stages}")
+    for row in report.get("ops_graphs", []):
+        print(f"launches/micro-batch with cuda_graphs {row['model']:8s} {row['dtype']}: PETRA {row['petra_ops']:.0f} "
+              f"({row['graph_replays']:.0f} graph replays holding {row['in_graphs_ops']:.0f} ops) vs plain "
+              f"{row['plain_ops']:.0f} = {row['ratio']:.3f}x (eager PETRA {row['eager_petra_ops']:.0f})")
     for row in report.get("syncs", []):
         print(f"host syncs per train_batch {row['model']:8s} {row['dtype']}: {row['syncs']} {row['where']}")
     for row in report.get("bytecodes", []):

@@ -32,11 +32,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime.finite import fusable
+from ..runtime.graphed import REPLAY_LABEL
 from ..runtime.observe import Observer
 
 class OpCounter(TorchDispatchMode):
     """Counts every aten op dispatched while active: ``by_name[op]`` and ``by_scope[scope][op]``, where
-    ``scope`` is whatever was last set (``None`` outside any)."""
+    ``scope`` is whatever was last set (``None`` outside any). A replay of ``"cuda_graphs": "emulate"``'s eager
+    stand-ins counts as the one launch a CUDA graph's replay is (``graph_replay``); the ops it runs go to
+    ``in_graphs``. Profiler ranges are not ops."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,14 +50,32 @@ class OpCounter(TorchDispatchMode):
         #: their list is unlike them: its fused kernels take a list of dense tensors of one dtype, and any other
         #: list goes tensor by tensor, a kernel or two each (the count a CPU run can make of that GPU cost)
         self.dragged: collections.Counter[str] = collections.Counter()
+        self.in_graphs: collections.Counter[str] = collections.Counter()
+        self._ranges: list[str] = []  # the profiler ranges open, innermost last
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if func.namespace == "profiler":
+            self._range(name, args)
+            return func(*args, **(kwargs or {}))
+        if REPLAY_LABEL in self._ranges:
+            self.in_graphs[name] += 1
+            return func(*args, **(kwargs or {}))
         self.by_name[name] += 1
         self.by_scope[self.scope][name] += 1
         if name.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
             self.dragged[name] += _dragged(args[0])
         return func(*args, **(kwargs or {}))
+
+    def _range(self, name: str, args: tuple) -> None:
+        if name == "_record_function_enter_new":
+            label = args[0] if args and isinstance(args[0], str) else ""
+            if label == REPLAY_LABEL and REPLAY_LABEL not in self._ranges:
+                self.by_name["graph_replay"] += 1
+                self.by_scope[self.scope]["graph_replay"] += 1
+            self._ranges.append(label)
+        elif name == "_record_function_exit" and self._ranges:
+            self._ranges.pop()
 
     @property
     def total(self) -> int:

@@ -56,6 +56,9 @@ EMULATE = "emulate"
 MAX_SIGNATURES = 8
 #: eager calls that settle a capture's kernels (cuDNN's choices, lazy allocations) before it is recorded
 WARMUP = 2
+#: the profiler range of a replay: always for the eager stand-ins (``OpCounter`` counts what runs inside as one launch),
+#: on CUDA while a profiler records
+REPLAY_LABEL = "petra_ds.graph_replay"
 
 _SIGNATURE = operator.attrgetter("shape", "dtype", "requires_grad")
 _TRACKS = operator.attrgetter("track_running_stats")
@@ -79,7 +82,7 @@ def graph_layers(layers: Iterable[object], mode: bool | str, device_type: str) -
 
 class GraphedForward:
     """A module's ``forward`` that replays graphs (module docstring). ``captured``: the signatures captured;
-    ``replays``: the calls that replayed one."""
+    ``replays``: the graphs replayed (a forward per call, a VJP per backward)."""
 
     def __init__(self, module: nn.Module, capture: Callable) -> None:
         self.module, self.eager, self.capture = module, module.forward, capture
@@ -87,12 +90,15 @@ class GraphedForward:
         self.graphs: dict[tuple, _Graphs] = {}
         #: per signature with grad, called once eagerly: the gradients its outputs received (None until they do)
         self.received: dict[tuple, list[Tensor | None]] = {}
-        self.replays = 0
         self._warned = False
 
     @property
     def captured(self) -> int:
         return len(self.graphs)
+
+    @property
+    def replays(self) -> int:
+        return sum(graphs.replays for graphs in self.graphs.values())
 
     def held(self) -> tuple[Tensor, ...]:
         """The static tensors of its graphs: inputs, outputs, incoming and outgoing gradients."""
@@ -118,7 +124,6 @@ class GraphedForward:
             if grad and key not in self.received:
                 return self._noting_gradients(key, args)
             graphs = self.graphs[key] = _Graphs(self, args, flat, grad, device, self.received.pop(key, None))
-        self.replays += 1
         return graphs.run(flat)
 
     def _noting_gradients(self, key: tuple, args: tuple) -> Any:
@@ -151,6 +156,7 @@ class _Graphs:
         self.params = [p for p in owner.module.parameters() if p.requires_grad] if grad else []
         self.grad = grad and (bool(self.params) or any(t.requires_grad for t in self.inputs))
         self.forwards = 0  # forward replays so far: a VJP must follow the latest
+        self.replays = 0
         module, latest = owner.module, {}
 
         def forward() -> list[Tensor]:
@@ -215,6 +221,7 @@ class _Graphs:
         torch._foreach_copy_(self.inputs, list(flat))
         self.replay_forward()
         self.forwards += 1
+        self.replays += 1
         copies = self.copy_out([self.outputs[i] for i in self.distinct])
         return [copies[i] for i in self.places]
 
@@ -226,6 +233,7 @@ class _Graphs:
                 'as it is: set "petra.cuda_graphs": false')
         torch._foreach_copy_(self.grad_outputs, list(grad_outputs))
         self.replay_vjp()
+        self.replays += 1
         present = [g for g in self.grads if g is not None]
         copies = iter(self.copy_grads(present))
         return [None if g is None else next(copies) for g in self.grads]
@@ -359,15 +367,25 @@ def _capture_cuda(bodies: Sequence[Callable[[], list]], device: str) -> tuple[li
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             results.append(body())
-        replays.append(graph.replay)
+        replays.append(functools.partial(_labelled_when_profiled, graph.replay))
     reserved = sum(segment.get("total_size", 0) for segment in torch.cuda.memory_snapshot()
                    if tuple(segment.get("segment_pool_id", ())) == tuple(pool))
     return replays, results, reserved
 
 
+def _labelled_when_profiled(replay: Callable[[], None]) -> None:
+    """A replay, a range of its own in a profiler's trace when one records (no label's cost otherwise)."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(REPLAY_LABEL):
+            replay()
+    else:
+        replay()
+
+
 def _capture_eagerly(bodies: Sequence[Callable[[], list]], device: str) -> tuple[list[Callable], list[list], int]:
     """The stand-in for :func:`_capture_cuda`: a body's first run makes its static results, and a "replay" runs it
-    again and writes what it computed into those same tensors, as a graph's replay overwrites its memory."""
+    again and writes what it computed into those same tensors, as a graph's replay overwrites its memory (inside a
+    :data:`REPLAY_LABEL` range, as one launch to ``diagnostics.host_cost.OpCounter``)."""
     replays, results = [], []
     for body in bodies:
         with HostSyncs() as reads:  # what a CUDA graph could not capture, found on any device
@@ -376,7 +394,7 @@ def _capture_eagerly(bodies: Sequence[Callable[[], list]], device: str) -> tuple
             raise RuntimeError(f"it reads device values on the host: {dict(reads.where)}")
 
         def replay(body: Callable[[], list] = body, static: list = static) -> None:
-            with torch.no_grad():
+            with torch.no_grad(), torch.profiler.record_function(REPLAY_LABEL):
                 for into, value in zip(static, body()):
                     if into is not None:
                         into.copy_(value)

@@ -110,12 +110,15 @@ class GraphedForward:
         return sum(graphs.pool_bytes for graphs in self.graphs.values())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        flat = _flatten(args)
-        if kwargs or flat is None or not self.module.training or current_draws() is not None:
+        if len(args) == 1 and type(args[0]) is Tensor:  # the common call, without the walk
+            flat, spec = args, _ONE_TENSOR
+        else:
+            flat, spec = _flatten(args)
+        if kwargs or not flat or not self.module.training or current_draws() is not None:
             return self.eager(*args, **kwargs)
         device = flat[0].device.type
         grad = torch.is_grad_enabled()
-        key = (grad, tuple(map(_SIGNATURE, flat)), _spec(args), tuple(map(_TRACKS, self.norms)),
+        key = (grad, tuple(map(_SIGNATURE, flat)), spec, tuple(map(_TRACKS, self.norms)),
                torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         graphs = self.graphs.get(key)
         if graphs is None:
@@ -123,7 +126,7 @@ class GraphedForward:
                 return self._eager_beyond_cap(args)
             if grad and key not in self.received:
                 return self._noting_gradients(key, args)
-            graphs = self.graphs[key] = _Graphs(self, args, flat, grad, device, self.received.pop(key, None))
+            graphs = self.graphs[key] = _Graphs(self, spec, flat, grad, device, self.received.pop(key, None))
         return graphs.run(flat)
 
     def _noting_gradients(self, key: tuple, args: tuple) -> Any:
@@ -149,10 +152,10 @@ class GraphedForward:
 class _Graphs:
     """One signature's graphs: static inputs, the forward (and with grad, the VJP) and their static results."""
 
-    def __init__(self, owner: GraphedForward, args: tuple, flat: list[Tensor], grad: bool, device: str,
+    def __init__(self, owner: GraphedForward, spec: tuple[int, ...], flat: Sequence[Tensor], grad: bool, device: str,
                  received: list[Tensor | None] | None) -> None:
-        self.spec = _spec(args)
-        self.inputs = [t.requires_grad_(a.requires_grad and grad) for t, a in zip(_same_views(flat), flat)]
+        self.spec = spec
+        self.inputs = [t.requires_grad_(a.requires_grad and grad) for t, a in zip(_same_views(list(flat)), flat)]
         self.params = [p for p in owner.module.parameters() if p.requires_grad] if grad else []
         self.grad = grad and (bool(self.params) or any(t.requires_grad for t in self.inputs))
         self.forwards = 0  # forward replays so far: a VJP must follow the latest
@@ -197,18 +200,19 @@ class _Graphs:
         first = {id(o): i for i, o in reversed(list(enumerate(self.outputs)))}
         self.distinct = sorted(set(first.values()))
         self.places = [self.distinct.index(first[id(o)]) for o in self.outputs]
-        distinct = [self.outputs[i] for i in self.distinct]
-        self.copy_out = _copies if _plain_layouts(distinct) else _same_views
+        self.distinct_outputs = [self.outputs[i] for i in self.distinct]
+        self.copy_out = _copies if _plain_layouts(self.distinct_outputs) else _same_views
         self.grads: list[Tensor | None] = []
         if self.grad:
             self.replay_vjp, self.grads = replays[1], results[1]
             self.wants = [t.requires_grad for t in self.inputs]
-            present = [g for g in self.grads if g is not None]
-            self.copy_grads = _copies if _plain_layouts(present) else _same_views
+            self.all_want = all(self.wants)
+            self.integral = [i for i, o in enumerate(self.outputs) if not o.is_floating_point()]
+            self.present = [g for g in self.grads if g is not None]
+            self.copy_grads = _copies if _plain_layouts(self.present) else _same_views
 
     def static(self) -> list[Tensor]:
-        extra = [*self.grad_outputs, *(g for g in self.grads if g is not None)] if self.grad else []
-        return [*self.inputs, *(self.outputs[i] for i in self.distinct), *extra]
+        return [*self.inputs, *self.distinct_outputs, *((*self.grad_outputs, *self.present) if self.grad else ())]
 
     def run(self, flat: list[Tensor]) -> Any:
         if self.grad:
@@ -218,12 +222,12 @@ class _Graphs:
         return tuple(outs) if self.out_tuple else outs[0]
 
     def forward_replay(self, flat: Sequence[Tensor]) -> list[Tensor]:
-        torch._foreach_copy_(self.inputs, list(flat))
+        torch._foreach_copy_(self.inputs, flat)
         self.replay_forward()
         self.forwards += 1
         self.replays += 1
-        copies = self.copy_out([self.outputs[i] for i in self.distinct])
-        return [copies[i] for i in self.places]
+        copies = self.copy_out(self.distinct_outputs)
+        return copies if len(copies) == len(self.places) else [copies[i] for i in self.places]
 
     def vjp_replay(self, forwards: int, grad_outputs: Sequence[Tensor]) -> list[Tensor | None]:
         if forwards != self.forwards:
@@ -231,12 +235,14 @@ class _Graphs:
                 "cuda_graphs: a part's graph ran its forward again before the backward of an earlier forward, so "
                 "its saved activations are another micro-batch's; this stage's order of calls cannot be graphed "
                 'as it is: set "petra.cuda_graphs": false')
-        torch._foreach_copy_(self.grad_outputs, list(grad_outputs))
+        torch._foreach_copy_(self.grad_outputs, grad_outputs)
         self.replay_vjp()
         self.replays += 1
-        present = [g for g in self.grads if g is not None]
-        copies = iter(self.copy_grads(present))
-        return [None if g is None else next(copies) for g in self.grads]
+        copies = self.copy_grads(self.present)
+        if len(copies) == len(self.grads):
+            return copies
+        found = iter(copies)
+        return [None if g is None else next(found) for g in self.grads]
 
 
 class _Replayed(torch.autograd.Function):
@@ -247,15 +253,18 @@ class _Replayed(torch.autograd.Function):
         ctx.graphs = graphs
         outs = graphs.forward_replay(inputs_and_params[:len(graphs.inputs)])
         ctx.forwards = graphs.forwards
-        ctx.mark_non_differentiable(*(o for o in outs if not o.is_floating_point()))
+        if graphs.integral:
+            ctx.mark_non_differentiable(*(outs[i] for i in graphs.integral))
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         graphs = ctx.graphs
-        grads = iter(graphs.vjp_replay(ctx.forwards, grad_outputs))
-        into_inputs = [next(grads) if wanted else None for wanted in graphs.wants]
-        return (None, *into_inputs, *grads)
+        grads = graphs.vjp_replay(ctx.forwards, grad_outputs)
+        if graphs.all_want:
+            return (None, *grads)
+        found = iter(grads)
+        return (None, *[next(found) if wanted else None for wanted in graphs.wants], *found)
 
 
 def _copies(tensors: list[Tensor]) -> list[Tensor]:
@@ -295,22 +304,24 @@ def _plain_layouts(tensors: Sequence[Tensor]) -> bool:
         t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
 
 
-def _flatten(args: tuple) -> list[Tensor] | None:
-    """The tensors of ``args`` (each a tensor or a tuple / list of tensors), or None if any is something else."""
-    flat = []
+def _flatten(args: tuple) -> tuple[list[Tensor] | None, tuple[int, ...]]:
+    """The tensors of ``args`` (each a tensor or a tuple / list of tensors; None if any is something else) and each
+    argument's shape: -1 a tensor, n a tuple of n."""
+    flat, spec = [], []
     for a in args:
         if type(a) is Tensor:
             flat.append(a)
+            spec.append(-1)
         elif isinstance(a, (tuple, list)) and a and all(type(t) is Tensor for t in a):
             flat.extend(a)
+            spec.append(len(a))
         else:
-            return None
-    return flat or None
+            return None, ()
+    return flat, tuple(spec)
 
 
-def _spec(args: tuple) -> tuple[int, ...]:
-    """Each argument's shape in :func:`_flatten`: -1 a tensor, n a tuple of n."""
-    return tuple(-1 if type(a) is Tensor else len(a) for a in args)
+#: the spec of one tensor argument
+_ONE_TENSOR = (-1,)
 
 
 def _unflatten(flat: Sequence[Tensor], spec: tuple[int, ...]) -> list[Any]:

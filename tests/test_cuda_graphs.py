@@ -190,10 +190,12 @@ SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 
 @pytest.mark.parametrize("spec", [
     pytest.param({"model": "revnet", "micro_batch": 2, "dropout": 0.0}, id="revnet18"),
-    pytest.param({"model": "revgpt", "micro_batch": 2, "dropout": 0.1}, id="revgpt-dropout")])
+    pytest.param({"model": "revgpt", "micro_batch": 2, "dropout": 0.1}, id="revgpt-dropout"),
+    pytest.param({"model": "decoder", "micro_batch": 2, "dropout": 0.1}, id="llama-decoder-dropout")])
 def test_two_ranks_train_the_same_bits_with_emulated_graphs(spec):
-    """RevNet18 (batch norms, downsampling stages keeping FIFOs) and RevGPT (attention, keyed dropout, token ids into
-    the embedding) at J = 4 on two ranks: parameters and every step's gradients as without graphs."""
+    """RevNet18 (batch norms, downsampling stages keeping FIFOs), RevGPT (attention, keyed dropout, token ids into
+    the embedding) and the Llama-style decoder (Hugging Face's attention and MLP modules, rotary positions) at J = 4
+    on two ranks: parameters and every step's gradients as without graphs."""
     common = {**spec, "pipe": 2, "stages_per_rank": 2, "k": 2, "train_batches": 3, "optimizer": SGD}
     graphed = launch({**common, "petra": {"cuda_graphs": "emulate"}, "probe": "test_cuda_graphs:replays"})
     assert all(r["probe"] >= 2 * 3 * 2 for r in graphed)  # every rank's parts replayed, forwards and backwards

@@ -39,7 +39,7 @@ class OpCounter(TorchDispatchMode):
     """Counts every aten op dispatched while active: ``by_name[op]`` and ``by_scope[scope][op]``, where
     ``scope`` is whatever was last set (``None`` outside any). A replay of ``"cuda_graphs": "emulate"``'s eager
     stand-ins counts as the one launch a CUDA graph's replay is (``graph_replay``); the ops it runs go to
-    ``in_graphs``. Profiler ranges are not ops."""
+    ``in_graphs``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,8 +55,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if func.namespace == "profiler":
-            self._range(name, args)
+        if func.namespace == "profiler" and self._replay_range(name, args):
             return func(*args, **(kwargs or {}))
         if REPLAY_LABEL in self._ranges:
             self.in_graphs[name] += 1
@@ -67,15 +66,19 @@ class OpCounter(TorchDispatchMode):
             self.dragged[name] += _dragged(args[0])
         return func(*args, **(kwargs or {}))
 
-    def _range(self, name: str, args: tuple) -> None:
+    def _replay_range(self, name: str, args: tuple) -> bool:
+        """Follows the profiler ranges opened and closed; whether this op opens or closes a replay's (counted as the
+        one ``graph_replay``)."""
         if name == "_record_function_enter_new":
             label = args[0] if args and isinstance(args[0], str) else ""
-            if label == REPLAY_LABEL and REPLAY_LABEL not in self._ranges:
+            self._ranges.append(label)
+            if label == REPLAY_LABEL and self._ranges.count(REPLAY_LABEL) == 1:
                 self.by_name["graph_replay"] += 1
                 self.by_scope[self.scope]["graph_replay"] += 1
-            self._ranges.append(label)
-        elif name == "_record_function_exit" and self._ranges:
-            self._ranges.pop()
+            return label == REPLAY_LABEL
+        if name == "_record_function_exit" and self._ranges:
+            return self._ranges.pop() == REPLAY_LABEL
+        return False
 
     @property
     def total(self) -> int:

@@ -11,8 +11,8 @@ from ..schedule import kept_first
 from ..util.checks import int_at_least, positive_int
 from .compensation import Combined, DelayCompensation, DelayCompensationError
 from .compiled import CUDA_GRAPH_MODES
-from .graphed import EMULATE
 from .fifo import FIFO_OFFLOADS
+from .graphed import EMULATE
 from .transport import MESSAGE_OFFLOADS
 
 INPUT_BUFFERS = ("non_reversible", "all")
@@ -59,7 +59,7 @@ class PetraConfig:
     #: unchanged). The same arithmetic up to the compiler's rounding (float64 on CPU: tested). Off by default: it
     #: costs compile time at the first clocks, and no GPU run has yet shown what it saves
     compile: bool | str = False
-    #: each of those parts replays CUDA graphs, one per argument signature, captured at its first call
+    #: each of those parts replays CUDA graphs, one per argument signature, captured at its first calls
     #: (``runtime/graphed.py``): fewer host launches where a clock is host-bound. "emulate" runs the same code with
     #: eager stand-ins on any device, to check on a CPU that a model can be graphed (bit for bit against eager).
     #: Off by default until a GPU run shows what it saves

@@ -22,10 +22,11 @@ forward of the same graph before the VJP raises instead of returning another mic
 Keyed RNG: a replay draws from the CUDA generator's seed and offset at the moment of replay, so the keyed scope
 around a part (``nn/rng.py``) seeds it as it seeds eager code, and the forward and the reconstruction draw the same
 masks. A capture runs the part a few times: the generators and the part's buffers (running statistics) are put back
-afterwards, and the call itself is the first replay, so capturing changes nothing a run computes.
+afterwards, and the capturing call is the graphs' first replay, so capturing changes nothing a run computes.
 
-A graph holds the addresses it was captured with: a parameter replaced by another tensor (weight prediction, weight
-stashing) or a Python attribute changed after capture (a dropout rate) is not seen; the config refuses the first.
+A graph holds the addresses it was captured with: a parameter replaced by another tensor (weight prediction swaps
+``.data``; weight stashing copies in place, which a graph sees) or a Python attribute changed after capture (a dropout
+rate) is not seen; the config refuses the first.
 
 ``"cuda_graphs": "emulate"`` runs this code on any device with eager stand-ins for the graphs that keep their static
 buffers and replay semantics: a check on CPU that a model's parts are safe to graph, bit for bit against eager. A
@@ -122,7 +123,7 @@ class GraphedForward:
                torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         graphs = self.graphs.get(key)
         if graphs is None:
-            if len(self.graphs) >= MAX_SIGNATURES:
+            if len(self.graphs) + len(self.received) >= MAX_SIGNATURES and key not in self.received:
                 return self._eager_beyond_cap(args)
             if grad and key not in self.received:
                 return self._noting_gradients(key, args)

@@ -53,8 +53,7 @@ def stage_tensors(engine: PetraEngine, stage: int) -> dict[str, Any]:
     gradients, optimizer state, the input buffer on the device, the host copies of its offloaded entries
     (``fifo_host``), the parameter buffer, stage 0's raw micro-batches, messages held, the host copies of its parked
     messages (``messages_host``), the static tensors of its CUDA graphs and the delay compensation's state. All on
-    the stage's device but
-    :data:`HOST_PARTS`."""
+    the stage's device but :data:`HOST_PARTS`."""
     st = engine.stages[stage]
     optimizer = engine.stage_optimizers[stage - engine.local_stage_ids[0]]
     state = {} if optimizer is None else optimizer.state

@@ -35,8 +35,8 @@ from .compensation import NoCompensation
 from .compiled import compile_layers
 from .fifo import InputFifo, StreamCopies, saved_entries
 from .finite import FiniteWatch
-from .graphed import graph_layers
 from .grad_buffer import StageGrads
+from .graphed import graph_layers
 from .ledger import tensor_bytes
 from .scope import StageScope
 

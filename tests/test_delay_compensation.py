@@ -103,9 +103,14 @@ def test_the_forward_runs_on_predicted_weights_and_gets_the_stored_ones_back():
     w.grad = torch.tensor([1.0, -1.0])
     prediction.step(opt.step, opt, 1)
     storage = w.data_ptr()
-    with prediction.forward_weights():
+    x = torch.tensor([3.0, 4.0], requires_grad=True)
+    tape = (w * x).sum()  # a graph that saved w before the forward (a reconstruction's, earlier in the clock)
+    with prediction.forward_weights():  # in the weight's own storage, which a CUDA graph reads
         assert torch.equal(w, torch.tensor([0.5, 2.5]) + 1.5 * torch.tensor([-0.5, 0.5]))
+        assert w.data_ptr() == storage
     assert w.data_ptr() == storage and torch.equal(w, torch.tensor([0.5, 2.5]))
+    (dx,) = torch.autograd.grad(tape, [x])  # autograd does not see an in-place change it would refuse
+    assert torch.equal(dx, torch.tensor([0.5, 2.5]))
 
 
 def test_lr_rescale_divides_by_the_delay_then_anneals_to_the_schedule():

@@ -208,19 +208,22 @@ class WeightPrediction(StageCompensation):
 
     @contextmanager
     def forward_weights(self) -> Iterator[None]:
+        """``w_hat`` written into the weights' own storage and ``w`` written back after (a CUDA graph reads the
+        storage it was captured with), through ``.data``: autograd's version counts do not move, so a tape that
+        saved a weight earlier in the clock still finds ``w`` there at its backward."""
         if self.d is None or self.ahead == 0:
             yield
             return
-        current = [p.data for p in self.params]
-        with torch.no_grad():  # one multi-tensor op for the stage
-            predicted = torch._foreach_add(current, torch._foreach_mul(self.d, self.ahead))
+        weights = [p.data for p in self.params]
+        stored = [torch.empty_like(w) for w in weights]
+        with torch.no_grad():  # multi-tensor ops for the stage
+            torch._foreach_copy_(stored, weights)
+            torch._foreach_add_(weights, torch._foreach_mul(self.d, self.ahead))
         try:
-            for p, w_hat in zip(self.params, predicted):
-                p.data = w_hat
             yield
         finally:
-            for p, w in zip(self.params, current):
-                p.data = w
+            with torch.no_grad():
+                torch._foreach_copy_(weights, stored)
 
     def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
         with torch.no_grad():  # multi-tensor ops: a few ops per step for the stage, not a few per tensor

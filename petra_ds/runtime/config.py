@@ -163,9 +163,6 @@ class PetraConfig:
         if self.cuda_graphs is False:
             return
         clashes = [(self.compile, '"petra.compile" (compiled code and graphs of it are not checked together)'),
-                   ("weight_prediction" in self.delay_compensation.method.split("+"),
-                    '"weight_prediction" in "petra.delay_compensation" (its forward swaps in other weight tensors, '
-                    'and a graph reads the ones it was captured with)'),
                    (self.reconstruct_overlap, '"petra.reconstruct_overlap" (replays on its second stream are not '
                     'checked)')]
         for clash, what in clashes:

@@ -24,9 +24,9 @@ around a part (``nn/rng.py``) seeds it as it seeds eager code, and the forward a
 masks. A capture runs the part a few times: the generators and the part's buffers (running statistics) are put back
 afterwards, and the capturing call is the graphs' first replay, so capturing changes nothing a run computes.
 
-A graph holds the addresses it was captured with: a parameter replaced by another tensor (weight prediction swaps
-``.data``; weight stashing copies in place, which a graph sees) or a Python attribute changed after capture (a dropout
-rate) is not seen; the config refuses the first.
+A graph holds the addresses it was captured with: a parameter moved to other memory (replaced, or its ``.data``
+reassigned) fails the next replay, which checks; weight prediction and weight stashing write into the weights'
+storage. A Python attribute changed after capture (a dropout rate) is not seen.
 
 ``"cuda_graphs": "emulate"`` runs this code on any device with eager stand-ins for the graphs that keep their static
 buffers and replay semantics: a check on CPU that a model's parts are safe to graph, bit for bit against eager. A
@@ -62,6 +62,7 @@ WARMUP = 2
 REPLAY_LABEL = "petra_ds.graph_replay"
 
 _SIGNATURE = operator.attrgetter("shape", "dtype", "requires_grad")
+_ADDRESS = Tensor.data_ptr
 _TRACKS = operator.attrgetter("track_running_stats")
 
 
@@ -161,6 +162,9 @@ class _Graphs:
         self.grad = grad and (bool(self.params) or any(t.requires_grad for t in self.inputs))
         self.forwards = 0  # forward replays so far: a VJP must follow the latest
         self.replays = 0
+        #: the module's parameters and where they lived at capture: what the graphs read
+        self.weights = list(owner.module.parameters())
+        self.addresses = tuple(map(_ADDRESS, self.weights))
         module, latest = owner.module, {}
 
         def forward() -> list[Tensor]:
@@ -223,6 +227,11 @@ class _Graphs:
         return tuple(outs) if self.out_tuple else outs[0]
 
     def forward_replay(self, flat: Sequence[Tensor]) -> list[Tensor]:
+        if tuple(map(_ADDRESS, self.weights)) != self.addresses:
+            raise RuntimeError(
+                "cuda_graphs: a parameter of a graphed part now lives in other memory than when its graph was "
+                "captured (replaced, or its .data reassigned), and the graph would read the old memory: write new "
+                'values into the parameter in place, or set "petra.cuda_graphs": false')
         torch._foreach_copy_(self.inputs, flat)
         self.replay_forward()
         self.forwards += 1

@@ -232,12 +232,17 @@ class _Graphs:
                 "cuda_graphs: a parameter of a graphed part now lives in other memory than when its graph was "
                 "captured (replaced, or its .data reassigned), and the graph would read the old memory: write new "
                 'values into the parameter in place, or set "petra.cuda_graphs": false')
-        torch._foreach_copy_(self.inputs, flat)
-        self.replay_forward()
         self.forwards += 1
-        self.replays += 1
-        copies = self.copy_out(self.distinct_outputs)
+        copies = self._replayed(self.inputs, flat, self.replay_forward, self.copy_out, self.distinct_outputs)
         return copies if len(copies) == len(self.places) else [copies[i] for i in self.places]
+
+    def _replayed(self, static: list[Tensor], values: Sequence[Tensor], replay: Callable[[], None],
+                  copy: Callable[[list[Tensor]], list[Tensor]], results: list[Tensor]) -> list[Tensor]:
+        """``values`` into a graph's ``static`` inputs, the graph replayed, and copies of its ``results``."""
+        torch._foreach_copy_(static, values)
+        replay()
+        self.replays += 1
+        return copy(results)
 
     def vjp_replay(self, forwards: int, grad_outputs: Sequence[Tensor]) -> list[Tensor | None]:
         if forwards != self.forwards:
@@ -245,10 +250,7 @@ class _Graphs:
                 "cuda_graphs: a part's graph ran its forward again before the backward of an earlier forward, so "
                 "its saved activations are another micro-batch's; this stage's order of calls cannot be graphed "
                 'as it is: set "petra.cuda_graphs": false')
-        torch._foreach_copy_(self.grad_outputs, grad_outputs)
-        self.replay_vjp()
-        self.replays += 1
-        copies = self.copy_grads(self.present)
+        copies = self._replayed(self.grad_outputs, grad_outputs, self.replay_vjp, self.copy_grads, self.present)
         if len(copies) == len(self.grads):
             return copies
         found = iter(copies)

@@ -214,8 +214,8 @@ def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: boo
     if not plain:
         return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
                 "petra_ops": counter.total / k, "petra_foreach_dragged": dragged, "parts": parts,
-                "graph_replays": counter.by_name["graph_replay"] / k, "in_graphs_ops": sum(counter.in_graphs.values()) / k,
-                "parts_replayed": replayed / k}
+                "graph_replays": counter.by_name["graph_replay"] / k,
+                "in_graphs_ops": sum(counter.in_graphs.values()) / k, "parts_replayed": replayed / k}
     plain_total, plain_stages = count_plain(m, k, bf16, parts)
     return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
             "petra_ops": counter.total / k, "petra_foreach_dragged": dragged, "plain_ops": plain_total,

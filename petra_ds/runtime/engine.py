@@ -67,7 +67,7 @@ class PetraEngine(PipelineEngine):
             param_buffer=petra_config.param_buffer, bn_policy=BatchNormPolicy(petra_config.bn_running_stats),
             autocast_dtype=torch.bfloat16 if bf16 else None, device_type=self.device.type,
             check_reversible=petra_config.check_reversible, reconstruct_overlap=petra_config.reconstruct_overlap,
-            compile=petra_config.compile, fifo_offload=petra_config.fifo_offload, cuda_graphs=petra_config.cuda_graphs)
+            compile=petra_config.compile, cuda_graphs=petra_config.cuda_graphs, fifo_offload=petra_config.fifo_offload)
         #: keyed random draws go by row blocks of the global micro-batch: this run's first degree's replicas
         self.row_blocks, self._options = self.grid.data_parallel_size, options
         replicas = self.grid.data_parallel_size > 1

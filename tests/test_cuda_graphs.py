@@ -4,48 +4,42 @@ stand-ins of ``"emulate"`` against the same engine without graphs, bit for bit; 
 
 import pytest
 import torch
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from harness import assert_same_bits, launch
 
-import petra_ds
 from petra_ds.diagnostics.settings import format_settings
 from petra_ds.runtime.config import PetraConfig, PetraConfigError
-from petra_ds.runtime.graphed import MAX_SIGNATURES, GraphedForward, graph_layers
-from petra_ds.tools.toy import toy_data, toy_layer_specs
+from petra_ds.runtime.graphed import MAX_SIGNATURES, graph_layers
 
 J, K = 3, 2
+SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+#: the toy (Stem, Mixes, Head, and couplings) at J = 3 in one process, 4 windows of k = 2 and a drain, with dropout
+TOY = {"pipe": 1, "stages_per_rank": J, "k": K, "train_batches": 4, "dropout": 0.1, "optimizer": SGD}
 
 
-def train(graphs, batchnorm: bool, extra: dict | None = None):
-    torch.set_default_dtype(torch.float64)
-    model = petra_ds.PetraPipelineModule(
-        toy_layer_specs(0.1, batchnorm), topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
-        loss_fn=torch.nn.CrossEntropyLoss(), stages_per_rank=J, partition_method="uniform", base_seed=1234)
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": K, "steps_per_print": 10**9,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
-              "petra": {"stages_per_rank": J, "cuda_graphs": graphs, **(extra or {})}}
-    engine, *_ = petra_ds.initialize(model=model, config=config)
-    data = iter(toy_data(4 * K, 4, 0, torch.float64))
-    losses = [engine.train_batch(data).item() for _ in range(4)] + [engine.drain().item()]
-    state = {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
-    forwards = [m.forward for m in engine.module.modules() if isinstance(m.__dict__.get("forward"), GraphedForward)]
-    return losses, state, forwards
+def graphed_parts(engine) -> dict:
+    """(in the rank) each graphed part's signatures captured and graphs replayed, and the module's state, running
+    statistics included."""
+    return {"parts": [(f.captured, f.replays) for st in engine.stages.values() for f in st.graphed],
+            "state": {n: t.detach().clone() for n, t in engine.module.state_dict().items()}}
 
 
 @pytest.mark.parametrize("batchnorm", [False, True], ids=["dropout", "dropout+batchnorm"])
 @pytest.mark.parametrize("extra", [{}, {"fifo_offload": "cpu", "input_buffer": "all"}], ids=["", "fifo"])
-def test_emulated_graphs_train_as_eager_parts_do_bit_for_bit(world_of_one, batchnorm, extra):
+def test_emulated_graphs_train_as_eager_parts_do_bit_for_bit(batchnorm, extra):
     """Keyed dropout, batch norms' running statistics (updated once per micro-batch, in the reconstruction, though
     each capture runs a part three times), parameter and input gradients: the same bits over 4 windows and a drain,
     every stage's parts replaying their graphs (one without grad for the forward, one with for the backward)."""
-    eager_losses, eager_state, none = train(False, batchnorm, extra)
-    losses, state, forwards = train("emulate", batchnorm, extra)
-    assert none == [] and len(forwards) == 12  # the Stem, Mixes and Head, and each coupling's F and G
-    assert all(f.captured == 2 for f in forwards)
-    replays = sorted(f.replays for f in forwards)  # the last stage's 4 parts: a forward with grad per micro-batch
+    spec = {**TOY, "batchnorm": batchnorm, "probe": "test_cuda_graphs:graphed_parts"}
+    eager = launch({**spec, "petra": extra})
+    graphed = launch({**spec, "petra": {**extra, "cuda_graphs": "emulate"}})
+    assert_same_bits(graphed, eager)
+    (eager_probe,), (probe,) = [r["probe"] for r in eager], [r["probe"] for r in graphed]
+    assert eager_probe["parts"] == [] and len(probe["parts"]) == 12  # the Stem, Mixes and Head, couplings' F and G
+    assert all(captured == 2 for captured, _ in probe["parts"])
+    replays = sorted(replayed for _, replayed in probe["parts"])  # the last stage's 4 parts: no reconstruction
     assert min(replays[:4]) >= 4 * K and min(replays[4:]) >= 2 * 4 * K, replays
+    state, eager_state = probe["state"], eager_probe["state"]
     assert state.keys() == eager_state.keys()  # graphed in place: the same names, the same checkpoints
-    assert losses == pytest.approx(eager_losses, rel=0, abs=0, nan_ok=True)  # the first window has no loss yet
     for name, value in eager_state.items():
         assert torch.equal(state[name], value), name
 
@@ -138,30 +132,30 @@ def test_settings_graphs_cannot_serve_are_refused_with_what_to_change(other):
     assert PetraConfig.from_dict({"cuda_graphs": False, **other}).cuda_graphs is False
 
 
-def test_memory_report_names_what_the_graphs_hold(world_of_one):
-    """The graphs' static tensors are a stage's ``graphs`` bytes (and the held-bytes tracker's category); the eager
-    stand-ins reserve no pool."""
-    torch.set_default_dtype(torch.float64)
-    model = petra_ds.PetraPipelineModule(
-        toy_layer_specs(0.0, True), topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
-        loss_fn=torch.nn.CrossEntropyLoss(), stages_per_rank=J, partition_method="uniform", base_seed=1234)
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": K, "steps_per_print": 10**9,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "petra": {"stages_per_rank": J,
-                                                                          "cuda_graphs": "emulate"}}
-    engine, *_ = petra_ds.initialize(model=model, config=config)
-    data = iter(toy_data(4 * K, 4, 0, torch.float64))
-    for _ in range(3):
-        engine.train_batch(data)
-    report = engine.memory_report()
+def graph_memory(engine) -> dict:
+    """(in the rank) per stage, the graphs' bytes as the memory report and the holdings see them, and as their
+    static tensors add up; whether any is a weight itself; and what rank 0 printed."""
+    report, stages = engine.memory_report(), {}
     for j, stage in engine.stages.items():
         held = [t for graphed in stage.graphed for t in graphed.held()]
-        assert report[j]["graphs"] == sum(t.numel() * t.element_size() for t in held) > 0, j
-        assert engine.holdings(j).categories()["graphs"] == tuple(held)
-        assert report[j]["graph_pools"] == 0
-        params = {p.untyped_storage().data_ptr() for p in stage.params}
-        assert not params & {t.untyped_storage().data_ptr() for t in held}  # copies, not the weights themselves
-    assert "CUDA graphs (eager stand-ins): 12 parts of this rank's stages replay graphs" in format_settings(
-        engine.run_settings)
+        weights = {p.untyped_storage().data_ptr() for p in stage.params}
+        stages[j] = {"reported": report[j]["graphs"], "pools": report[j]["graph_pools"],
+                     "held": sum(t.numel() * t.element_size() for t in held),
+                     "holdings": engine.holdings(j).categories()["graphs"] == tuple(held),
+                     "weights": bool(weights & {t.untyped_storage().data_ptr() for t in held})}
+    return {"stages": stages, "printed": format_settings(engine.run_settings)}
+
+
+def test_memory_report_names_what_the_graphs_hold():
+    """The graphs' static tensors are a stage's ``graphs`` bytes (and the held-bytes tracker's category); the eager
+    stand-ins reserve no pool."""
+    (result,) = launch({**TOY, "dropout": 0.0, "batchnorm": True, "train_batches": 3, "drain": False,
+                        "petra": {"cuda_graphs": "emulate"}, "probe": "test_cuda_graphs:graph_memory"})
+    for j, stage in result["probe"]["stages"].items():
+        assert stage["reported"] == stage["held"] > 0 and stage["holdings"], (j, stage)
+        assert stage["pools"] == 0
+        assert not stage["weights"]  # copies, not the weights themselves
+    assert "CUDA graphs (eager stand-ins): 12 parts of this rank's stages replay graphs" in result["probe"]["printed"]
 
 
 class Syncing(torch.nn.Module):
@@ -182,9 +176,6 @@ def test_a_part_that_reads_device_values_on_the_host_is_refused_at_capture_with_
     with pytest.raises(RuntimeError, match=r'cuda_graphs": Syncing cannot be captured.*_local_scalar_dense.*'
                                            r'"petra.cuda_graphs": false'), torch.no_grad():
         module(torch.randn(4, 3, dtype=torch.float64))
-
-
-SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
 
 
 @pytest.mark.parametrize("spec", [

@@ -199,11 +199,11 @@ def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: boo
         engine.train_batch(stream)
     counter = OpCounter()
     scopes = engine.observe(InstructionScopes(counter))
-    replayed = -sum(part.replays for st in engine.stages.values() for part in st.graphed)
+    replays_before = _replays(engine)
     with counter:
         engine.train_batch(stream)
     engine.unobserve(scopes)
-    replayed += sum(part.replays for st in engine.stages.values() for part in st.graphed)
+    replayed = _replays(engine) - replays_before
     per_stage: dict[int, float] = {j: 0.0 for j in range(m["J"])}
     for scope, total in counter.scope_totals().items():
         if scope is not None and scope[0] is not None:
@@ -225,6 +225,11 @@ def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: boo
             "stages": [{"stage": j, "kind": kinds[j], "petra_ops": per_stage[j], "plain_ops": plain_stages[j],
                         "ratio": per_stage[j] / plain_stages[j]} for j in range(m["J"])],
             "petra_by_op": {op: n / k for op, n in counter.by_name.most_common()}}
+
+
+def _replays(engine: Any) -> int:
+    """The graphs the engine's graphed parts have replayed so far (``cuda_graphs``)."""
+    return sum(part.replays for stage in engine.stages.values() for part in stage.graphed)
 
 
 def stage_kind(stage: Any) -> str:

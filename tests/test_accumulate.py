@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from petra_ds.diagnostics.host_cost import OpCounter
-from petra_ds.nn.accumulate import backprop, parameters_fixed
+from petra_ds.nn.accumulate import backprop
+from petra_ds.nn.window import modules_fixed
 
 
 def _block(seed: int) -> nn.Module:
@@ -21,10 +22,10 @@ def _inputs(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("fixed", [False, True], ids=["parameters looked up per graph", "inside parameters_fixed"])
+@pytest.mark.parametrize("fixed", [False, True], ids=["parameters looked up per graph", "inside modules_fixed"])
 def test_gradients_equal_autograd_accumulation_bit_for_bit_over_micro_batches(fixed):
     ours, theirs = _block(0), _block(0)
-    with parameters_fixed() if fixed else nullcontext():
+    with modules_fixed() if fixed else nullcontext():
         _accumulate_both(ours, theirs)
 
 

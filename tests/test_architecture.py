@@ -23,6 +23,11 @@ THIRD_PARTY = {
              "that its process groups end before the interpreter's teardown (DeepSpeed has no reset)",
     "_dynamo": "torch._dynamo.config.disable: DeepSpeed's Muon kernel runs eagerly on CPU instead of a torch.compile "
                "build (the only switch besides TORCHDYNAMO_DISABLE before torch is imported)",
+    "_forward_hooks": "a torch module's forward hooks: whether user code can run in its forward (nn.draws keys a "
+                      "branch's random stream unless nothing there can draw; torch has no public query)",
+    "_forward_pre_hooks": "a torch module's forward pre-hooks, see _forward_hooks",
+    "_global_forward_hooks": "torch's forward hooks registered for every module, see _forward_hooks",
+    "_global_forward_pre_hooks": "torch's forward pre-hooks registered for every module, see _forward_hooks",
     "_foreach_abs": "torch's multi-tensor ops (what torch's own optimizers and clip_grad_norm_ use): one fused op "
                     "per list of tensors instead of one per tensor",
     "_foreach_max": "torch's multi-tensor maximum, see _foreach_abs",

@@ -442,7 +442,8 @@ def structure_call(m: dict, k: int, module: Any = None) -> Callable[[], Any]:
     recomputation at stage 0 and at a stage that keeps its input), then every stage clipped and stepped. No
     schedule, keyed RNG, NaN watch or messages: what an engine on these layers cannot go below. ``module``: the
     stages' ``PetraPipelineModule`` (default: ``petra_module(m)``'s)."""
-    from petra_ds.nn.accumulate import backprop, parameters_fixed
+    from petra_ds.nn.accumulate import backprop
+    from petra_ds.nn.window import modules_fixed
     from petra_ds.nn.reversible import GraphTape, SequentialTape, as_tuple, detach_leaf, reconstruct, shaped_like
     from petra_ds.pipeline.module import layer_module, stage_layers, stage_reversible
     from petra_ds.schedule.clock import reconstructs
@@ -485,7 +486,7 @@ def structure_call(m: dict, k: int, module: Any = None) -> Callable[[], Any]:
                 dy = recomputed(j, inputs[j], dy)
 
     def call() -> None:
-        with parameters_fixed():
+        with modules_fixed():
             for _ in range(k):
                 micro_batch(*next(stream))
         for stage, optimizer in zip(params, optimizers):

@@ -23,6 +23,7 @@ would not sync; the engine's own reads would.
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import sys
 from types import FrameType
@@ -103,7 +104,8 @@ class Bytecodes:
     of their code (``by_area``: ``petra_ds.<subpackage>``, ``torch``, ``deepspeed``, or ``other``). Machine-
     independent, as op counts are: a C call (an op, a ``dict`` copy) is one bytecode whatever it costs, so the
     count measures the interpreted glue around the ops, not the ops. Tracing slows Python tenfold or more: count
-    one call, not a timed one."""
+    one call, not a timed one. Earlier garbage is collected on entry and the collector waits while counting: the
+    finalizers of another run's objects are not this call's bytecodes."""
 
     def __init__(self) -> None:
         self.by_area: collections.Counter[str] = collections.Counter()
@@ -115,12 +117,17 @@ class Bytecodes:
         return sum(self.by_area.values())
 
     def __enter__(self) -> "Bytecodes":
+        gc.collect()
+        self._collecting = gc.isenabled()
+        gc.disable()
         self._previous = sys.gettrace()
         sys.settrace(self._frame)
         return self
 
     def __exit__(self, *exc: object) -> None:
         sys.settrace(self._previous)
+        if self._collecting:
+            gc.enable()
 
     def _frame(self, frame: FrameType, event: str, arg: Any) -> Callable | None:
         if frame.f_code is _EXIT:  # the counter's own way out

@@ -35,6 +35,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..nn.coupling import AdditiveCoupling, HalfCoupling
+from ..nn.draws import by_children
 from .attention import cached_attention_mask
 from .layer_states import State, load_into, split_by_prefix
 from .transformer import GRAINS, init_normal, tied_logits
@@ -106,8 +107,25 @@ def prepared(config: PretrainedConfig) -> PretrainedConfig:
     return config
 
 
+def dropout_rate(config: PretrainedConfig) -> float:
+    """The largest dropout rate ``config`` sets (``attention_dropout``; ``*dropout*`` or ``*pdrop*`` elsewhere): the
+    decoder layers Hugging Face builds from a config draw random numbers through those rates only."""
+    rates = [float(value) for name, value in vars(config).items()
+             if ("dropout" in name or "pdrop" in name) and type(value) in (int, float)]
+    return max(rates, default=0.0)
+
+
+def _config_draws(part: nn.Module) -> bool:
+    """``draws_random`` (``petra_ds.nn.draws``) of F or G, made of a Hugging Face decoder layer's modules: in
+    training, when its config sets a dropout rate (``part.config_dropout``) or its attention's rate was raised since."""
+    rate = max(part.config_dropout, float(getattr(getattr(part, "self_attn", None), "attention_dropout", 0.0)))
+    return part.training and rate > 0
+
+
 class DecoderEmbedding(nn.Module):
     """``embed_tokens``; both streams start from the same ``h``."""
+
+    draws_random = by_children  # an nn.Embedding (``petra_ds.nn.draws``)
 
     def __init__(self, config: PretrainedConfig, state: State | None = None) -> None:
         super().__init__()
@@ -131,11 +149,14 @@ class DecoderAttention(nn.Module):
 
     ``cache`` (a Hugging Face ``Cache``) is for generation: the layer appends its keys and values there."""
 
+    draws_random = _config_draws
+
     def __init__(self, config: PretrainedConfig, layer: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = layer.input_layernorm
         self.self_attn = layer.self_attn
         self.rotary_emb = _hf_class(config, "RotaryEmbedding")(config)
+        self.config_dropout = dropout_rate(config)
         # a config that names its layers' types says which attend through a window (check_config refuses those:
         # Qwen2's sliding_window then applies to none), one that does not (Mistral) windows every layer
         self.window = None if getattr(config, "layer_types", None) else getattr(config, "sliding_window", None)
@@ -159,8 +180,11 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     """G: Hugging Face's ``mlp(post_attention_layernorm(y1))``."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    draws_random = _config_draws
+
+    def __init__(self, config: PretrainedConfig, layer: nn.Module) -> None:
         super().__init__()
+        self.config_dropout = dropout_rate(config)
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.mlp = layer.mlp
 
@@ -180,7 +204,7 @@ class DecoderBlock(AdditiveCoupling):
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, state: State | None = None) -> None:
         layer = initialised_layer(config, layer_idx)
-        super().__init__(DecoderAttention(config, layer), DecoderMLP(layer))
+        super().__init__(DecoderAttention(config, layer), DecoderMLP(config, layer))
         load_into(self, state, f"layer {layer_idx}")
 
 
@@ -199,7 +223,7 @@ class DecoderMLPHalf(HalfCoupling):
     attends = False
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, state: State | None = None) -> None:
-        super().__init__(DecoderMLP(initialised_layer(config, layer_idx)), updates=2)
+        super().__init__(DecoderMLP(config, initialised_layer(config, layer_idx)), updates=2)
         load_into(self, state, f"layer {layer_idx}'s MLP")
 
 
@@ -211,12 +235,18 @@ class DecoderNorm(nn.Module):
         self.norm = _hf_class(prepared(config), "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
         load_into(self, state, "final norm")
 
+    def draws_random(self) -> bool:
+        """An RMS norm draws nothing (``petra_ds.nn.draws``)."""
+        return False
+
     def forward(self, x: tuple[Tensor, Tensor]) -> Tensor:
         y1, y2 = x
         return self.norm((y1 + y2) / 2)
 
 
 class DecoderHead(nn.Module):
+    draws_random = by_children
+
     def __init__(self, config: PretrainedConfig, state: State | None = None) -> None:
         super().__init__()
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn import SwapCoupling
+from ..nn.draws import by_children
 
 DEPTHS = {18: ("basic", (2, 2, 2, 2)), 34: ("basic", (3, 4, 6, 3)), 50: ("bottleneck", (3, 4, 6, 3))}
 
@@ -53,6 +54,8 @@ def _out_channels(kind: str, width: int) -> int:
 class Stem(nn.Module):
     """Non-reversible input layer; with ``streams=2`` its output is split into the RevNet's pair."""
 
+    draws_random = by_children  # its layers decide (``petra_ds.nn.draws``)
+
     def __init__(self, channels: int, cifar: bool, streams: int = 1) -> None:
         super().__init__()
         self.streams = streams
@@ -80,6 +83,8 @@ class RevBlock(SwapCoupling):
 class DownsampleBlock(nn.Module):
     """Non-reversible swap block where shapes change: ``y1 = P1(x2)``, ``y2 = P2(x1) + F(x2)``."""
 
+    draws_random = by_children
+
     def __init__(self, kind: str, in_channels: int, width: int, stride: int) -> None:
         super().__init__()
         out = _out_channels(kind, width)
@@ -93,6 +98,8 @@ class DownsampleBlock(nn.Module):
 
 
 class RevHead(nn.Module):
+    draws_random = by_children
+
     def __init__(self, channels: int, num_classes: int) -> None:
         super().__init__()
         self.fc = nn.Linear(2 * channels, num_classes)
@@ -103,6 +110,8 @@ class RevHead(nn.Module):
 
 class ResBlock(nn.Module):
     """Standard ResNet block (the baseline): relu(x + F(x)), projection shortcut where shapes change."""
+
+    draws_random = by_children
 
     def __init__(self, kind: str, in_channels: int, width: int, stride: int) -> None:
         super().__init__()
@@ -116,6 +125,8 @@ class ResBlock(nn.Module):
 
 
 class ResHead(nn.Module):
+    draws_random = by_children
+
     def __init__(self, channels: int, num_classes: int) -> None:
         super().__init__()
         self.fc = nn.Linear(channels, num_classes)

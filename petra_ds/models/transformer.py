@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..nn.coupling import AdditiveCoupling, HalfCoupling
+from ..nn.draws import by_children
 from .attention import cached_attention_mask
 
 TIE_KEY = "embedding"
@@ -64,6 +65,8 @@ def init_normal(module: nn.Module, std: float = 0.02) -> None:
 
 class Embedding(nn.Module):
     """Token and learned position embeddings, both streams start from the same ``h``."""
+
+    draws_random = by_children  # its dropout decides (``petra_ds.nn.draws``)
 
     def __init__(self, vocab_size: int, d_model: int, seq_len: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -108,6 +111,10 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = dropout
         self.dropout = nn.Dropout(dropout)
 
+    def draws_random(self) -> bool:
+        """Its attention's dropout draws in training when ``attn_dropout > 0``, its output's by its module."""
+        return (self.training and self.attn_dropout > 0) or by_children(self)
+
     def forward(self, x: Tensor, cache: Any = None, layer: int = 0, **_: Any) -> Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm(x)).split(d, dim=-1)
@@ -122,6 +129,8 @@ class CausalSelfAttention(nn.Module):
 
 class MLP(nn.Module):
     """G: pre-norm two-layer MLP with GELU."""
+
+    draws_random = by_children
 
     def __init__(self, d_model: int, ratio: int = 4, dropout: float = 0.0) -> None:
         super().__init__()
@@ -171,6 +180,8 @@ class MLPHalf(HalfCoupling):
 class FinalNorm(nn.Module):
     """(y1, y2) -> LayerNorm of their mean: one stream for the head."""
 
+    draws_random = by_children
+
     def __init__(self, d_model: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
@@ -181,6 +192,8 @@ class FinalNorm(nn.Module):
 
 
 class LMHead(nn.Module):
+    draws_random = by_children
+
     def __init__(self, d_model: int, vocab_size: int) -> None:
         super().__init__()
         self.linear = nn.Linear(d_model, vocab_size, bias=False)
@@ -193,6 +206,9 @@ class LMHead(nn.Module):
 def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean next-token cross-entropy (labels already shifted; -100 is ignored), computed in fp32."""
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+
+
+lm_loss.draws_random = lambda: False  # a cross-entropy (``petra_ds.nn.draws``)
 
 
 def revgpt_layers(config: RevGPTConfig) -> list[LayerSpec]:

@@ -10,22 +10,22 @@ fresh gradients without a copy and knows when one is shared and must be copied.
 
 Which parameters a graph accumulates into is its owner's (a coupling's F, a stage): checked against the first
 graph after the owner's parameters last changed. An owner whose graph reaches a parameter it does not hold (a
-closure over another module's weight) keeps autograd's accumulation, which finds every parameter. Inside
-:func:`parameters_fixed` (the engine's ``train_batch`` window, where no user code runs) an owner's parameters
-are collected and checked once, not at every graph.
+closure over another module's weight) keeps autograd's accumulation, which finds every parameter. Inside the
+engine's window (``window.modules_fixed``) an owner's parameters are collected and checked once, not at every
+graph.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-import threading
 import weakref
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
+
+from .window import window_cache
 
 #: a tensor's ``.grad`` and ``.requires_grad`` read at C level: per-tensor loops through ``map`` and ``filter``
 #: run no Python frame per tensor (a stage runs them per graph and per backward)
@@ -35,34 +35,15 @@ _IS_NONE = functools.partial(operator.is_, None)
 #: owner -> (the ids of the parameters it held when checked, whether its graph reaches no others)
 _CHECKED: "weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], bool]]" = weakref.WeakKeyDictionary()
 
-
-class _Fixed(threading.local):
-    #: owner -> (its trainable parameters, whether its graph reaches no others), inside :func:`parameters_fixed`
-    #: (None outside)
-    owners: dict[Any, tuple[list[Tensor], bool]] | None = None
-
-
-_fixed = _Fixed()
-
 #: the engine call that ``torch.autograd.grad`` and ``backward`` make after checking their arguments (None on a torch
 #: without it)
 ENGINE_ENTRY = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
-@contextmanager
-def parameters_fixed() -> Iterator[None]:
-    """Within it, no module gains, loses or freezes a parameter: each owner's are collected and checked once."""
-    previous, _fixed.owners = _fixed.owners, {}
-    try:
-        yield
-    finally:
-        _fixed.owners = previous
-
-
 def _trainable(owner: Any, outputs: Sequence[Tensor], leaves: Sequence[Tensor]) -> tuple[list[Tensor], bool]:
     """``owner``'s trainable parameters, and whether its graphs accumulate into no others (checked on the first
     graph after its parameters last changed)."""
-    cache = _fixed.owners
+    cache = window_cache("parameters")  # owner -> (its trainable parameters, whether its graph reaches no others)
     found = None if cache is None else cache.get(owner)
     if found is None:
         params = tuple(owner.parameters())

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .reversible import Activation, Reversible, Tape, add_grad, as_dtype, vjp_into
+from .draws import by_children
 from .rng import layer_rng
 
 F_BRANCH, G_BRANCH = 0, 1
@@ -48,17 +49,19 @@ def _undo(y: Tensor, residual: Tensor) -> Tensor:
 class AdditiveCoupling(Reversible):
     """``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``."""
 
+    draws_random = by_children  # its own arithmetic draws nothing: F and G decide (``draws.py``)
+
     def __init__(self, F: nn.Module, G: nn.Module) -> None:
         super().__init__()
         self.F = F
         self.G = G
 
     def _f(self, x2: Tensor, **inputs: Any) -> Tensor:
-        with layer_rng(self.rng_key, F_BRANCH):
+        with layer_rng(self.rng_key, F_BRANCH, self.F):
             return self.F(x2, **inputs)
 
     def _g(self, y1: Tensor) -> Tensor:
-        with layer_rng(self.rng_key, G_BRANCH):
+        with layer_rng(self.rng_key, G_BRANCH, self.G):
             return self.G(y1)
 
     def forward(self, x: Activation, **f_inputs: Any) -> tuple[Tensor, Tensor]:
@@ -102,12 +105,14 @@ class _AdditiveTape(Tape):
 class SwapCoupling(Reversible):
     """``y1 = x2``, ``y2 = x1 + F(x2)``: the paper's reversible residual block (Fig. 2)."""
 
+    draws_random = by_children
+
     def __init__(self, F: nn.Module) -> None:
         super().__init__()
         self.F = F
 
     def _f(self, x2: Tensor) -> Tensor:
-        with layer_rng(self.rng_key, F_BRANCH):
+        with layer_rng(self.rng_key, F_BRANCH, self.F):
             return self.F(x2)
 
     def forward(self, x: Activation) -> tuple[Tensor, Tensor]:
@@ -148,6 +153,8 @@ class HalfCoupling(Reversible):
     the same one.
     """
 
+    draws_random = by_children
+
     def __init__(self, F: nn.Module, updates: int) -> None:
         super().__init__()
         if updates not in (1, 2):
@@ -157,7 +164,7 @@ class HalfCoupling(Reversible):
         self._a, self._b = (0, 1) if updates == 1 else (1, 0)  # the stream updated, the stream read
 
     def _f(self, xb: Tensor, **inputs: Any) -> Tensor:
-        with layer_rng(self.rng_key, F_BRANCH if self.updates == 1 else G_BRANCH):
+        with layer_rng(self.rng_key, F_BRANCH if self.updates == 1 else G_BRANCH, self.F):
             return self.F(xb, **inputs)
 
     def _pair(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:

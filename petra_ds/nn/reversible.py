@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .accumulate import backprop
+from .draws import by_children
 
 Activation = Union[Tensor, tuple[Tensor, ...]]
 
@@ -242,6 +243,8 @@ def assign_rng_keys(module: nn.Module, start: int = 0) -> int:
 class ReversibleSequential(Reversible):
     """A chain of reversible layers, itself reversible."""
 
+    draws_random = by_children  # its layers decide (``draws.py``)
+
     def __init__(self, *layers: nn.Module) -> None:
         super().__init__()
         for i, layer in enumerate(layers):
@@ -274,6 +277,8 @@ class ReversibleSequential(Reversible):
 class Split(Reversible):
     """One tensor into two streams along ``dim`` (the RevNet channel split)."""
 
+    draws_random = by_children
+
     def __init__(self, dim: int = 1) -> None:
         super().__init__()
         self.dim = dim
@@ -288,6 +293,8 @@ class Split(Reversible):
 
 class Merge(Reversible):
     """Two streams back into one tensor along ``dim``."""
+
+    draws_random = by_children
 
     def __init__(self, dim: int = 1) -> None:
         super().__init__()

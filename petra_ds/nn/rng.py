@@ -23,6 +23,7 @@ from typing import Callable, ContextManager, Iterator, NamedTuple, Sequence, Typ
 import torch
 from torch import Tensor
 
+from .draws import may_draw
 from .row_draws import SplitDraws
 
 T = TypeVar("T")
@@ -189,13 +190,14 @@ class micro_batch_rng:
             _scope.key, _scope.folded, _scope.generators, _scope.rows, _scope.blocks, _scope.draws = self._previous
 
 
-def layer_rng(layer: int, branch: int) -> ContextManager[None]:
-    """Stream for one branch (F = 0, G = 1, ...) of one layer, inside the current micro-batch scope.
+def layer_rng(layer: int, branch: int, module: object = None) -> ContextManager[None]:
+    """Stream for one branch (F = 0, G = 1, ...) of one layer, inside the current micro-batch scope;
+    ``module``: the branch's, when nothing under it draws (``draws.may_draw``) there is nothing to key.
 
     Outside any :func:`micro_batch_rng` scope the global stream is used, as plain PyTorch would: that
     is the behaviour that makes a reconstruction with dropout inexact.
     """
-    if _scope.key is None:
+    if _scope.key is None or (module is not None and not may_draw(module)):
         return _GLOBAL_STREAM
     seeded = _Seeded(_fold_remembered(_scope.folded, (layer, branch)) & _MASK63, _scope.generators)
     if _scope.rows is None:

@@ -35,7 +35,9 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 def compile_layers(layers: Iterable[object], how: bool | str = True) -> None:
     """Compile, in place, the branches of every coupling among ``layers`` and every module that is not
     reversible; parameter-free reversible layers (splits, merges) stay eager. ``how``: the ``"petra"`` key's
-    value, true (inductor), a backend's name, or one of inductor's :data:`MODES`."""
+    value, false (nothing to do), true (inductor), a backend's name, or one of inductor's :data:`MODES`."""
+    if not how:
+        return
     torch._inductor.config.fallback_random = True
     options = {"mode": how} if how in MODES else {"backend": "inductor" if how is True else how}
     for layer in layers:

@@ -68,7 +68,9 @@ _TRACKS = operator.attrgetter("track_running_stats")
 
 def graph_layers(layers: Iterable[object], mode: bool | str, device_type: str) -> list[GraphedForward]:
     """Give every part of ``layers`` that ``"compile"`` would compile a :class:`GraphedForward`; ``mode``: true (CUDA
-    graphs, on a CUDA device only) or ``"emulate"``. Returns the installed forwards."""
+    graphs, on a CUDA device only), ``"emulate"`` or false (none). Returns the installed forwards."""
+    if not mode:
+        return []
     if mode is True and device_type != "cuda":
         raise ValueError(f'"petra.cuda_graphs": true needs a CUDA device, and this engine runs on {device_type!r}; '
                          f'set it to false, or to "emulate" to check on this device that the model can be graphed')

@@ -4,6 +4,7 @@ at every instruction, and ``contextlib``'s generator machinery was a visible par
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Sequence
 
 from torch import nn
@@ -13,14 +14,15 @@ from ..nn.rng import RowBlocks, micro_batch_rng
 
 
 class StageScope:
-    """The keyed RNG of (seed, micro-batch ``m``, ``stage``, replica ``rows``) outside; inside it, ``norms`` update
-    their running statistics iff ``update_bn``."""
+    """The keyed RNG of (seed, micro-batch ``m``, ``stage``, replica ``rows``) outside, unless nothing the stage runs
+    can draw (``keyed`` false, ``nn.draws``: there is nothing to key); inside it, ``norms`` update their running
+    statistics iff ``update_bn``."""
 
     __slots__ = ("_rng", "_norms")
 
     def __init__(self, seed: int, m: int, stage: int, rows: int | RowBlocks,
-                 norms: Sequence[nn.modules.batchnorm._BatchNorm], update_bn: bool) -> None:
-        self._rng = micro_batch_rng(seed, m, stage, rows)
+                 norms: Sequence[nn.modules.batchnorm._BatchNorm], update_bn: bool, keyed: bool = True) -> None:
+        self._rng = micro_batch_rng(seed, m, stage, rows) if keyed else nullcontext()
         self._norms = norms_running_stats(norms, update_bn)
 
     def __enter__(self) -> None:

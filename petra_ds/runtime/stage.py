@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ..nn.accumulate import backprop
 from ..nn.batchnorm import BatchNormPolicy, batch_norms, norms_running_stats
 from ..nn.check import check_reversible
+from ..nn.draws import may_draw
 from ..nn.reversible import (Activation, GraphTape, SequentialTape, as_tuple, assign_rng_keys, detach_leaf,
                              is_reversible, reconstruct, reconstruct_and_backward, shaped_like)
 from ..nn.rng import RowBlocks
@@ -112,12 +113,12 @@ class Stage:
         self.petra_stages = petra_stages
         self.layers = list(layers)
         self.options = options
-        if options.compile:
-            compile_layers(self.layers, options.compile)
+        compile_layers(self.layers, options.compile)
         #: the parts' graphed forwards (``cuda_graphs``)
-        self.graphed = graph_layers(self.layers, options.cuda_graphs, options.device_type) if options.cuda_graphs \
-            else []
+        self.graphed = graph_layers(self.layers, options.cuda_graphs, options.device_type)
         self.loss_fn = loss_fn
+        #: everything it runs, as ``nn.draws`` asks whether any of it can draw random numbers
+        self.runs = (*self.layers, loss_fn) if loss_fn is not None else tuple(self.layers)
         self.is_first = index == 0
         self.is_last = index == petra_stages - 1
         if self.is_last and loss_fn is None:
@@ -135,7 +136,7 @@ class Stage:
         key = 0
         for module in self.modules:  # keyed-RNG layer indices, unique inside the stage
             key = assign_rng_keys(module, key)
-        self.params = self._unique_params()
+        self.params = list({id(p): p for module in self.modules for p in module.parameters()}.values())
         #: what this stage's own step updates: what it clips and what delay compensation acts on (not a
         #: reader's copies of tied weights, which follow their owner)
         self.stepped = [p for p in self.params if p.requires_grad and id(p) not in not_stepped]
@@ -186,9 +187,6 @@ class Stage:
         """The stage's parameters, each once (what its graphs accumulate into)."""
         return iter(self.params)
 
-    def _unique_params(self) -> list[nn.Parameter]:
-        return list({id(p): p for module in self.modules for p in module.parameters()}.values())
-
     # --- running the layers ---
 
     def _autocast(self):
@@ -212,8 +210,10 @@ class Stage:
                         for t in as_tuple(x)])
 
     def scope(self, m: int, update_bn: bool) -> StageScope:
-        """Keyed RNG of (seed, m, stage, replica's rows); batch norms update running statistics iff ``update_bn``."""
-        return StageScope(self.options.seed, m, self.index, self.options.rows, self.norms, update_bn)
+        """Keyed RNG of (seed, m, stage, replica's rows) where anything it runs can draw (``nn.draws``); batch norms
+        update running statistics iff ``update_bn``."""
+        return StageScope(self.options.seed, m, self.index, self.options.rows, self.norms, update_bn,
+                          keyed=may_draw(self.runs))
 
     @property
     def _bn_in_forward(self) -> bool:

@@ -1,0 +1,117 @@
+"""Which modules can draw random numbers, so that a keyed scope with nothing to key is skipped.
+
+A reversible branch runs under its own keyed stream (``rng.layer_rng``) so that its reconstruction draws what its
+forward drew, and a stage runs each instruction under its micro-batch's (``rng.micro_batch_rng``). Seeding the
+generators and putting them back costs the host microseconds per scope, at every branch, micro-batch and clock,
+and on a CPU their states (2.5 KB for the Mersenne twister) go through the caches each time: with dropout off
+(RevNets, most LLM pre-training) that was 5% of a clock's host time for nothing. Where nothing under a branch (a
+stage) can draw, its scope is skipped: it draws what it drew before, nothing.
+
+"Can draw" is decided conservatively, once per training window (``window.py``; outside a window every scope is
+keyed, as it always was). A module draws nothing when no forward hook can run on it and it is
+
+- of a torch.nn type known to draw nothing (the layers, norms, activations, pools and containers below; an exact
+  type, not a subclass, whose forward may do anything), each module under it too;
+- a dropout that is off: ``p == 0`` or in evaluation;
+- or it declares so: a ``draws_random()`` method answers for the module and everything under it (this project's
+  couplings and models do), honoured while the class that declares it also defines the ``forward`` that runs.
+
+A function draws nothing when it is one of torch's losses, or says so (a ``draws_random`` attribute, as
+``models.transformer.lm_loss`` has). Anything else may draw, and keeps its keyed scope.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.modules import module as torch_module
+
+from .window import window_cache
+
+#: torch.nn types whose forward draws no random number (an exact type; RReLU and the fractional pools draw)
+_DETERMINISTIC = frozenset({
+    nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Identity, nn.Flatten, nn.Unflatten,
+    nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag,
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh,
+    nn.Sigmoid, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.LogSigmoid, nn.GLU,
+    nn.Softmax, nn.LogSoftmax,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+    nn.Upsample, nn.PixelShuffle, nn.PixelUnshuffle,
+    nn.CrossEntropyLoss, nn.NLLLoss, nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss,
+    nn.BCEWithLogitsLoss, nn.KLDivLoss,
+})
+#: torch's loss functions (a stage's ``loss_fn`` is often one): they draw nothing
+_DETERMINISTIC_FUNCTIONS = frozenset({
+    F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
+    F.binary_cross_entropy_with_logits, F.kl_div,
+})
+#: torch.nn's dropouts: they draw in training when ``p > 0``
+_DROPOUTS = frozenset({nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout})
+
+
+def draws_random(module: Any) -> bool:
+    """Whether running ``module`` can draw random numbers (see the module's docstring); asked afresh each time. A
+    tuple of parts run together draws when any of them does."""
+    if isinstance(module, tuple):
+        return any_draws(module)
+    if not isinstance(module, nn.Module):  # a function: torch's losses draw nothing, others may say so
+        if module in _DETERMINISTIC_FUNCTIONS:
+            return False
+        declared = getattr(module, "draws_random", None)
+        return True if declared is None else bool(declared())
+    if _hooked(module):
+        return True
+    declared = _declaration(type(module))
+    if declared:
+        return bool(module.draws_random())
+    kind = type(module)
+    if kind in _DROPOUTS:
+        return module.training and module.p > 0
+    if kind not in _DETERMINISTIC:
+        return True
+    return any_draws(module.children())
+
+
+def any_draws(modules: Iterable[Any]) -> bool:
+    """Whether any of ``modules`` can draw (a ``draws_random()`` whose module draws only through these)."""
+    return any(map(draws_random, modules))
+
+
+def by_children(module: nn.Module) -> bool:
+    """A ``draws_random`` for a module whose own forward draws nothing: its submodules decide (``draws_random =
+    by_children`` in its class)."""
+    return any_draws(module.children())
+
+
+def may_draw(module: Any) -> bool:
+    """:func:`draws_random`, worked out once per training window; outside a window, True: keyed, as always."""
+    cache = window_cache("draws")
+    if cache is None:
+        return True
+    found = cache.get(module)
+    if found is None:
+        found = cache[module] = draws_random(module)
+    return found
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a forward hook or pre-hook, the module's own or a global one, can run user code in its forward."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks)
+
+
+def _declaration(kind: type) -> bool:
+    """Whether ``kind`` inherits a ``draws_random()`` from a class that also defines the ``forward`` it runs."""
+    for klass in kind.__mro__:
+        if "draws_random" in vars(klass):
+            return kind.forward is klass.forward
+        if "forward" in vars(klass):
+            return False
+    return False

@@ -86,6 +86,9 @@ def test_a_forward_hook_may_draw():
     assert draws_random(module)
     handle.remove()
     assert not draws_random(module)
+    decoder = DecoderBlock(tiny_llama(), 0)
+    decoder.F.self_attn.register_forward_hook(lambda *args: None)  # inside a part that declares what it draws
+    assert draws_random(decoder)
     handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
     try:
         assert draws_random(module)

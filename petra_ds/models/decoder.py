@@ -35,7 +35,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..nn.coupling import AdditiveCoupling, HalfCoupling
-from ..nn.draws import by_children
+from ..nn.draws import by_children, hooked
 from .attention import cached_attention_mask
 from .layer_states import State, load_into, split_by_prefix
 from .transformer import GRAINS, init_normal, tied_logits
@@ -117,9 +117,10 @@ def dropout_rate(config: PretrainedConfig) -> float:
 
 def _config_draws(part: nn.Module) -> bool:
     """``draws_random`` (``petra_ds.nn.draws``) of F or G, made of a Hugging Face decoder layer's modules: in
-    training, when its config sets a dropout rate (``part.config_dropout``) or its attention's rate was raised since."""
+    training, when its config sets a dropout rate (``part.config_dropout``) or its attention's rate was raised since;
+    and whenever a forward hook on one of its modules can run other code."""
     rate = max(part.config_dropout, float(getattr(getattr(part, "self_attn", None), "attention_dropout", 0.0)))
-    return part.training and rate > 0
+    return (part.training and rate > 0) or any(map(hooked, part.modules()))
 
 
 class DecoderEmbedding(nn.Module):

@@ -4,7 +4,7 @@ A reversible branch runs under its own keyed stream (``rng.layer_rng``) so that 
 forward drew, and a stage runs each instruction under its micro-batch's (``rng.micro_batch_rng``). Seeding the
 generators and putting them back costs the host microseconds per scope, at every branch, micro-batch and clock,
 and on a CPU their states (2.5 KB for the Mersenne twister) go through the caches each time: with dropout off
-(RevNets, most LLM pre-training) that was 5% of a clock's host time for nothing. Where nothing under a branch (a
+(RevNets, most LLM pre-training) that was 5-8% of a clock's host time for nothing. Where nothing under a branch (a
 stage) can draw, its scope is skipped: it draws what it drew before, nothing.
 
 "Can draw" is decided conservatively, once per training window (``window.py``; outside a window every scope is
@@ -66,7 +66,7 @@ def draws_random(module: Any) -> bool:
             return False
         declared = getattr(module, "draws_random", None)
         return True if declared is None else bool(declared())
-    if _hooked(module):
+    if hooked(module):
         return True
     declared = _declaration(type(module))
     if declared:
@@ -101,7 +101,7 @@ def may_draw(module: Any) -> bool:
     return found
 
 
-def _hooked(module: nn.Module) -> bool:
+def hooked(module: nn.Module) -> bool:
     """Whether a forward hook or pre-hook, the module's own or a global one, can run user code in its forward."""
     return bool(module._forward_hooks or module._forward_pre_hooks or torch_module._global_forward_hooks
                 or torch_module._global_forward_pre_hooks)

@@ -443,8 +443,8 @@ def structure_call(m: dict, k: int, module: Any = None) -> Callable[[], Any]:
     schedule, keyed RNG, NaN watch or messages: what an engine on these layers cannot go below. ``module``: the
     stages' ``PetraPipelineModule`` (default: ``petra_module(m)``'s)."""
     from petra_ds.nn.accumulate import backprop
-    from petra_ds.nn.window import modules_fixed
     from petra_ds.nn.reversible import GraphTape, SequentialTape, as_tuple, detach_leaf, reconstruct, shaped_like
+    from petra_ds.nn.window import modules_fixed
     from petra_ds.pipeline.module import layer_module, stage_layers, stage_reversible
     from petra_ds.schedule.clock import reconstructs
 

@@ -237,8 +237,8 @@ class DecoderNorm(nn.Module):
         load_into(self, state, "final norm")
 
     def draws_random(self) -> bool:
-        """An RMS norm draws nothing (``petra_ds.nn.draws``)."""
-        return False
+        """An RMS norm draws nothing; a forward hook on it may (``petra_ds.nn.draws``)."""
+        return any(map(hooked, self.modules()))
 
     def forward(self, x: tuple[Tensor, Tensor]) -> Tensor:
         y1, y2 = x

@@ -297,6 +297,9 @@ def test_validate_reports_relative_errors():
     report["stages"] = 3
     with pytest.raises(ValueError, match="3 stages"):
         validate(report)
+    del report["costs"]
+    with pytest.raises(ValueError, match="--no-costs"):
+        validate(report)
 
 
 @pytest.fixture

@@ -76,7 +76,12 @@ def report_costs(report: Mapping[str, Any], costs: Costs | None = None) -> Costs
     """A throughput report's ``"costs"`` (or ``costs``, e.g. those of another run of the same model and
     partition) as its DeepSpeed pipeline ran: ``"ds_streams": "stacked"`` says DeepSpeed got each stage's
     pair of streams as one tensor, so its backward was one call and ``backward_split`` does not apply."""
-    costs = Costs.from_dict(report["costs"]) if costs is None else costs
+    if costs is None:
+        if "costs" not in report:
+            raise ValueError("this throughput report holds no stage costs (it ran with --no-costs): pass costs "
+                             "measured on the same model and cut (--costs-from), or rerun the benchmark without "
+                             "--no-costs")
+        costs = Costs.from_dict(report["costs"])
     if report.get("ds_streams") == "stacked":
         costs = Costs(tuple(replace(s, backward_split=None) for s in costs.stages), costs.message_s)
     return costs

@@ -83,14 +83,22 @@ class Sighting(NamedTuple):
         return self._replace(what=self.what.format(stage=self.stage, previous=self.stage - 1, step=self.step))
 
 
+#: a :class:`Sighting` made from its fields without the named tuple's Python-level constructor
+_new_sighting = tuple.__new__
+#: a pending report's sighting and tensors
+_SIGHTING, _TENSORS = operator.itemgetter(0), operator.itemgetter(1)
+
+
 def float_tensors(values: Any) -> list[Tensor]:
     """The non-empty floating-point tensors inside ``values`` (nested), as they are: they are only reduced,
     under ``no_grad``, so no detached view (one more op per tensor) is made."""
     if isinstance(values, Tensor):  # the usual report: one tensor, or a flat pair (no walk then)
         return [values] if values.is_floating_point() and values.numel() else []
-    if isinstance(values, tuple) and all(map(isinstance, values, itertools.repeat(Tensor))):
-        return [t for t in values if t.is_floating_point() and t.numel()]
-    return [t for t in tensors_in(values) if t.is_floating_point() and t.numel()]
+    if not (isinstance(values, tuple) and all(map(isinstance, values, itertools.repeat(Tensor)))):
+        values = list(tensors_in(values))
+    # filtered in passes that run in C: a clock reports a few values per stage, each a tensor or two
+    return list(itertools.compress(values, map(operator.and_, map(Tensor.is_floating_point, values),
+                                               map(bool, map(Tensor.numel, values)))))
 
 
 def fusable(t: Tensor) -> bool:
@@ -191,7 +199,7 @@ class FiniteWatch:
     def loss(self, stage: int, m: int, loss: Tensor) -> None:
         """The last stage's loss (also with ``check_finite`` off, under ``non_finite: "raise"``)."""
         if self.check_finite or self.non_finite == "raise":
-            self._record(self._sighting("loss", "the loss", stage, m, stage - 1), loss)
+            self._record("loss", "the loss", stage, m, stage - 1, loss)
 
     def reconstruction(self, stage: int, m: int, x: Any) -> None:
         """The input a reversible stage rebuilt by inverting its layers (it sends it upstream)."""
@@ -203,7 +211,7 @@ class FiniteWatch:
         sends upstream."""
         if not self.check_finite:
             return
-        grads = [g for g in grads if g.numel()]  # a parameter's is floating
+        grads = list(itertools.compress(grads, map(Tensor.numel, grads)))  # a parameter's is floating
         if grads:
             report = [self._sighting("gradient", "the gradient of its parameters", stage, m, stage + 1), grads]
             self._pending.append(report)
@@ -245,15 +253,17 @@ class FiniteWatch:
 
     def _see(self, kind: str, what: str, stage: int, m: int, values: Any, sender: int | None = None) -> None:
         if self.check_finite:
-            self._record(self._sighting(kind, what, stage, m, sender), values)
+            self._record(kind, what, stage, m, sender, values)
 
     def _sighting(self, kind: str, what: str, stage: int, m: int, sender: int | None) -> Sighting:
-        return Sighting(kind, what, stage, m, self._clock(), sender if sender in self._remote else None)
+        """A report's sighting, made without the named tuple's constructor in Python (a clock makes a few a stage)."""
+        return _new_sighting(Sighting, (kind, what, stage, m, self._clock(), sender if sender in self._remote else None,
+                                        None, None))
 
-    def _record(self, sighting: Sighting, values: Any) -> None:
+    def _record(self, kind: str, what: str, stage: int, m: int, sender: int | None, values: Any) -> None:
         tensors = float_tensors(values)
         if tensors:
-            self._pending.append([sighting, tensors])
+            self._pending.append([self._sighting(kind, what, stage, m, sender), tensors])
             if not self.hold:
                 self.flush()
 
@@ -266,9 +276,9 @@ class FiniteWatch:
         pending, self._pending = self._pending, []
         seen, tensors = self._seen, []
         base = len(seen)
-        for sighting, reported in pending:
-            tensors += reported
-            seen += [sighting] * len(reported)
+        reported = list(map(_TENSORS, pending))
+        tensors = list(itertools.chain.from_iterable(reported))
+        seen.extend(itertools.chain.from_iterable(map(itertools.repeat, map(_SIGHTING, pending), map(len, reported))))
         maxima, order = max_abs_each(tensors)
         self._maxima.append(maxima)
         self._positions.extend(range(base, base + len(tensors)) if order is None else map(base.__add__, order))

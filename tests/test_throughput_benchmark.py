@@ -82,6 +82,31 @@ def test_every_variant_runs_on_the_same_partition_and_the_report_validates(tmp_p
     assert len(report["costs"]["stages"]) == 2 and report["costs"]["message_s"] > 0
     checked = validate(report)
     assert set(checked["variants"]) == set(names)
+    rates = {v: r["predicted_samples_per_s"] for v, r in checked["variants"].items()}
+    assert report["predicted_ratios"] == pytest.approx({f"petra/{v}": rates["petra"] / rates[v]
+                                                        for v in names if v != "petra"})
+
+
+def test_the_report_sets_the_timeline_models_ratios_beside_the_measured_ones():
+    """From the run's stage costs, PETRA's predicted samples/s over each peer's is its time per micro-batch over
+    PETRA's under the timeline model (an oracle independent of the report's measured rates); nothing without
+    costs or PETRA, and a peer the model does not time is left out."""
+    from petra_ds.perf.costs import Costs, StageCosts
+    from petra_ds.perf.predict import seconds_per_micro_batch
+
+    costs = Costs((StageCosts(0.010, 0.012, 0.020, 0.004), StageCosts(0.011, 0.013, 0.025, 0.003)), 0.002)
+    measured = {"petra": 50.0, "1f1b": 40.0, "torch_zbv": 60.0, "zero_bubble": 70.0}
+    report = {"costs": costs.to_dict(), "micro_batch_size": 8, "micro_batches": 4, "stages": 2,
+              "variants": {v: {"samples_per_s": rate} for v, rate in measured.items()}}
+    ratios = bench.predicted_ratios(report)
+    petra = seconds_per_micro_batch("petra", costs, 4)
+    assert ratios == pytest.approx({f"petra/{v}": seconds_per_micro_batch(v, costs, 4) / petra
+                                    for v in ("1f1b", "torch_zbv")})
+    report["variants"]["petra"]["samples_per_s"] = 5.0  # a measured rate does not move a predicted ratio
+    assert bench.predicted_ratios(report) == pytest.approx(ratios)
+    assert bench.predicted_ratios({**report, "variants": {"1f1b": {"samples_per_s": 1.0}}}) == {}
+    del report["costs"]
+    assert bench.predicted_ratios(report) == {}
 
 
 def _torch_peer_step(spec: dict) -> dict:

@@ -553,6 +553,20 @@ def versus_fastest_peers(variants: dict) -> dict:
     return out
 
 
+def predicted_ratios(report: dict) -> dict[str, float]:
+    """PETRA's samples/s over each peer's as the timeline model predicts them from the run's own stage costs
+    (``petra_ds.perf.predict.validate``): what the arithmetic allows, beside what was measured. Empty without
+    costs (``--no-costs``) or without PETRA; a peer the model does not time is left out."""
+    if "costs" not in report or "petra" not in report["variants"]:
+        return {}
+    from petra_ds.perf.predict import validate
+
+    predicted = {v: r["predicted_samples_per_s"] for v, r in validate(report)["variants"].items()}
+    if "petra" not in predicted:
+        return {}
+    return {f"petra/{v}": predicted["petra"] / rate for v, rate in predicted.items() if v != "petra"}
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
@@ -610,13 +624,17 @@ def main(argv: list[str] | None = None) -> None:
             from petra_ds.pipeline.partition import imbalance
 
             report["petra_imbalance"] = imbalance(layer_costs, variants["petra"]["parts"])
+    predicted = predicted_ratios(report)
+    if predicted:
+        report["predicted_ratios"] = predicted
     print(f"\n{args.model}, J={args.stages}, k={args.micro_batches}, micro-batch {args.micro_batch_size}, "
           f"{report['device']}")
     for v in variants:
         print(f"  {v:10s} {variants[v]['samples_per_s']:8.2f} samples/s (best round), "
               f"{variants[v]['median_samples_per_s']:8.2f} (median)")
     for name, value in ratios.items():
-        print(f"  {name:28s} {value:6.3f}x (best), {median_ratios[name]:6.3f}x (median)")
+        model = f", {predicted[name]:6.3f}x (the timeline model)" if name in predicted else ""
+        print(f"  {name:28s} {value:6.3f}x (best), {median_ratios[name]:6.3f}x (median){model}")
     if "petra_imbalance" in report:
         print(f"  PETRA's cut {variants['petra']['parts']}: slowest stage {100 * report['petra_imbalance']:.1f}% above "
               "the mean stage (layer costs)")

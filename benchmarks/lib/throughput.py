@@ -633,8 +633,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {v:10s} {variants[v]['samples_per_s']:8.2f} samples/s (best round), "
               f"{variants[v]['median_samples_per_s']:8.2f} (median)")
     for name, value in ratios.items():
-        model = f", {predicted[name]:6.3f}x (the timeline model)" if name in predicted else ""
-        print(f"  {name:28s} {value:6.3f}x (best), {median_ratios[name]:6.3f}x (median){model}")
+        modelled = f", {predicted[name]:6.3f}x (the timeline model)" if name in predicted else ""
+        print(f"  {name:28s} {value:6.3f}x (best), {median_ratios[name]:6.3f}x (median){modelled}")
     if "petra_imbalance" in report:
         print(f"  PETRA's cut {variants['petra']['parts']}: slowest stage {100 * report['petra_imbalance']:.1f}% above "
               "the mean stage (layer costs)")

@@ -307,6 +307,23 @@ def test_the_bytecode_part_counts_every_variant_by_package(world_of_one, name):
     assert row["by_area"]["petra"]["petra_ds.runtime"] > row["by_area"]["petra_structure"].get("petra_ds.runtime", 0)
 
 
+def test_the_offloads_add_one_copy_each_way_per_entry_and_message_and_nothing_else_to_a_fifo(world_of_one):
+    """The benchmark's ``offload`` part, RevNet18 at J = 10 in one process: ``fifo_offload`` adds one copy out and one
+    back per FIFO entry (each stage that keeps its input stores k a call) and one allocation per tensor, no byte
+    views or rebuilt views (its entries' tensors own their storages); with ``message_offload`` too, every activation
+    and gradient between the J stages also goes out and back once."""
+    m, k = host_overhead.model("revnet18", TINY), TINY.k
+    engine = host_overhead.petra_engine(m, k)
+    keeping = sum(not stage.reconstructs and not stage.is_last for stage in engine.stages.values())
+    row = host_overhead.count_offload("revnet18", TINY)
+    fifo, both = row["added_ops"]["fifo_offload"], row["added_ops"]["fifo_and_message_offload"]
+    assert set(fifo) == {"empty", "_foreach_copy_"} and fifo["_foreach_copy_"] == 2 * keeping * k > 0
+    assert fifo["empty"] >= fifo["_foreach_copy_"]
+    assert both["_foreach_copy_"] == 2 * keeping * k + 2 * (2 * (m["J"] - 1) * k)
+    assert row["ops_per_call"]["petra"] < row["ops_per_call"]["fifo_offload"] < row["ops_per_call"][
+        "fifo_and_message_offload"]
+
+
 def test_the_engine_shifts_its_steady_clocks_instead_of_deriving_them(world_of_one):
     """RevNet18 at J = 10 in one process: in a steady train_batch the engine's schedule interprets at most 0.6x the
     bytecodes of deriving the same window from the clock equations (measured: 0.46x), so the engine keeps its

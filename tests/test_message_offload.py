@@ -64,6 +64,53 @@ def test_a_parked_message_comes_back_as_the_same_views_before_its_reader_and_not
         inbox.pop(other)  # the read waits for its copy back on the compute stream
 
 
+def test_each_clock_prefetches_its_own_next_reader():
+    """The next reader is found per clock: a clock asked after another is not read with the first one's readers."""
+    log: list = []
+    inbox = Inbox(FakeCopies(log))
+    first, second = Key(1, "act", 0), Key(2, "act", 0)
+    for key in (first, second):
+        inbox[key] = inbox.park(key, (torch.zeros(2),))
+    clock_a = [PostP2P(batch="act"), ForwardPass(0, 1, consumes=first)]
+    clock_b = [PostP2P(batch="act"), ForwardPass(0, 2, consumes=second)]
+    inbox.prefetch_next(clock_a, 0)
+    inbox.prefetch_next(clock_b, 0)
+    assert [k for k, _ in inbox.on_device()] == [first, second] and log[2:] == [("prefetch", 2), ("prefetch", 3)]
+    inbox.prefetch_next(clock_b, 1)  # the clock's last instruction: no reader after it
+    assert log[4:] == []
+
+
+def test_a_message_of_tensors_with_storages_of_their_own_moves_as_them():
+    """Each tensor alone in its storage, whole and contiguous (most messages): one allocation a tensor and one copy
+    for the whole message, no byte view per storage or rebuilt view per tensor; the same values and layouts back,
+    in copies of their own. A message in an autograd graph is copied out of it."""
+    from petra_ds.diagnostics.host_cost import OpCounter
+
+    torch.set_default_dtype(torch.float64)
+    inbox = Inbox(StreamCopies())
+    sent = ((torch.randn(3, 4), torch.randn(3, 4)), torch.arange(3))
+    with OpCounter() as out:
+        inbox[Key(1, "act", 0)] = inbox.park(Key(1, "act", 0), sent)
+    assert dict(out.by_name) == {"empty": 3, "_foreach_copy_": 1}
+    with OpCounter() as back:
+        (a, b), labels = inbox.pop(Key(1, "act", 0))
+    assert dict(back.by_name) == {"empty": 3, "_foreach_copy_": 1}
+    for got, want in ((a, sent[0][0]), (b, sent[0][1]), (labels, sent[1])):
+        assert torch.equal(got, want) and got.stride() == want.stride() and got.dtype == want.dtype
+        assert got.untyped_storage().data_ptr() != want.untyped_storage().data_ptr()
+    mixed = (pair(0, 0), torch.arange(4))  # two views of one storage go by their storage, the labels as themselves
+    with OpCounter() as out:
+        inbox[Key(1, "act", 1)] = inbox.park(Key(1, "act", 1), mixed)
+    assert dict(out.by_name) == {"empty": 5, "set_": 3, "_foreach_copy_": 1}
+    (a, b), labels = inbox.pop(Key(1, "act", 1))
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and torch.equal(labels, mixed[1])
+    in_graph = (torch.randn(3, 4, requires_grad=True) * 2, torch.randn(3, 4))
+    inbox[Key(1, "grad", 0)] = parked = inbox.park(Key(1, "grad", 0), in_graph)
+    assert not any(t.requires_grad for t in parked.host)
+    assert all(torch.equal(got, want) and not got.requires_grad
+               for got, want in zip(inbox.pop(Key(1, "grad", 0)), in_graph))
+
+
 def test_a_message_read_without_a_prefetch_is_fetched_by_its_read():
     torch.set_default_dtype(torch.float64)
     inbox = Inbox(StreamCopies())  # on CPU: plain copies, nothing to wait for

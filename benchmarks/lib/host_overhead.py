@@ -25,6 +25,10 @@ One process hosts all J stages (the paper's single-device setting, the same engi
   ``ops`` sizes: PETRA with ``check_finite`` on and off, its work without the engine (``petra_structure``, below),
   plain backprop and DeepSpeed's one-stage engine; PETRA's by package. The interpreted glue around the ops, which
   a GPU that waits for its host pays for as it pays for the ops.
+- ``offload``: what ``"fifo_offload": "cpu"`` and, with it, ``"message_offload": "cpu"`` add to a steady-state
+  ``train_batch`` at the ``ops`` sizes, fp32: aten ops (by op) and Python bytecodes per call against PETRA without
+  them. On a GPU the copies run on side streams; what the host pays to start them and to rebuild what they copied
+  is this, and a host-bound clock pays it in time.
 - ``time``: host seconds per ``train_batch`` of a RevGPT with negligible compute (d 8, seq 4; ``--time-model
   revnet18``: RevNet18 at the ``ops`` sizes, J = 10 one-layer stages, the GPU benchmark's cut), medians over
   interleaved rounds: PETRA (J stages), DeepSpeed's ``PipelineEngine`` with one stage, torch's
@@ -59,9 +63,9 @@ from petra_ds.util.files import write_text_atomic
 from . import host_instructions
 from .example_runs import one_cpu_process, save_report
 
-PARTS = ("ops", "syncs", "bytecodes", "time", "instructions")
+PARTS = ("ops", "syncs", "bytecodes", "offload", "time", "instructions")
 #: what a run without --parts measures (instructions need valgrind and minutes)
-DEFAULT_PARTS = ("ops", "syncs", "bytecodes", "time")
+DEFAULT_PARTS = ("ops", "syncs", "bytecodes", "offload", "time")
 MODELS = ("revgpt", "revnet18")
 #: what changes an op count is kept from the GPU benchmark (blocks, stages, heads, k); the rest is narrowed
 FULL = {"k": 4, "revgpt_blocks": 12, "revgpt_heads": 12, "revgpt_d": 96, "revgpt_seq": 16, "revgpt_batch": 2,
@@ -347,6 +351,35 @@ def count_bytecodes(name: str, args: argparse.Namespace, variants: tuple[str, ..
             "petra/structure": per_call["petra"] / per_call["petra_structure"], "by_area": areas}
 
 
+# --- what the offloads cost the host ---
+
+#: the variants of the ``offload`` part: PETRA's ``"petra"`` settings
+OFFLOADS = {"petra": {}, "fifo_offload": {"fifo_offload": "cpu"},
+            "fifo_and_message_offload": {"fifo_offload": "cpu", "message_offload": "cpu"}}
+
+
+def count_offload(name: str, args: argparse.Namespace) -> dict:
+    """Aten ops and Python bytecodes per steady-state ``train_batch``, fp32, of PETRA with each of :data:`OFFLOADS`;
+    for each offload, the ops it adds by op."""
+    from petra_ds.diagnostics.host_cost import Bytecodes, OpCounter
+
+    m, k = model(name, args), args.k
+    ops, bytecodes, by_op = {}, {}, {}
+    for seed, (variant, petra) in enumerate(OFFLOADS.items(), start=2001):  # a seed per engine, as in bytecodes
+        engine, stream = petra_engine(m, k, petra={**petra, "seed": seed}), data(m)
+        for _ in range(fill_calls(m["J"], k) + 1):
+            engine.train_batch(stream)
+        with OpCounter() as counter:
+            engine.train_batch(stream)
+        with Bytecodes() as interpreted:
+            engine.train_batch(stream)
+        ops[variant], bytecodes[variant], by_op[variant] = counter.total, interpreted.total, counter.by_name
+    return {"model": name, "J": m["J"], "k": k, "ops_per_call": ops, "bytecodes_per_call": bytecodes,
+            "added_ops": {v: dict((by_op[v] - by_op["petra"]).most_common()) for v in OFFLOADS if v != "petra"},
+            **{f"{v}/petra": {"ops": ops[v] / ops["petra"], "bytecodes": bytecodes[v] / bytecodes["petra"]}
+               for v in OFFLOADS if v != "petra"}}
+
+
 # --- host time on layers of negligible cost ---
 
 def negligible_model(args: argparse.Namespace) -> dict[str, Any]:
@@ -576,6 +609,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
         report["syncs"] = [count_syncs(name, args, bf16) for name in args.models for bf16 in (False, True)]
     if "bytecodes" in args.parts:
         report["bytecodes"] = [count_bytecodes(name, args) for name in args.models]
+    if "offload" in args.parts:
+        report["offload"] = [count_offload(name, args) for name in args.models]
     return report
 
 
@@ -599,6 +634,10 @@ def print_report(report: dict) -> None:
               + f"; PETRA/plain {row['petra/plain']:.2f}x, PETRA/DeepSpeed {row['petra/deepspeed']:.2f}x, "
               f"PETRA/structure {row['petra/structure']:.2f}x; PETRA's in petra_ds: "
               + ", ".join(f"{area[9:]} {n / 1e3:.1f} K" for area, n in engine.items()))
+    for row in report.get("offload", []):
+        print(f"what the offloads add per train_batch {row['model']:8s} fp32: " + "; ".join(
+            f"{v} ops {row[f'{v}/petra']['ops']:.2f}x, bytecodes {row[f'{v}/petra']['bytecodes']:.2f}x PETRA's ("
+            + ", ".join(f"{op} +{n}" for op, n in row["added_ops"][v].items()) + ")" for v in row["added_ops"]))
     if "instructions" in report:
         t = report["instructions"]
         print(f"host instructions per train_batch ({report['time_model']} negligible, J={t['J']}, k={t['k']}, "

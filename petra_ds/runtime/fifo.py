@@ -12,13 +12,15 @@ How bytes move is a :class:`Copies`, injectable so that a test can hold copies b
 :class:`StreamCopies` copies on side CUDA streams, one per direction, through pinned host memory, ordered by events;
 on CPU its copy is a plain copy. An entry moves storage by storage: each distinct storage behind its tensors is
 copied once, whole, and the tensors are rebuilt as the same views of the copy (sizes, strides, offsets), so the
-backward reads the layout the forward stored and computes the same bits.
+backward reads the layout the forward stored and computes the same bits; a tensor that is its storage, whole and
+contiguous, is that copy itself.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
@@ -130,26 +132,57 @@ def _copied(buffers: list[Tensor], device: torch.device | str) -> list[Tensor]:
     return out
 
 
-def moved(value: Any, copy: Callable[[list[Tensor]], tuple[list[Tensor], Any]]) -> tuple[Any, Any]:
+def moved(value: Any, copy: Callable[[list[Tensor]], tuple[list[Tensor], Any]],
+          flat: list[Tensor] | None = None) -> tuple[Any, Any]:
     """``value`` with each distinct storage behind its tensors copied once, whole, by ``copy``, and each tensor
-    rebuilt as the same view of its storage's copy; and the copy's event."""
-    index: dict[tuple[str, int], int] = {}
+    rebuilt as the same view of its storage's copy; and the copy's event. A tensor alone in its storage, whole and
+    contiguous (most of what a stage sends or keeps) is copied as itself: the same bytes and layout, without a byte
+    view of its storage and a view rebuilt on the copy (five ops a tensor on the host, for each of the hundreds of
+    moves a call makes with ``message_offload``). The copies belong to no autograd graph. ``flat``:
+    ``tensors_in(value)``, when the caller has it."""
+    flat = tensors_in(value) if flat is None else flat
+    storages = list(map(Tensor.untyped_storage, flat))
+    keys = list(zip(map(_DEVICE, flat), map(_STORAGE_ADDRESS, storages)))
+    alone = list(map(operator.and_, map(Tensor.is_contiguous, flat),
+                     map(operator.eq, map(_STORAGE_BYTES, storages), map(_BYTES, flat))))
+    if len(set(keys)) < len(keys):
+        shared = {key for key, n in Counter(keys).items() if n > 1}
+        alone = [whole and key not in shared for whole, key in zip(alone, keys)]
+    if any(map(_REQUIRES_GRAD, flat)):
+        flat = list(map(Tensor.detach, flat))
+    if all(alone):
+        copies, event = copy(flat)
+    else:
+        copies, event = _by_storage(flat, storages, keys, alone, copy)
+    rest = iter(copies)
+    return map_tensors(lambda _: next(rest), value), event
+
+
+def _by_storage(flat: list[Tensor], storages: list[torch.UntypedStorage], keys: list[tuple[torch.device, int]],
+                alone: list[bool], copy: Callable[[list[Tensor]], tuple[list[Tensor], Any]]) -> tuple[list[Tensor], Any]:
+    """:func:`moved`'s copies of ``flat`` where some tensors share a storage or are a part of theirs: each such
+    storage copied whole as bytes and its tensors rebuilt as the same views of the copy; the others (``alone``)
+    copied as themselves."""
+    index: dict[tuple[torch.device, int], int] = {}
     buffers: list[Tensor] = []
-    with torch.no_grad():
-        for t in tensors_in(value):
-            storage = t.untyped_storage()
-            key = (str(t.device), storage.data_ptr())
-            if key not in index:
-                index[key] = len(buffers)
-                buffers.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage))
-        copies, event = copy(buffers)
+    for t, storage, key, itself in zip(flat, storages, keys, alone):
+        if key not in index:
+            index[key] = len(buffers)
+            buffers.append(t if itself else torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage))
+    copies, event = copy(buffers)
+    out = []
+    for t, key, itself in zip(flat, keys, alone):
+        target = copies[index[key]]
+        out.append(target if itself else torch.empty(0, dtype=t.dtype, device=target.device).set_(
+            target.untyped_storage(), t.storage_offset(), t.size(), t.stride()))
+    return out, event
 
-        def view(t: Tensor) -> Tensor:
-            target = copies[index[(str(t.device), t.untyped_storage().data_ptr())]]
-            return torch.empty(0, dtype=t.dtype, device=target.device).set_(
-                target.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
-        return map_tensors(view, value), event
+_DEVICE = operator.attrgetter("device")
+_STORAGE_ADDRESS = torch.UntypedStorage.data_ptr
+_STORAGE_BYTES = torch.UntypedStorage.nbytes
+_BYTES = operator.attrgetter("nbytes")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 @dataclass
@@ -167,11 +200,12 @@ class Entry:
     nbytes: int = 0
 
     @classmethod
-    def offloaded(cls, m: int, x: Any, copies: Copies) -> Entry:
+    def offloaded(cls, m: int, x: Any, copies: Copies, flat: list[Tensor] | None = None) -> Entry:
         """Micro-batch ``m``'s ``x``, its copy to host memory started; the caller drops the device copy, whose
-        memory is free once the copy has read it."""
-        host, stored = moved(x, copies.to_host)
-        return cls(m, None, next(tensors_in(x)).device, host, stored)
+        memory is free once the copy has read it. ``flat``: ``tensors_in(x)``, when the caller has it."""
+        flat = tensors_in(x) if flat is None else flat
+        host, stored = moved(x, copies.to_host, flat)
+        return cls(m, None, flat[0].device, host, stored)
 
     def fetch(self, copies: Copies) -> None:
         """Start the entry back to its device (a no-op when it is there or on its way); its host copy is dropped,

@@ -95,7 +95,7 @@ def float_tensors(values: Any) -> list[Tensor]:
     if isinstance(values, Tensor):  # the usual report: one tensor, or a flat pair (no walk then)
         return [values] if values.is_floating_point() and values.numel() else []
     if not (isinstance(values, tuple) and all(map(isinstance, values, itertools.repeat(Tensor)))):
-        values = list(tensors_in(values))
+        values = tensors_in(values)
     # filtered in passes that run in C: a clock reports a few values per stage, each a tensor or two
     return list(itertools.compress(values, map(operator.and_, map(Tensor.is_floating_point, values),
                                                map(bool, map(Tensor.numel, values)))))
@@ -117,29 +117,37 @@ def max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
     tensor by tensor (on an H200, 218 reductions and 206 memsets a RevNet18 call). On CUDA the foreach infinity
     norm; on the CPU, where that norm is a scalar loop 10x slower than a vectorised one, the foreach maximum of the
     foreach absolute values. Tensors on several devices (a data dict left on the host) end on a GPU's."""
-    with torch.no_grad():
-        # a group's key per tensor, in passes that run in C: the per-tensor loop of a clock's flush is the watch's cost
-        dense = list(map(Tensor.is_contiguous, tensors))
-        for i in itertools.compress(range(len(dense)), map(operator.not_, dense)):
-            dense[i] = fusable(tensors[i])  # channels-last, or not dense at all
-        keys = list(zip(map(_PLACE, tensors), dense))
-        codes = {key: code for code, key in enumerate(dict.fromkeys(keys))}  # the groups, by first appearance
-        if len(codes) == 1:
-            return _max_abs_on_one_device(tensors), None
-        code_of = list(map(codes.__getitem__, keys))
-        order = sorted(range(len(tensors)), key=code_of.__getitem__)  # stable: reported order within a group
-        ordered = list(map(tensors.__getitem__, order))
-        target = next((device for (device, _), _ in codes if device.type != "cpu"), tensors[0].device)
-        parts, start = [], 0
-        for code in range(len(codes)):
-            end = start + code_of.count(code)
-            parts.append(_max_abs_on_one_device(ordered[start:end]).to(target))
-            start = end
-        return torch.cat(parts), order
+    if any(map(_REQUIRES_GRAD, tensors)):  # a loss: its reduction joins no graph
+        with torch.no_grad():
+            return _max_abs_each(tensors)
+    return _max_abs_each(tensors)
+
+
+def _max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
+    """:func:`max_abs_each` in the grad mode it is called in."""
+    # a group's key per tensor, in passes that run in C: the per-tensor loop of a clock's flush is the watch's cost
+    dense = list(map(Tensor.is_contiguous, tensors))
+    for i in itertools.compress(range(len(dense)), map(operator.not_, dense)):
+        dense[i] = fusable(tensors[i])  # channels-last, or not dense at all
+    keys = list(zip(map(_PLACE, tensors), dense))
+    codes = {key: code for code, key in enumerate(dict.fromkeys(keys))}  # the groups, by first appearance
+    if len(codes) == 1:
+        return _max_abs_on_one_device(tensors), None
+    code_of = list(map(codes.__getitem__, keys))
+    order = sorted(range(len(tensors)), key=code_of.__getitem__)  # stable: reported order within a group
+    ordered = list(map(tensors.__getitem__, order))
+    target = next((device for (device, _), _ in codes if device.type != "cpu"), tensors[0].device)
+    parts, start = [], 0
+    for code in range(len(codes)):
+        end = start + code_of.count(code)
+        parts.append(_max_abs_on_one_device(ordered[start:end]).to(target))
+        start = end
+    return torch.cat(parts), order
 
 
 #: a tensor's device and dtype (a group of :func:`max_abs_each` shares them)
 _PLACE = operator.attrgetter("device", "dtype")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _max_abs_on_one_device(tensors: Sequence[Tensor]) -> Tensor:

@@ -348,6 +348,19 @@ MESSAGE_OFFLOADS = ("none", "cpu")
 PARKED_KINDS = (ACT, GRAD, EVAL)
 
 
+def _next_reads(cmds: Sequence[Any]) -> list[Key | None]:
+    """Per instruction of a clock, the message key of the next instruction after it that reads one (None: none
+    does)."""
+    found: list[Key | None] = [None] * len(cmds)
+    key = None
+    for i in range(len(cmds) - 1, -1, -1):
+        found[i] = key
+        consumes = getattr(cmds[i], "consumes", None)
+        if consumes is not None:
+            key = consumes
+    return found
+
+
 class Inbox(MutableMapping):
     """What this rank's stages received (and stage 0 loaded) for the instructions of the next clock, by
     :class:`Key`. A parked message is a FIFO :class:`Entry` (``runtime/fifo.py``) of its own. :meth:`pop` hands an
@@ -358,15 +371,17 @@ class Inbox(MutableMapping):
         """``copies``: how parked messages move (None: nothing is parked)."""
         self.copies = copies
         self._items: dict[Key, Any] = {}
+        #: the clock :meth:`prefetch_next` was last asked about, and per instruction the key the next reader reads
+        self._clock: Sequence[Any] | None = None
+        self._next_read: list[Key | None] = []
 
     def park(self, key: Key, fields: tuple, receiver_here: bool = True) -> Any:
         """What to hand over as message ``key``: ``fields`` itself, or, with the offload, for a message an
         instruction of a stage of this rank reads, an :class:`Entry` whose host copy has started."""
         if self.copies is None or not receiver_here or key.kind not in PARKED_KINDS:
             return fields
-        if next(iter(tensors_in(fields)), None) is None:
-            return fields
-        return Entry.offloaded(key.index, fields, self.copies)
+        flat = tensors_in(fields)
+        return Entry.offloaded(key.index, fields, self.copies, flat) if flat else fields
 
     def prefetch(self, key: Key) -> None:
         """Start a parked message back to its device (nothing for one already there or on its way)."""
@@ -375,12 +390,13 @@ class Inbox(MutableMapping):
             value.fetch(self.copies)
 
     def prefetch_next(self, cmds: Sequence[Any], i: int) -> None:
-        """Before instruction ``i`` of a clock runs: start back the message of the next instruction that reads one."""
-        for cmd in cmds[i + 1:]:
-            key = getattr(cmd, "consumes", None)
-            if key is not None:
-                self.prefetch(key)
-                return
+        """Before instruction ``i`` of a clock runs: start back the message of the next instruction that reads one
+        (found for every ``i`` in one pass when a clock's first instruction asks)."""
+        if cmds is not self._clock:
+            self._clock, self._next_read = cmds, _next_reads(cmds)
+        key = self._next_read[i]
+        if key is not None:
+            self.prefetch(key)
 
     def pop(self, key: Key, *default: Any) -> Any:
         """Remove the message ``key`` and return it on its device (after its copy back, on the compute stream)."""

@@ -4,22 +4,27 @@ tuples, lists, deques and dicts; micro-batches and layer inputs are rebuilt with
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable
 
 from torch import Tensor
 
 
-def tensors_in(obj: Any) -> Iterator[Tensor]:
+def tensors_in(obj: Any) -> list[Tensor]:
     """Every tensor inside nested tuples, lists, deques and dict values, in order; anything else (None,
-    numbers) holds none."""
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from tensors_in(value)
-    elif isinstance(obj, (tuple, list, deque)):
-        for value in obj:
-            yield from tensors_in(value)
+    numbers) holds none. A list, gathered without a generator per level: messages are walked at every send."""
+    found: list[Tensor] = []
+    _gather((obj,), found)
+    return found
+
+
+def _gather(values: Iterable[Any], found: list[Tensor]) -> None:
+    for value in values:
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif isinstance(value, dict):
+            _gather(value.values(), found)
+        elif isinstance(value, (tuple, list, deque)):
+            _gather(value, found)
 
 
 def map_tensors(fn: Callable[[Tensor], Any], obj: Any, sequence: type | None = None) -> Any:
@@ -29,7 +34,8 @@ def map_tensors(fn: Callable[[Tensor], Any], obj: Any, sequence: type | None = N
     if isinstance(obj, Tensor):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
-        return (sequence or type(obj))(map_tensors(fn, value, sequence) for value in obj)
+        return (sequence or type(obj))([fn(value) if isinstance(value, Tensor) else map_tensors(fn, value, sequence)
+                                        for value in obj])
     if isinstance(obj, dict):
         return type(obj)((key, map_tensors(fn, value, sequence)) for key, value in obj.items())
     return obj

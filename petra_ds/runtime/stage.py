@@ -191,9 +191,10 @@ class Stage:
 
     def _autocast(self):
         """bf16 autocast when configured: the forward, the recomputation and the reconstruction must
-        evaluate F and G identically, or the reconstruction would not undo the forward."""
+        evaluate F and G identically, or the reconstruction would not undo the forward. Without it, nothing: every
+        evaluation runs as :meth:`run` does, in the caller's autocast state."""
         dtype = self.options.autocast_dtype
-        return torch.autocast(self.options.device_type, dtype=dtype, enabled=dtype is not None)
+        return nullcontext() if dtype is None else torch.autocast(self.options.device_type, dtype=dtype)
 
     def run(self, x: Activation) -> Activation:
         """F_j(x) with the current parameters (autocast inside, outputs back in the input dtype)."""

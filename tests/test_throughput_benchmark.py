@@ -85,6 +85,10 @@ def test_every_variant_runs_on_the_same_partition_and_the_report_validates(tmp_p
     rates = {v: r["predicted_samples_per_s"] for v, r in checked["variants"].items()}
     assert report["predicted_ratios"] == pytest.approx({f"petra/{v}": rates["petra"] / rates[v]
                                                         for v in names if v != "petra"})
+    for name, v in variants.items():  # each rank's host work in one call, counted
+        assert len(v["host_counts"]) == len(v["peak_held_bytes"]), name
+        assert all(rank["bytecodes"] > 0 and rank["ops"] > 0 for rank in v["host_counts"]), name
+    assert set(report["host_count_ratios"]) == {f"petra/{v}" for v in names if v not in ("single", "petra")}
 
 
 def test_the_report_sets_the_timeline_models_ratios_beside_the_measured_ones():
@@ -107,6 +111,17 @@ def test_the_report_sets_the_timeline_models_ratios_beside_the_measured_ones():
     assert bench.predicted_ratios({**report, "variants": {"1f1b": {"samples_per_s": 1.0}}}) == {}
     del report["costs"]
     assert bench.predicted_ratios(report) == {}
+
+
+def test_host_counts_compare_the_busiest_ranks():
+    """PETRA's busiest rank over each peer's busiest, in bytecodes and in ops, each count on its own (the busiest
+    in one need not be the busiest in the other); the one-process variant and a variant without counts are no
+    peers, and without PETRA's counts there is nothing."""
+    variants = {"petra": {"host_counts": [{"bytecodes": 100, "ops": 10}, {"bytecodes": 80, "ops": 30}]},
+                "1f1b": {"host_counts": [{"bytecodes": 200, "ops": 20}, {"bytecodes": 50, "ops": 40}]},
+                "single": {"host_counts": [{"bytecodes": 1, "ops": 1}]}, "torch_zbv": {}}
+    assert bench.host_count_ratios(variants) == {"petra/1f1b": {"bytecodes": 0.5, "ops": 0.75}}
+    assert bench.host_count_ratios({"1f1b": variants["1f1b"]}) == {}
 
 
 def _torch_peer_step(spec: dict) -> dict:

@@ -250,6 +250,7 @@ def run_single(args: argparse.Namespace, device: torch.device) -> dict:
     result = _time_calls(args, device, train_batch, micro_batches_per_call=k)
     result["peak_allocated"] = peak_allocated(train_batch, list(layers.parameters()), optimizer, device)
     result["peak_held_bytes"] = peak_held_bytes(train_batch, layers.parameters())
+    result["host_counts"] = host_counts(train_batch)
     return result
 
 
@@ -299,6 +300,7 @@ def run_pipeline(args: argparse.Namespace, variant: str, device: torch.device) -
                                               engine.optimizer, engine.device)
     buffers = petra_buffer_peak(engine, module.parameters()) if variant == "petra" else None
     result["peak_held_bytes"] = peak_held_bytes(lambda: engine.train_batch(data), module.parameters(), buffers)
+    result["host_counts"] = host_counts(lambda: engine.train_batch(data))
     if variant == "petra" and args.costs:
         result["costs"] = stage_costs(engine, data)
     return result
@@ -334,7 +336,39 @@ def run_torch(args: argparse.Namespace, variant: str, device: torch.device) -> d
     result["parts"] = peer.parts
     result["peak_allocated"] = peak_allocated(train_batch, list(peer.parameters()), optimizer, device)
     result["peak_held_bytes"] = peak_held_bytes(train_batch, peer.parameters())
+    result["host_counts"] = host_counts(train_batch)
     return result
+
+
+def host_counts(train_batch) -> list[dict]:
+    """Every rank's host work in one more call, counted: the Python bytecodes it interprets and the aten ops it
+    dispatches (``petra_ds.diagnostics.host_cost``). Unlike the time a call takes on a shared machine, a count does
+    not move with the load, and a host-bound GPU pays for both."""
+    from torch import distributed as dist
+
+    from petra_ds.diagnostics.host_cost import Bytecodes, OpCounter
+
+    with OpCounter() as ops:
+        train_batch()
+    with Bytecodes() as bytecodes:
+        train_batch()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"bytecodes": bytecodes.total, "ops": ops.total})
+    return gathered
+
+
+def host_count_ratios(variants: dict) -> dict[str, dict[str, float]]:
+    """PETRA's busiest rank over each peer's, in bytecodes and in ops per call (:func:`host_counts`): with one
+    stage a rank and k micro-batches a call, PETRA's host work per stage-clock over the peer's per micro-batch per
+    stage. Empty without PETRA's counts; the one-process variant is no peer."""
+    if "host_counts" not in variants.get("petra", {}):
+        return {}
+
+    def busiest(v: str, count: str) -> int:
+        return max(rank[count] for rank in variants[v]["host_counts"])
+
+    return {f"petra/{v}": {count: busiest("petra", count) / busiest(v, count) for count in ("bytecodes", "ops")}
+            for v in variants if v in PEERS and "host_counts" in variants[v]}
 
 
 def peak_allocated(train_batch, params: list, optimizer, device: torch.device) -> list[dict]:
@@ -627,6 +661,9 @@ def main(argv: list[str] | None = None) -> None:
     predicted = predicted_ratios(report)
     if predicted:
         report["predicted_ratios"] = predicted
+    counted = host_count_ratios(variants)
+    if counted:
+        report["host_count_ratios"] = counted
     print(f"\n{args.model}, J={args.stages}, k={args.micro_batches}, micro-batch {args.micro_batch_size}, "
           f"{report['device']}")
     for v in variants:
@@ -635,6 +672,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in ratios.items():
         modelled = f", {predicted[name]:6.3f}x (the timeline model)" if name in predicted else ""
         print(f"  {name:28s} {value:6.3f}x (best), {median_ratios[name]:6.3f}x (median){modelled}")
+    for name, value in counted.items():
+        print(f"  {name:28s} host work of the busiest rank per call: {value['bytecodes']:.3f}x the bytecodes, "
+              f"{value['ops']:.3f}x the ops")
     if "petra_imbalance" in report:
         print(f"  PETRA's cut {variants['petra']['parts']}: slowest stage {100 * report['petra_imbalance']:.1f}% above "
               "the mean stage (layer costs)")

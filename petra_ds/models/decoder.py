@@ -35,7 +35,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..nn.coupling import AdditiveCoupling, HalfCoupling
-from ..nn.draws import by_children, hooked
+from ..nn.draws import by_children, hooked_under
 from .attention import cached_attention_mask
 from .layer_states import State, load_into, split_by_prefix
 from .transformer import GRAINS, init_normal, tied_logits
@@ -120,7 +120,7 @@ def _config_draws(part: nn.Module) -> bool:
     training, when its config sets a dropout rate (``part.config_dropout``) or its attention's rate was raised since;
     and whenever a forward hook on one of its modules can run other code."""
     rate = max(part.config_dropout, float(getattr(getattr(part, "self_attn", None), "attention_dropout", 0.0)))
-    return (part.training and rate > 0) or any(map(hooked, part.modules()))
+    return (part.training and rate > 0) or hooked_under(part)
 
 
 class DecoderEmbedding(nn.Module):
@@ -238,7 +238,7 @@ class DecoderNorm(nn.Module):
 
     def draws_random(self) -> bool:
         """An RMS norm draws nothing; a forward hook on it may (``petra_ds.nn.draws``)."""
-        return any(map(hooked, self.modules()))
+        return hooked_under(self)
 
     def forward(self, x: tuple[Tensor, Tensor]) -> Tensor:
         y1, y2 = x

@@ -107,6 +107,11 @@ def hooked(module: nn.Module) -> bool:
                 or torch_module._global_forward_pre_hooks)
 
 
+def hooked_under(module: nn.Module) -> bool:
+    """Whether a forward hook can run user code in ``module``'s forward or in one of its submodules'."""
+    return any(map(hooked, module.modules()))
+
+
 def _declaration(kind: type) -> bool:
     """Whether ``kind`` inherits a ``draws_random()`` from a class that also defines the ``forward`` it runs."""
     for klass in kind.__mro__:

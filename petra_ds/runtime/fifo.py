@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 from torch import Tensor
 
+from ..nn.accumulate import REQUIRES_GRAD
 from ..util.nested import map_tensors, tensors_in
 from .ledger import tensor_bytes
 
@@ -148,7 +149,7 @@ def moved(value: Any, copy: Callable[[list[Tensor]], tuple[list[Tensor], Any]],
     if len(set(keys)) < len(keys):
         shared = {key for key, n in Counter(keys).items() if n > 1}
         alone = [whole and key not in shared for whole, key in zip(alone, keys)]
-    if any(map(_REQUIRES_GRAD, flat)):
+    if any(map(REQUIRES_GRAD, flat)):
         flat = list(map(Tensor.detach, flat))
     if all(alone):
         copies, event = copy(flat)
@@ -182,7 +183,6 @@ _DEVICE = operator.attrgetter("device")
 _STORAGE_ADDRESS = torch.UntypedStorage.data_ptr
 _STORAGE_BYTES = torch.UntypedStorage.nbytes
 _BYTES = operator.attrgetter("nbytes")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 from deepspeed.utils import logger
 from torch import Tensor
 
+from ..nn.accumulate import REQUIRES_GRAD
 from ..nn.check import NonFiniteError
 from ..util.nested import tensors_in
 
@@ -117,7 +118,7 @@ def max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
     tensor by tensor (on an H200, 218 reductions and 206 memsets a RevNet18 call). On CUDA the foreach infinity
     norm; on the CPU, where that norm is a scalar loop 10x slower than a vectorised one, the foreach maximum of the
     foreach absolute values. Tensors on several devices (a data dict left on the host) end on a GPU's."""
-    if any(map(_REQUIRES_GRAD, tensors)):  # a loss: its reduction joins no graph
+    if any(map(REQUIRES_GRAD, tensors)):  # a loss: its reduction joins no graph
         with torch.no_grad():
             return _max_abs_each(tensors)
     return _max_abs_each(tensors)
@@ -147,7 +148,6 @@ def _max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
 
 #: a tensor's device and dtype (a group of :func:`max_abs_each` shares them)
 _PLACE = operator.attrgetter("device", "dtype")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _max_abs_on_one_device(tensors: Sequence[Tensor]) -> Tensor:

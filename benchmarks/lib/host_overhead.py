@@ -366,13 +366,13 @@ def count_offload(name: str, args: argparse.Namespace) -> dict:
     m, k = model(name, args), args.k
     ops, bytecodes, by_op = {}, {}, {}
     for seed, (variant, petra) in enumerate(OFFLOADS.items(), start=2001):  # a seed per engine, as in bytecodes
-        engine, stream = petra_engine(m, k, petra={**petra, "seed": seed}), data(m)
+        call = _petra_call(m, k, seed=seed, **petra)
         for _ in range(fill_calls(m["J"], k) + 1):
-            engine.train_batch(stream)
+            call()
         with OpCounter() as counter:
-            engine.train_batch(stream)
+            call()
         with Bytecodes() as interpreted:
-            engine.train_batch(stream)
+            call()
         ops[variant], bytecodes[variant], by_op[variant] = counter.total, interpreted.total, counter.by_name
     return {"model": name, "J": m["J"], "k": k, "ops_per_call": ops, "bytecodes_per_call": bytecodes,
             "added_ops": {v: dict((by_op[v] - by_op["petra"]).most_common()) for v in OFFLOADS if v != "petra"},
@@ -430,8 +430,9 @@ def time_variants(args: argparse.Namespace) -> dict:
             **host_instructions.ratios(medians)}
 
 
-def _petra_call(m: dict, k: int, check_finite: bool = True, seed: int = 0) -> Callable[[], Any]:
-    engine, stream = petra_engine(m, k, petra={"check_finite": check_finite, "seed": seed}), data(m)
+def _petra_call(m: dict, k: int, check_finite: bool = True, seed: int = 0, **settings: Any) -> Callable[[], Any]:
+    """One ``train_batch`` of PETRA on ``m``'s stages; ``settings``: more of its ``"petra"`` keys."""
+    engine, stream = petra_engine(m, k, petra={"check_finite": check_finite, "seed": seed, **settings}), data(m)
     return lambda: engine.train_batch(stream)
 
 

@@ -37,8 +37,8 @@
 #   compile  petra_compiled/petra per train_batch: below 1.0x is what would make "compile": true worth its minutes
 #   graphs petra_graphs ("cuda_graphs": true), bf16: RevNet18 petra_graphs/plain <= 1.7x and RevGPT <= 1.5x are the
 #          targets eager PETRA missed on RevNet18 (2.07x on the H200 at 5f6c5f8); petra_graphs/petra well below 1.0x
-#          where the host sets the pace: a CPU counts 0.63x (RevNet18) and 0.28x (RevGPT) plain backprop's launches
-#          per micro-batch with graphs, against 1.32x and 1.19x eager (host_ops_graphs_cpu.json). The "graph pools"
+#          where the host sets the pace: a CPU counts 0.61x (RevNet18) and 0.28x (RevGPT) plain backprop's launches
+#          per micro-batch with graphs, against 1.27x and 1.14x eager (host_ops_graphs_cpu.json). The "graph pools"
 #          line says what the graphs' memory adds. tests/test_gpu.py checks that graphs train as eager does (fp32,
 #          bf16, keyed dropout, RevGPT) and the float64 oracle. Their first lease: STEPS="tests graphs", about 7
 #          minutes; a run that fails prints its traceback in tests.log

@@ -186,6 +186,73 @@ def test_bf16_casts_each_weight_once_per_stage_evaluation(world_of_one):
     assert len(layers) > 1 and set(casts.of) == weights and set(casts.of.values()) == {1}
 
 
+def _param_casts(engine, call) -> dict[int, int]:
+    """How often ``call`` casts each of ``engine``'s parameters from fp32 to bf16, by parameter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    params = {p.data_ptr() for p in engine.module.parameters()}
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.of: dict[int, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "_to_copy" and args[0].data_ptr() in params:
+                self.of[args[0].data_ptr()] = self.of.get(args[0].data_ptr(), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Casts() as casts:
+        call()
+    return casts.of
+
+
+@pytest.mark.parametrize("name", host_overhead.MODELS)
+def test_bf16_casts_each_weight_once_per_clock(world_of_one, name):
+    """A stage evaluates its layers twice per micro-batch with the weights its clock began with (the forward, then
+    the reconstruction or recomputation): the second evaluation reads the first one's casts (``nn/casts.py``), so
+    in a steady call of k clocks every weight a layer casts is cast k times, not 2k. The weights cast are those of
+    the linear and convolution layers, each of them."""
+    from petra_ds.nn.casts import shares_casts
+
+    assert shares_casts()  # this torch keeps a cast cached under no_grad differentiable
+    m, k = host_overhead.model(name, TINY), TINY.k
+    engine, stream = host_overhead.petra_engine(m, k, bf16=True), host_overhead.data(m)
+    for _ in range(host_overhead.fill_calls(m["J"], k) + 1):
+        engine.train_batch(stream)
+    casts = _param_casts(engine, lambda: engine.train_batch(stream))
+    cast_layers = (torch.nn.Linear, torch.nn.Conv2d)
+    castable = {p.data_ptr() for mod in engine.module.modules() if isinstance(mod, cast_layers)
+                for p in mod.parameters()}
+    assert set(casts) == castable and set(casts.values()) == {k}, (len(casts), len(castable), set(casts.values()))
+
+
+@pytest.mark.parametrize("petra", [{}, {"delay_compensation": "weight_prediction"}, {"param_buffer": True}],
+                         ids=["plain", "weight_prediction", "param_buffer"])
+def test_sharing_a_clock_s_casts_changes_no_bit(world_of_one, monkeypatch, petra):
+    """bf16 RevNet18 at J = 10 trains bit for bit as when every evaluation casts anew, also where weights are
+    written in place inside a clock: predicted for the forward and put back after it, or the forward's stashed
+    weights swapped in for the reconstruction (each write drops the casts made of the old values)."""
+    import contextlib
+
+    import petra_ds.runtime.local_stages as local_stages
+
+    m, k = host_overhead.model("revnet18", TINY), TINY.k
+
+    def trained() -> dict[str, torch.Tensor]:
+        engine, stream = host_overhead.petra_engine(m, k, bf16=True, petra=petra), host_overhead.data(m)
+        for _ in range(host_overhead.fill_calls(m["J"], k) + 3):
+            engine.train_batch(stream)
+        return {n: t.clone() for n, t in engine.module.state_dict().items()}
+
+    shared = trained()
+    monkeypatch.setattr(local_stages, "clock_casts", contextlib.nullcontext)
+    anew = trained()
+    assert shared.keys() == anew.keys()
+    assert all(torch.equal(shared[n], anew[n]) for n in shared), [n for n in shared if not torch.equal(shared[n],
+                                                                                                        anew[n])]
+
+
 def test_op_counts_do_not_depend_on_width_sequence_or_batch(world_of_one):
     """Why the benchmark counts at narrow sizes what ``python -m benchmarks.gpu`` runs wide."""
     narrow = host_overhead.count_ops("revgpt", TINY, False, True)

@@ -14,6 +14,7 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 from torch import nn
 
+from ..nn.casts import weights_written
 from ..schedule import channels
 from .module import Tie, reader_copies, stage_ties, tied_params
 
@@ -89,6 +90,7 @@ class TiedWeights:
             for key, weights in received.items():
                 for p, w in zip(self.tensors[(key.stage, channels.tie_of(key.kind)[1])], weights):
                     p.copy_(w)
+        weights_written()
 
     def reader_module(self, stage: int, tie: Tie, modules: list[nn.Module]) -> nn.Module:
         """The module among ``modules`` (a stage's) that holds ``stage``'s copy of ``tie``."""

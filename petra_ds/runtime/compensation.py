@@ -47,6 +47,7 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from ..nn.casts import weights_written
 from ..schedule import delay
 from ..util.checks import positive_int
 
@@ -219,11 +220,13 @@ class WeightPrediction(StageCompensation):
         with torch.no_grad():  # multi-tensor ops for the stage
             torch._foreach_copy_(stored, weights)
             torch._foreach_add_(weights, torch._foreach_mul(self.d, self.ahead))
+        weights_written()
         try:
             yield
         finally:
             with torch.no_grad():
                 torch._foreach_copy_(weights, stored)
+            weights_written()
 
     def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
         with torch.no_grad():  # multi-tensor ops: a few ops per step for the stage, not a few per tensor

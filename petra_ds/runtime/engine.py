@@ -77,8 +77,7 @@ class PetraEngine(PipelineEngine):
             self.stage_optimizers, self.stage_schedulers, reversible=self.reversible,
             clipping=self.gradient_clipping(), clock=lambda: self._running_clock,
             average=self._average_over_replicas if replicas else None, take=self._take_message, notify=self._notify)
-        #: (stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``), as the windows'
-        #: reads found them (DeepSpeed's count of skipped steps becomes this list)
+        #: (stage, step) of the updates skipped for non-finite gradients, as the windows' reads found them
         self.skipped_steps: list[tuple[int, int]] = self.stages.skipped_steps
         self.timeline = Timeline(self.num_petra_stages)
         self._clock_templates = ClockTemplates()  # this rank's steady clocks, derived once per phase
@@ -277,37 +276,41 @@ class PetraEngine(PipelineEngine):
         self.stages.report(None if checks is None else values[1:])
 
     def _exec(self, schedule: PetraSchedule | EvalSchedule) -> None:
-        """DeepSpeed's instruction loop, one clock per step. Training clocks tell the observers where the
-        schedule says their forwards end (``Clock.forwards_end``) and when they end."""
+        """DeepSpeed's instruction loop, one clock per step."""
         training = isinstance(schedule, PetraSchedule)
         start = schedule.start_clock if training else 0
         for clock, cmds in enumerate(schedule, start=start):
-            self._running_clock = clock
-            watched = bool(self._hooks["before_instruction"] or self._hooks["after_instruction"])
-            parks = self.inbox.copies is not None
-            labelled = torch.autograd._profiler_enabled()
-            for i, cmd in enumerate(cmds):
-                if training and i == cmds.forwards_end:
-                    self._notify("forwards_done", clock)
-                handler = self._INSTRUCTION_MAP.get(type(cmd))
-                if handler is None:
-                    raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
-                if parks:
-                    self.inbox.prefetch_next(cmds, i)
-                if watched:
-                    self._notify("before_instruction", cmd)
-                if labelled:  # a trace shows each instruction as one labelled range
-                    with torch.profiler.record_function(f"{INSTRUCTION_LABEL}{cmd!r}"):
-                        handler(self, cmd)
-                else:
+            with self.stages.clock():  # each weight cast to bf16 once a clock
+                self._run_clock(clock, cmds, training)
+
+    def _run_clock(self, clock: int, cmds: list, training: bool) -> None:
+        """A training clock tells the observers where its forwards end (``Clock.forwards_end``) and that it ended."""
+        self._running_clock = clock
+        watched = bool(self._hooks["before_instruction"] or self._hooks["after_instruction"])
+        parks = self.inbox.copies is not None
+        labelled = torch.autograd._profiler_enabled()
+        for i, cmd in enumerate(cmds):
+            if training and i == cmds.forwards_end:
+                self._notify("forwards_done", clock)
+            handler = self._INSTRUCTION_MAP.get(type(cmd))
+            if handler is None:
+                raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
+            if parks:
+                self.inbox.prefetch_next(cmds, i)
+            if watched:
+                self._notify("before_instruction", cmd)
+            if labelled:  # a trace shows each instruction as one labelled range
+                with torch.profiler.record_function(f"{INSTRUCTION_LABEL}{cmd!r}"):
                     handler(self, cmd)
-                if watched:
-                    self._notify("after_instruction", cmd)
-            if training:
-                if cmds.forwards_end == len(cmds):  # no backward in this clock (or nothing at all: fill, drain)
-                    self._notify("forwards_done", clock)
-                self.stages.end_clock()
-                self._notify("clock_end", clock)
+            else:
+                handler(self, cmd)
+            if watched:
+                self._notify("after_instruction", cmd)
+        if training:
+            if cmds.forwards_end == len(cmds):  # no backward in this clock (or nothing at all: fill, drain)
+                self._notify("forwards_done", clock)
+            self.stages.end_clock()
+            self._notify("clock_end", clock)
 
     def _reduce_loss(self, losses: list[Tensor]) -> Tensor:
         """Mean over the finished micro-batches, averaged over data parallelism and broadcast from the
@@ -485,16 +488,12 @@ class PetraEngine(PipelineEngine):
     #: because its schedule still runs DeepSpeed's instructions; a PETRA schedule produces only
     #: ``schedule.INSTRUCTIONS``, so DeepSpeed's handlers (written for 1F1B's buffers) stay out of reach.
     _INSTRUCTION_MAP = {
-        LoadMicroBatch: _exec_load,
-        ForwardPass: _exec_forward,
-        EvalForward: _exec_eval_forward,
-        ReverseReconstruct: _exec_reconstruct,
-        DelayedBackward: _exec_backward,
-        AccumulateAndStep: _exec_step,
+        LoadMicroBatch: _exec_load, ForwardPass: _exec_forward,
+        EvalForward: _exec_eval_forward, ReverseReconstruct: _exec_reconstruct,
+        DelayedBackward: _exec_backward, AccumulateAndStep: _exec_step,
         SendActivation: _exec_send, RecvActivation: _exec_recv,
         SendGrad: _exec_send, RecvGrad: _exec_recv,
         SendTiedGrad: _exec_send, RecvTiedGrad: _exec_recv,
         SendTiedWeight: _exec_send, RecvTiedWeight: _exec_recv,
-        PostP2P: _exec_post,
-        CommitP2P: _exec_commit,
+        PostP2P: _exec_post, CommitP2P: _exec_commit,
     }

@@ -1,18 +1,21 @@
 """The PETRA stages one rank hosts, and what they share: their step units, their tied weights, their NaN watch.
 
 The engine runs an instruction on one stage (``stages[j].forward(...)``); what spans the rank's stages it
-asks of this object: a stage's optimizer step (``runtime/step.py``), the tied weights a commit received,
+asks of this object: what a clock runs under (the bf16 casts of the weights, shared by the clock's
+evaluations), a stage's optimizer step (``runtime/step.py``), the tied weights a commit received,
 the NaN watch's reduction at the end of a clock and its read at the end of a window, and the in-flight
 state a checkpoint keeps. Built once, in the engine's constructor, with everything each stage needs.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from deepspeed.runtime.pipe.module import PipelineModule
 from torch import Tensor
 
+from ..nn.casts import clock_casts
 from ..pipeline.module import stage_layers
 from ..pipeline.ties import TiedWeights
 from ..schedule.channels import Key
@@ -80,6 +83,12 @@ class LocalStages(Mapping[int, Stage]):
     def tie_specs(self) -> list[tuple[str, int, tuple[int, ...]]]:
         """The ties as the schedule takes them (``PetraSchedule.for_window``'s ``ties``)."""
         return self.ties.specs()
+
+    @contextmanager
+    def clock(self) -> Iterator[None]:
+        """What a clock runs under: each weight's bf16 cast made once and read by all of the clock's evaluations."""
+        with clock_casts():
+            yield
 
     def end_clock(self) -> None:
         """Reduce what the stages reported during the clock, on the device (no host read)."""

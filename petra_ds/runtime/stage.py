@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..nn.accumulate import backprop
 from ..nn.batchnorm import BatchNormPolicy, batch_norms, norms_running_stats
+from ..nn.casts import weights_written
 from ..nn.check import check_reversible
 from ..nn.draws import may_draw
 from ..nn.reversible import (Activation, GraphTape, SequentialTape, as_tuple, assign_rng_keys, detach_leaf,
@@ -300,16 +301,14 @@ class Stage:
 
     def _stream_beside(self, y: Activation) -> torch.cuda.Stream | None:
         """The second CUDA stream of ``reconstruct_overlap`` (None on CPU: the same order, one stream)."""
-        t = as_tuple(y)[0]
-        if not t.is_cuda:
+        if not (t := as_tuple(y)[0]).is_cuda:
             return None
         if self._side_stream is None or self._side_stream.device != t.device:
             self._side_stream = torch.cuda.Stream(device=t.device)
         return self._side_stream
 
     def _note_reconstruction(self, m: int, x: Activation) -> None:
-        """A rebuilt input is checked for NaN / Inf; with ``track_reconstruction`` max |x~ - x| / max |x|
-        against the input kept at forward time."""
+        """A rebuilt input is checked for NaN / Inf; with ``track_reconstruction`` max |x~ - x| / max |x| is noted."""
         self.finite.reconstruction(self.index, m, x)
         truth = self._truth.pop(m, None)
         if truth is not None:
@@ -397,6 +396,7 @@ class Stage:
             saved = [p.detach().clone() for p in params]
             for p, v in zip(params, values):
                 p.copy_(v)
+        weights_written()
         return saved
 
     def _pop_input(self, m: int) -> Activation:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..nn.batchnorm import running_stat_tensors
+from ..nn.casts import weights_written
 from ..pipeline.ties import TiedWeights
 from ..schedule.channels import Key
 from .finite import FiniteWatch, skips_on_device
@@ -66,6 +67,7 @@ class StageStep:
             if self.skips_on_device:
                 self.optimizer.found_inf = found_inf
             st.compensation.step(self.optimizer.step, self.optimizer, step)
+            weights_written()
         self.notify("after_step", j, step)
         st.grads.clear()  # not optimizer.zero_grad(): DeepSpeed's fused optimizers differ in signature
         produced.update(self.ties.weights(j, step))

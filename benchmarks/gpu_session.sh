@@ -19,9 +19,11 @@
 # offload's copy streams and its host work (with both offloads, 1.76x PETRA's ops a RevNet18 call on a CPU, 2.94x at
 # a882363: python -m benchmarks.host_overhead --parts offload), and the engine's own Python (RevNet18 at J = 10:
 # 393 K -> 304 K bytecodes a call on a CPU, python -m benchmarks.host_overhead --parts bytecodes; the H200 ran at
-# 51 us of wall per kernel for PETRA unchecked,
-# 32 for plain), with no keyed RNG scope where nothing can draw (RevNet18 and the bench's RevGPT have no dropout; on a
-# CPU those scopes were 5-8% of a clock's host time, on CUDA each also saved and seeded the GPU's generator).
+# 51 us of wall per kernel for PETRA unchecked, 32 for plain), with no keyed RNG scope where nothing can draw
+# (RevNet18 and the bench's RevGPT have no dropout; on a CPU those scopes were 5-8% of a clock's host time, on CUDA
+# each also saved and seeded the GPU's generator), and bf16 casting each weight once per stage and clock instead of
+# once per evaluation (if this torch keeps a cast cached under no_grad differentiable, python -c "from
+# petra_ds.nn.casts import shares_casts; print(shares_casts())"; RevNet18 bf16 533 -> 510 ops a micro-batch).
 #
 # What it should show (the targets of the host-light clock; BENCHMARKS.md has the measured numbers):
 #   tests  pytest -m gpu: every test passes, test_a_steady_state_train_batch_synchronises_once included

@@ -161,36 +161,23 @@ def test_bf16_casts_each_weight_once_per_stage_evaluation(world_of_one):
     """One autocast region per stage and evaluation (``Stage.run``): in a bf16 forward of a RevGPT stage of
     several blocks, each weight matrix is cast to bf16 exactly once, and nothing else of the stage's is
     cast twice."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from petra_ds.runtime.stage import Stage, StageOptions
 
     m = host_overhead.model("revgpt", TINY)
     layers = [spec.build(log=False) for spec in m["specs"][1:-2]]  # the blocks
     stage = Stage(1, 3, layers, StageOptions(autocast_dtype=torch.bfloat16))
-    weights = {p.data_ptr() for p in stage.params if p.dim() == 2}
-
-    class Casts(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.of = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ == "_to_copy" and args[0].data_ptr() in weights:
-                self.of[args[0].data_ptr()] = self.of.get(args[0].data_ptr(), 0) + 1
-            return func(*args, **(kwargs or {}))
-
+    weights = [p for p in stage.params if p.dim() == 2]
     x = (torch.randn(2, TINY.revgpt_seq, TINY.revgpt_d), torch.randn(2, TINY.revgpt_seq, TINY.revgpt_d))
-    with torch.no_grad(), Casts() as casts:
-        stage.run(x)
-    assert len(layers) > 1 and set(casts.of) == weights and set(casts.of.values()) == {1}
+    with torch.no_grad():
+        casts = _casts_of(weights, lambda: stage.run(x))
+    assert len(layers) > 1 and set(casts) == {p.data_ptr() for p in weights} and set(casts.values()) == {1}
 
 
-def _param_casts(engine, call) -> dict[int, int]:
-    """How often ``call`` casts each of ``engine``'s parameters from fp32 to bf16, by parameter."""
+def _casts_of(tensors, call) -> dict[int, int]:
+    """How often ``call`` casts (``_to_copy``) each of ``tensors``, by address."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    params = {p.data_ptr() for p in engine.module.parameters()}
+    addresses = {t.data_ptr() for t in tensors}
 
     class Casts(TorchDispatchMode):
         def __init__(self):
@@ -198,7 +185,7 @@ def _param_casts(engine, call) -> dict[int, int]:
             self.of: dict[int, int] = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ == "_to_copy" and args[0].data_ptr() in params:
+            if func.overloadpacket.__name__ == "_to_copy" and args[0].data_ptr() in addresses:
                 self.of[args[0].data_ptr()] = self.of.get(args[0].data_ptr(), 0) + 1
             return func(*args, **(kwargs or {}))
 
@@ -220,11 +207,24 @@ def test_bf16_casts_each_weight_once_per_clock(world_of_one, name):
     engine, stream = host_overhead.petra_engine(m, k, bf16=True), host_overhead.data(m)
     for _ in range(host_overhead.fill_calls(m["J"], k) + 1):
         engine.train_batch(stream)
-    casts = _param_casts(engine, lambda: engine.train_batch(stream))
+    casts = _casts_of(engine.module.parameters(), lambda: engine.train_batch(stream))
     cast_layers = (torch.nn.Linear, torch.nn.Conv2d)
     castable = {p.data_ptr() for mod in engine.module.modules() if isinstance(mod, cast_layers)
                 for p in mod.parameters()}
     assert set(casts) == castable and set(casts.values()) == {k}, (len(casts), len(castable), set(casts.values()))
+
+
+def test_whether_casts_are_shared_does_not_depend_on_the_caller_s_grad_mode():
+    """The question is asked once, by whichever clock runs first: an ``eval_batch`` under ``no_grad`` (or inference
+    mode) asking first must not turn the sharing off for the rest of the run."""
+    from petra_ds.nn.casts import shares_casts
+
+    answers = []
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        shares_casts.cache_clear()
+        with mode():
+            answers.append(shares_casts())
+    assert answers == [True] * 3
 
 
 @pytest.mark.parametrize("petra", [{}, {"delay_compensation": "weight_prediction"}, {"param_buffer": True}],

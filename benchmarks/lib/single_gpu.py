@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 import torch
 
+from petra_ds.nn.casts import shares_casts
 from petra_ds.runtime.observe import INSTRUCTION_LABEL
 from petra_ds.util.files import write_text_atomic
 
@@ -520,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
                 "deepspeed": deepspeed.__version__, "tiny": args.tiny, "complete": False,
                 "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
+                "bf16_casts_shared_per_clock": shares_casts(),  # this torch's autocast cache: petra_ds/nn/casts.py
                 "sizes": {key: getattr(args, key) for key in FULL},
                 **summarize(runs), "runs": runs,
             }

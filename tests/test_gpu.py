@@ -57,6 +57,8 @@ RUNS = {
     "bf16": {"optimizer": FROZEN, "bf16": True},
     "fp32_sgd": {"optimizer": SGD},
     "bf16_sgd": {"optimizer": SGD, "bf16": True},
+    # every evaluation casting the weights anew, as without a clock's shared casts (petra_ds/nn/casts.py)
+    "bf16_sgd_casts_anew": {"optimizer": SGD, "bf16": True, "casts_anew": True},
     "revgpt_fp32": {"optimizer": FROZEN, "model": "revgpt"},
     "revgpt_bf16": {"optimizer": FROZEN, "model": "revgpt", "bf16": True},
     "fp32_sgd_overlap": {"optimizer": SGD, "petra": {"reconstruct_overlap": True}},
@@ -92,10 +94,15 @@ def _cpu(obj):
 
 
 def _run(spec: dict) -> dict:
-    """``run_rank`` on the GPU, with the engine's device, backend and side streams."""
-    import petra_ds
+    """``run_rank`` on the GPU, with the engine's device, backend and side streams; ``"casts_anew"``: no clock shares
+    its bf16 casts."""
+    import contextlib
 
-    initialize = petra_ds.initialize
+    import petra_ds
+    import petra_ds.runtime.local_stages as local_stages
+    from petra_ds.nn.casts import shares_casts
+
+    initialize, clock_casts = petra_ds.initialize, local_stages.clock_casts
     seen = {}
 
     def initialize_and_note(*args, **kwargs):
@@ -104,10 +111,14 @@ def _run(spec: dict) -> dict:
         return out
 
     petra_ds.initialize = initialize_and_note
+    spec = dict(spec)
+    if spec.pop("casts_anew", False):
+        local_stages.clock_casts = contextlib.nullcontext
     try:
         result = run_rank({**BASE, **spec})
     finally:
-        petra_ds.initialize = initialize
+        petra_ds.initialize, local_stages.clock_casts = initialize, clock_casts
+    result["shares_casts"] = shares_casts()
     engine = seen.pop("engine")
     result["device"] = str(engine.device)
     result["backend"] = torch.distributed.get_backend()
@@ -222,6 +233,17 @@ def test_overlap_on_cuda_changes_no_bit(name):
         for a, b in zip(steps, on["grads"][j]):
             assert all(torch.equal(a[n], b[n]) for n in a), j
     assert on["reconstruction_errors"] == off["reconstruction_errors"]
+
+
+def test_sharing_a_clock_s_bf16_casts_on_cuda_changes_no_bit():
+    """bf16 training whose clocks share each weight's cast between the forward and the reconstruction (when this
+    torch keeps a cast cached under no_grad differentiable) against every evaluation casting anew: the same bits."""
+    shared, anew = runs()["bf16_sgd"], runs()["bf16_sgd_casts_anew"]
+    for n in anew["params"]:
+        assert torch.equal(shared["params"][n], anew["params"][n]), (n, shared["shares_casts"])
+    for j, steps in anew["grads"].items():
+        for a, b in zip(steps, shared["grads"][j]):
+            assert all(torch.equal(a[n], b[n]) for n in a), (j, shared["shares_casts"])
 
 
 @pytest.mark.parametrize("name", ["dropout", "dropout_overlap", "bf16_dropout", "bf16_dropout_overlap"])

@@ -216,6 +216,21 @@ def test_replay_with_tied_weights(S, k):
                    reversible=mixed_reversibility(J), ties=ties).assert_drained()
 
 
+def test_replay_detects_a_receive_of_a_message_handed_over_on_its_own_rank():
+    """Stages 0 and 1 share rank 0: stage 0's activation is handed over at the commit, and a receive for it (which
+    a real rank would post to itself) is refused."""
+    from petra_ds.schedule import RecvActivation
+
+    J, S, k = 4, 2, 2
+    _, windows = windows_for(J, [(k, k)] * 3 + [None])
+    streams = streams_for(windows, pipeline_ranks=J // S, stages_per_rank=S, gradient_accumulation_steps=k,
+                          reversible=[True] * J)
+    tamper(streams, 0, lambda c: isinstance(c, SendActivation) and c.stage == 0,
+           lambda cmds, i: cmds.insert(i + 1, RecvActivation(1, cmds[i].micro_batch + 1)))
+    with pytest.raises(ScheduleError, match="a receive from a stage of this rank"):
+        replay(streams, petra_stages=J, stages_per_rank=S, gradient_accumulation_steps=k, reversible=[True] * J)
+
+
 def test_replay_detects_compute_out_of_its_clock_phase_order():
     """Stage 0's backward moved to the front of its rank's clock: stage 0 on its own is fine (its gradient
     came at the previous clock, its raw micro-batch is kept), the rank's clock is not (the load and the
@@ -240,7 +255,8 @@ def replay_tampered_two_stages(action):
 
 def test_every_message_is_derived_from_what_the_compute_consumes_and_produces():
     """A rank's sends follow the compute that produced their key, in the same clock; its receives are the
-    keys its compute consumes at the next clock; no compute consumes or produces anything else by a message
+    keys its compute consumes at the next clock from stages of other ranks, and a key one of its own stages
+    produced is sent and handed over, never received; no compute consumes or produces anything else by a message
     (stage 0 takes its loaded micro-batch, never a message)."""
     from petra_ds.schedule import EvalSchedule, LoadMicroBatch, channels
 
@@ -261,7 +277,10 @@ def test_every_message_is_derived_from_what_the_compute_consumes_and_produces():
                 received = {c.key() for c in cmds if c.sends is False and c.channel().kind in
                             (channels.ACT, channels.GRAD, channels.EVAL)}
                 assert sent == {key for key in produced if key.kind != channels.DATA}, (rank, t)
-                assert received == {key for key in consumed_next if key.kind != channels.DATA}, (rank, t)
+                messages = {key for key in consumed_next if key.kind != channels.DATA}
+                # the producer: the stage before for an activation, the stage after for a gradient
+                mine = {key for key in messages if (key.stage + (1 if key.kind == channels.GRAD else -1)) // S == rank}
+                assert received == messages - mine and mine <= sent, (rank, t)
                 loads = [c for c in cmds if isinstance(c, LoadMicroBatch)]
                 assert all(c.produces == channels.data_key(c.micro_batch) for c in loads)
     report = replay(streams, petra_stages=J, stages_per_rank=S, gradient_accumulation_steps=k, reversible=rev)

@@ -168,9 +168,9 @@ class Transport:
             self._sends.append((channel, fields))
 
     def recv(self, channel: Channel, key: Any) -> None:
-        """Queue the receive of the message on ``channel`` (nothing to do when the sender is local)."""
-        if channel[1] not in self.local_stages:
-            self._recvs.append((channel, key))
+        """Queue the receive of the message on ``channel``, from a stage of another rank (a stage of this rank hands
+        its messages over at the commit: the schedule lists no receive for them)."""
+        self._recvs.append((channel, key))
 
     def post(self, what: str, fresh_layouts: bool = False) -> None:
         """Issue everything queued as one batch (with a header batch first on new channels; on every

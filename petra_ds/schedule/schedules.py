@@ -15,7 +15,7 @@ makes the traffic safe under NCCL's rules (see ``petra_ds.runtime.transport``).
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Container, Iterator, Sequence
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
 
@@ -30,12 +30,15 @@ from .progress import FedMicroBatches, Window
 
 
 def with_messages(compute: Sequence[ComputeInstruction], consumers_next: Sequence[ComputeInstruction],
-                  consumers_of: Callable[[Key], Sequence[ComputeInstruction]]) -> list[PipeInstruction]:
+                  consumers_of: Callable[[Key], Sequence[ComputeInstruction]],
+                  local: Container[int]) -> list[PipeInstruction]:
     """``compute`` with its messages, derived from what each instruction produces and consumes (one pass, as
     torch.distributed.pipelining adds its sends and receives): a send after each instruction that produces
     a message, then a receive for each message ``consumers_next`` (this rank's compute of the same phase at
-    the next clock) consumes. ``consumers_of(key)`` is the receiving stage's compute at the next clock: a
-    gradient carries x~ when its consumer reconstructs. Loaded data (``channels.DATA``) is never sent."""
+    the next clock) consumes from a stage not in ``local`` (this rank's): a message between two stages of the
+    rank is handed over in memory at the commit, with nothing to receive. ``consumers_of(key)`` is the receiving
+    stage's compute at the next clock: a gradient carries x~ when its consumer reconstructs. Loaded data
+    (``channels.DATA``) is never sent."""
     cmds: list[PipeInstruction] = []
     for c in compute:
         cmds.append(c)
@@ -52,9 +55,11 @@ def with_messages(compute: Sequence[ComputeInstruction], consumers_next: Sequenc
         if key is None or key.kind == channels.DATA:
             continue
         if key.kind == channels.GRAD:
-            cmds.append(RecvGrad(c.stage, c.micro_batch, with_input=isinstance(c, ReverseReconstruct)))
+            recv = RecvGrad(c.stage, c.micro_batch, with_input=isinstance(c, ReverseReconstruct))
         else:
-            cmds.append(RecvActivation(c.stage, c.micro_batch, **_kind(key.kind)))
+            recv = RecvActivation(c.stage, c.micro_batch, **_kind(key.kind))
+        if recv.channel().src not in local:
+            cmds.append(recv)
     return cmds
 
 
@@ -199,7 +204,7 @@ class PetraSchedule(PipeSchedule):
 
     def tied_messages(self, clock: int) -> list[PipeInstruction]:
         """Sends, then receives, in (tie, reader) order on every rank, so that the messages between two
-        ranks pair up in the same order on both sides."""
+        ranks pair up in the same order on both sides; no receive where both ends are on this rank."""
         local = self.local_stages
         sends: list[PipeInstruction] = []
         recvs: list[PipeInstruction] = []
@@ -209,7 +214,7 @@ class PetraSchedule(PipeSchedule):
                 if step is not None:
                     if reader in local:
                         sends.append(SendTiedGrad(stage=reader, owner=owner, tie=key, step=step))
-                    if owner in local:
+                    if owner in local and reader not in local:
                         recvs.append(RecvTiedGrad(stage=owner, reader=reader, tie=key, step=step))
         for key, owner, readers in self.ties:
             step = self.step_at(clock, owner)
@@ -218,7 +223,7 @@ class PetraSchedule(PipeSchedule):
             for reader in readers:
                 if owner in local:
                     sends.append(SendTiedWeight(stage=owner, reader=reader, tie=key, step=step))
-                if reader in local:
+                if reader in local and owner not in local:
                     recvs.append(RecvTiedWeight(stage=reader, owner=owner, tie=key, step=step))
         return sends + recvs
 
@@ -289,14 +294,14 @@ class PetraSchedule(PipeSchedule):
         now = [self.compute(clock, stage) for stage in self.local_stages]
         following = [self.compute(clock + 1, stage) for stage in self.local_stages]
         cmds = with_messages([c for f, _ in now for c in f], [c for f, _ in following for c in f],
-                             lambda key: self.compute(clock + 1, key.stage)[0])
+                             lambda key: self.compute(clock + 1, key.stage)[0], self.local_stages)
         posts = len(cmds) > sum(len(f) for f, _ in now)
         if posts:
             cmds.append(PostP2P(channels.ACT))
         forwards_end = len(cmds)
         backwards = [c for _, b in reversed(now) for c in b]
         grads = with_messages(backwards, [c for _, b in following for c in b],
-                              lambda key: self.compute(clock + 1, key.stage)[1])
+                              lambda key: self.compute(clock + 1, key.stage)[1], self.local_stages)
         cmds.extend(grads)
         if len(grads) > len(backwards):
             cmds.append(PostP2P(channels.GRAD))
@@ -341,7 +346,7 @@ class EvalSchedule(PipeSchedule):
         for clock in range(self.micro_batches + self.num_petra_stages - 1):
             now = [c for stage in self.local_stages for c in self.compute(clock, stage)]
             cmds = with_messages(now, [c for stage in self.local_stages for c in self.compute(clock + 1, stage)],
-                                 lambda key: self.compute(clock + 1, key.stage))
+                                 lambda key: self.compute(clock + 1, key.stage), self.local_stages)
             if len(cmds) > len(now):
                 cmds += [PostP2P(channels.EVAL), CommitP2P()]
             yield cmds

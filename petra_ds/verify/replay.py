@@ -122,6 +122,8 @@ class _Replay:
         self.pos = {rank: (0, 0) for rank in self.streams}
         self.queued_sends: dict[int, list] = defaultdict(list)
         self.queued_recvs: dict[int, list] = defaultdict(list)
+        #: per rank, the messages its stages sent each other this clock: handed over at its commit, unreceived
+        self.handed: dict[int, list] = defaultdict(list)
         self.committing: set[int] = set()
         # (stage, kind, mb) -> clock at which the message was received (usable at clock + 1)
         self.inbox: dict[channels.Key, int] = {}
@@ -159,6 +161,7 @@ class _Replay:
         self.report.in_transit = sum(len(q) for q in self.channels.values())
         self.report.in_transit += sum(len(o) for o in self.outbox.values())
         self.report.in_transit += sum(len(v) for v in self.queued_sends.values()) + len(self.inbox)
+        self.report.in_transit += sum(len(v) for v in self.handed.values())
         return self.report
 
     def finished(self, rank: int) -> bool:
@@ -187,7 +190,7 @@ class _Replay:
         return progressed
 
     def end_clock(self, rank: int, clock: int) -> None:
-        if self.queued_sends[rank] or self.queued_recvs[rank]:
+        if self.queued_sends[rank] or self.queued_recvs[rank] or self.handed[rank]:
             raise ScheduleError(f"rank {rank} ends clock {clock} with uncommitted p2p operations")
         for j in range(rank * self.S, (rank + 1) * self.S):
             if j in self.tape:
@@ -253,6 +256,9 @@ class _Replay:
         elif cmd.sends is True:
             self.queue_send(rank, clock, cmd)
         elif cmd.sends is False:
+            if cmd.channel().src // self.S == rank:
+                self.fail(rank, clock, cmd, "a receive from a stage of this rank, whose messages are handed over "
+                          "at the commit")
             self.queued_recvs[rank].append((cmd.channel(), cmd.key(), cmd.with_input, cmd))
         elif isinstance(cmd, PostP2P):
             for channel, message in self.queued_sends.pop(rank, []):
@@ -356,7 +362,10 @@ class _Replay:
         if channel.kind == channels.GRAD and with_input != self.reconstructs(channel.dst):
             self.fail(rank, clock, cmd, f"with_input={with_input} but stage {channel.dst} "
                       f"{'needs' if self.reconstructs(channel.dst) else 'does not need'} x~")
-        self.queued_sends[rank].append((channel, (key, clock, with_input)))
+        if channel.dst // self.S == rank:
+            self.handed[rank].append((channel, key))
+        else:
+            self.queued_sends[rank].append((channel, (key, clock, with_input)))
 
     def commit(self, rank, clock) -> bool:
         if rank not in self.committing:
@@ -377,11 +386,17 @@ class _Replay:
                 self.fail(rank, clock, cmd, f"message sent at clock {sent_clock} received at {clock}")
             if sent_with_input != with_input:
                 self.fail(rank, clock, cmd, "sender and receiver disagree on the payload")
-            tie = channels.tie_of(channel.kind)
-            if tie is not None and tie[0] == channels.TIED_WEIGHT:
-                self.report.tied_weights.setdefault((channel.dst, tie[1]), []).append(key.index)
-            else:
-                self.inbox[key] = clock
+            self.deliver(channel, key, clock)
+        for channel, key in self.handed.pop(rank, []):
+            self.deliver(channel, key, clock)
         self.queued_recvs[rank] = []
         self.committing.discard(rank)
         return True
+
+    def deliver(self, channel, key, clock) -> None:
+        """A message arrives at the commit of ``clock``: tied weights are applied, the rest waits in the inbox."""
+        tie = channels.tie_of(channel.kind)
+        if tie is not None and tie[0] == channels.TIED_WEIGHT:
+            self.report.tied_weights.setdefault((channel.dst, tie[1]), []).append(key.index)
+        else:
+            self.inbox[key] = clock

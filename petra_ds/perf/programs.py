@@ -191,8 +191,8 @@ def _petra_programs(costs: Costs, micro_batches: int, batches: int, *, stages_pe
                         program.append(Compute(j, "step", None, c.step))
                     elif cmd.sends is not None:
                         channel = cmd.channel()
-                        if (channel.dst if cmd.sends else channel.src) // S == rank:
-                            continue  # handed over in memory
+                        if cmd.sends and channel.dst // S == rank:
+                            continue  # handed over in memory at the commit (the schedule lists no receive for it)
                         size = 2.0 if cmd.with_input else 1.0
                         queued.append(_endpoint(counts, channel, cmd.sends, j, size * costs.message_s))
                     elif isinstance(cmd, (PostP2P, CommitP2P)):

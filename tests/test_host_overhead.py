@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from petra_ds.diagnostics.host_cost import Bytecodes, OpCounter
+from petra_ds.runtime.observe import Observer
 from petra_ds.util.host_reads import HostSyncs
 from petra_ds.schedule import ClockTemplates, PetraSchedule, Timeline
 
@@ -281,6 +282,49 @@ def test_train_batch_puts_a_module_left_in_eval_mode_back_to_training(world_of_o
     engine.module.eval()
     engine.train_batch(stream)
     assert all(mod.training for mod in engine.module.modules())
+
+
+class _Instructions(Observer):
+    """Notes the name of every instruction it is shown, before and after."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def before_instruction(self, engine, instruction) -> None:
+        self.seen.append(type(instruction).__name__)
+
+    def after_instruction(self, engine, instruction) -> None:
+        self.seen.append("/" + type(instruction).__name__)
+
+
+def test_the_unobserved_instruction_loop_trains_as_the_observed_one_and_both_refuse_an_unknown_instruction(
+        world_of_one, monkeypatch):
+    """The engine runs a clock's instructions without per-instruction work when nothing watches them and with it
+    when an observer does: the same losses and weights, bit for bit, every instruction shown to the observer just
+    before and after it runs; an instruction with no handler stops either loop, named."""
+    from petra_ds.runtime.engine import PetraEngine
+
+    m, k = host_overhead.model("revgpt", TINY), TINY.k
+    runs = []
+    for watcher in (None, _Instructions()):
+        engine, stream = host_overhead.petra_engine(m, k), host_overhead.data(m)
+        if watcher is not None:
+            engine.observe(watcher)
+        losses = [engine.train_batch(stream).item() for _ in range(host_overhead.fill_calls(m["J"], k) + 1)]
+        runs.append((losses, [p.detach().clone() for p in engine.module.parameters()], watcher))
+    (plain, weights, _), (watched, watched_weights, watcher) = runs
+    assert plain == watched and all(torch.equal(a, b) for a, b in zip(weights, watched_weights))
+    assert watcher.seen[:2] == ["LoadMicroBatch", "/LoadMicroBatch"] and "ForwardPass" in watcher.seen
+    assert watcher.seen[0::2] == [name.lstrip("/") for name in watcher.seen[1::2]]
+    known = {cls: handler for cls, handler in PetraEngine._INSTRUCTION_MAP.items() if cls.__name__ != "SendGrad"}
+    monkeypatch.setattr(PetraEngine, "_INSTRUCTION_MAP", known)
+    for watcher in (None, _Instructions()):
+        engine, stream = host_overhead.petra_engine(m, k), host_overhead.data(m)
+        if watcher is not None:
+            engine.observe(watcher)
+        with pytest.raises(RuntimeError, match="does not understand instruction SendGrad"):
+            for _ in range(host_overhead.fill_calls(m["J"], k) + 1):
+                engine.train_batch(stream)
 
 
 def test_an_optimizer_that_cannot_skip_on_the_device_costs_one_sync_per_step(world_of_one):

@@ -25,6 +25,22 @@ from petra_ds.perf.torch_programs import TORCH_VARIANTS
 
 #: the benchmark's names for torch's schedules: the timeline model's
 VARIANTS = TORCH_VARIANTS
+#: the first torch whose schedules open without a message from a stage to a neighbour on its own rank: before it,
+#: every stage sends one to each neighbour, and gloo cannot send to its own rank (torch 2.11: "Pair is not
+#: connected"); torch 2.12 opens with its forward / backward vote instead (2.14.1 runs every variant here)
+OPENS_WITHOUT_SELF_SENDS = (2, 12)
+
+
+def unsupported(variant: str, ranks: int, backend: str) -> str | None:
+    """Why this torch cannot run ``variant`` on ``ranks`` processes over ``backend``, or None when it can."""
+    where = placement(variant, ranks)
+    if backend != "gloo" or not any(where[v] == where.get(v + 1) for v in where):
+        return None
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= OPENS_WITHOUT_SELF_SENDS:
+        return None
+    return (f"torch {torch.__version__}'s {variant} opens with a message from each chunk to its neighbours, one on "
+            "the same rank included, which gloo cannot send; run it with torch >= 2.12 (2.14.1 tested) or leave it "
+            "out of --variants")
 
 
 def local_chunks(variant: str, rank: int, ranks: int) -> list[int]:
@@ -101,6 +117,9 @@ def build(variant: str, specs: Sequence, loss_fn: Callable, micro_batches: int, 
 
     cls_name, per_rank, _, checkpointed = schedule_of(variant)
     ranks, rank = dist.get_world_size(), dist.get_rank()
+    reason = unsupported(variant, ranks, dist.get_backend())
+    if reason is not None:
+        raise RuntimeError(reason)
     chunks = ranks * per_rank
     names = [spec.typename.__name__ for spec in specs]
     parts = chunk_parts(len(specs), chunks, costs=costs, checkpointed=checkpointed, method=method,

@@ -23,6 +23,7 @@ would not sync; the engine's own reads would.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import os
 import sys
@@ -121,6 +122,7 @@ class Bytecodes:
         self._collecting = gc.isenabled()
         gc.disable()
         self._previous = sys.gettrace()
+        _prime_opcode_tracing()
         sys.settrace(self._frame)
         return self
 
@@ -132,8 +134,8 @@ class Bytecodes:
     def _frame(self, frame: FrameType, event: str, arg: Any) -> Callable | None:
         if frame.f_code is _EXIT:  # the counter's own way out
             return None
+        frame.f_trace_lines = False  # first: on Python 3.12, clearing it after setting the opcodes' flag clears both
         frame.f_trace_opcodes = True
-        frame.f_trace_lines = False
         area = self._areas.get(frame.f_code.co_filename)
         if area is None:
             area = self._areas[frame.f_code.co_filename] = _area(frame.f_code.co_filename)
@@ -148,6 +150,27 @@ class Bytecodes:
 
 
 _EXIT = Bytecodes.__exit__.__code__
+
+
+@functools.cache
+def _prime_opcode_tracing() -> None:
+    """Trace one throwaway call with opcode events on, once per process: Python 3.12.1 (3.12 is the GPU machine's)
+    gives the first call a process traces that way, and everything it calls, no opcode event at all."""
+    def opcodes(frame: FrameType, event: str, arg: Any) -> Callable:
+        frame.f_trace_lines = False
+        frame.f_trace_opcodes = True
+        return opcodes
+
+    previous = sys.gettrace()
+    sys.settrace(opcodes)
+    try:
+        _throwaway()
+    finally:
+        sys.settrace(previous)
+
+
+def _throwaway() -> int:
+    return 1
 
 
 def _area(path: str) -> str:

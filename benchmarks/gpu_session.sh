@@ -22,8 +22,9 @@
 # 51 us of wall per kernel for PETRA unchecked, 32 for plain), with no keyed RNG scope where nothing can draw
 # (RevNet18 and the bench's RevGPT have no dropout; on a CPU those scopes were 5-8% of a clock's host time, on CUDA
 # each also saved and seeded the GPU's generator), and bf16 casting each weight once per stage and clock instead of
-# once per evaluation (if this torch keeps a cast cached under no_grad differentiable, python -c "from
-# petra_ds.nn.casts import shares_casts; print(shares_casts())"; RevNet18 bf16 533 -> 510 ops a micro-batch).
+# once per evaluation (torch 2.11 keeps a cast cached under no_grad differentiable, as python -c "from
+# petra_ds.nn.casts import shares_casts; print(shares_casts())" says on a CPU; RevNet18 bf16 533 -> 510 ops a
+# micro-batch). The default test command passes on a CPU with the GPU machine's Python 3.12 and torch 2.11.
 #
 # What it should show (the targets of the host-light clock; BENCHMARKS.md has the measured numbers):
 #   tests  pytest -m gpu: every test passes, test_a_steady_state_train_batch_synchronises_once included

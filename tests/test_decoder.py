@@ -279,6 +279,7 @@ def test_the_decoder_equals_hugging_face_on_the_oldest_transformers_allowed(tmp_
     """This file's tests, in a virtualenv over this one with the oldest transformers pyproject.toml allows (the
     default run covers the newest, which CI installs). Needs the package registry, as CI's install does."""
     import os
+    import site
     import subprocess
     import venv
 
@@ -287,6 +288,12 @@ def test_the_decoder_equals_hugging_face_on_the_oldest_transformers_allowed(tmp_
     env_dir = tmp_path / "oldest"
     venv.create(env_dir, system_site_packages=True, with_pip=True)
     python = str(env_dir / "bin" / "python")
+    # this environment's packages after the new one's own: a virtualenv's system site is the base interpreter's,
+    # which a test run from a virtualenv (as the README installs) would otherwise lose
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, timeout=300, check=True).stdout.strip()
+    with open(os.path.join(purelib, "this_environment.pth"), "w") as pth:
+        pth.write("".join(f"import site; site.addsitedir({path!r})\n" for path in site.getsitepackages()))
     oldest = ".".join(map(str, OLDEST_TRANSFORMERS))
     pin = f"transformers=={oldest}.*"
     installed = subprocess.run([python, "-m", "pip", "install", "-q", pin], capture_output=True, text=True,

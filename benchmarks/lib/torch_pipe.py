@@ -39,8 +39,8 @@ def unsupported(variant: str, ranks: int, backend: str) -> str | None:
     if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= OPENS_WITHOUT_SELF_SENDS:
         return None
     return (f"torch {torch.__version__}'s {variant} opens with a message from each chunk to its neighbours, one on "
-            "the same rank included, which gloo cannot send; run it with torch >= 2.12 (2.14.1 tested) or leave it "
-            "out of --variants")
+            "the same rank included, which gloo cannot send; run it with torch >= 2.12 (2.14.1 tested) or choose "
+            "another schedule")
 
 
 def local_chunks(variant: str, rank: int, ranks: int) -> list[int]:

@@ -27,7 +27,7 @@ from petra_ds.perf.torch_programs import TORCH_VARIANTS
 VARIANTS = TORCH_VARIANTS
 #: the first torch whose schedules open without a message from a stage to a neighbour on its own rank: before it,
 #: every stage sends one to each neighbour, and gloo cannot send to its own rank (torch 2.11: "Pair is not
-#: connected"); torch 2.12 opens with its forward / backward vote instead (2.14.1 runs every variant here)
+#: connected"); torch 2.12 opens with its forward / backward vote instead (2.12.1 and 2.14.1 run every variant here)
 OPENS_WITHOUT_SELF_SENDS = (2, 12)
 
 
@@ -39,8 +39,8 @@ def unsupported(variant: str, ranks: int, backend: str) -> str | None:
     if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= OPENS_WITHOUT_SELF_SENDS:
         return None
     return (f"torch {torch.__version__}'s {variant} opens with a message from each chunk to its neighbours, one on "
-            "the same rank included, which gloo cannot send; run it with torch >= 2.12 (2.14.1 tested) or choose "
-            "another schedule")
+            "the same rank included, which gloo cannot send; run it with torch >= 2.12 (2.12.1 and 2.14.1 tested) or "
+            "choose another schedule")
 
 
 def local_chunks(variant: str, rank: int, ranks: int) -> list[int]:

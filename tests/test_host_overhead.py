@@ -305,12 +305,18 @@ def test_the_unobserved_instruction_loop_trains_as_the_observed_one_and_both_ref
     from petra_ds.runtime.engine import PetraEngine
 
     m, k = host_overhead.model("revgpt", TINY), TINY.k
-    runs = []
-    for watcher in (None, _Instructions()):
+    calls = host_overhead.fill_calls(m["J"], k) + 1
+
+    def watched_by(watcher):
         engine, stream = host_overhead.petra_engine(m, k), host_overhead.data(m)
         if watcher is not None:
             engine.observe(watcher)
-        losses = [engine.train_batch(stream).item() for _ in range(host_overhead.fill_calls(m["J"], k) + 1)]
+        return engine, stream
+
+    runs = []
+    for watcher in (None, _Instructions()):
+        engine, stream = watched_by(watcher)
+        losses = [engine.train_batch(stream).item() for _ in range(calls)]
         runs.append((losses, [p.detach().clone() for p in engine.module.parameters()], watcher))
     (plain, weights, _), (watched, watched_weights, watcher) = runs
     assert plain == watched and all(torch.equal(a, b) for a, b in zip(weights, watched_weights))
@@ -319,11 +325,9 @@ def test_the_unobserved_instruction_loop_trains_as_the_observed_one_and_both_ref
     known = {cls: handler for cls, handler in PetraEngine._INSTRUCTION_MAP.items() if cls.__name__ != "SendGrad"}
     monkeypatch.setattr(PetraEngine, "_INSTRUCTION_MAP", known)
     for watcher in (None, _Instructions()):
-        engine, stream = host_overhead.petra_engine(m, k), host_overhead.data(m)
-        if watcher is not None:
-            engine.observe(watcher)
+        engine, stream = watched_by(watcher)
         with pytest.raises(RuntimeError, match="does not understand instruction SendGrad"):
-            for _ in range(host_overhead.fill_calls(m["J"], k) + 1):
+            for _ in range(calls):
                 engine.train_batch(stream)
 
 

@@ -3,6 +3,7 @@
 import compileall
 import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -35,9 +36,16 @@ def _share_the_cores():
 
 def pytest_unconfigure(config):
     """This process (the session's, or an xdist worker) ends next: its teardown need not walk everything the tests
-    created (``petra_ds.runtime.shutdown.before_exit``, not imported here: the session process has no DeepSpeed)."""
-    gc.collect()
-    gc.freeze()
+    created. A worker, whose tests imported DeepSpeed, ends as an example does
+    (``petra_ds.runtime.shutdown.before_exit``, which freezes nothing where a nanobind extension is loaded); the
+    session process has no DeepSpeed, and no extension of nanobind's, and freezes what it holds."""
+    if "deepspeed" in sys.modules:
+        from petra_ds.runtime.shutdown import before_exit
+
+        before_exit()
+    else:
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.fixture(autouse=True)

@@ -23,11 +23,11 @@ would not sync; the engine's own reads would.
 from __future__ import annotations
 
 import collections
-import functools
 import gc
 import os
 import sys
-from types import FrameType
+import threading
+from types import CodeType, FrameType
 from typing import Any, Callable, Hashable
 
 import torch
@@ -106,12 +106,18 @@ class Bytecodes:
     independent, as op counts are: a C call (an op, a ``dict`` copy) is one bytecode whatever it costs, so the
     count measures the interpreted glue around the ops, not the ops. Tracing slows Python tenfold or more: count
     one call, not a timed one. Earlier garbage is collected on entry and the collector waits while counting: the
-    finalizers of another run's objects are not this call's bytecodes."""
+    finalizers of another run's objects are not this call's bytecodes.
+
+    From Python 3.12 the interpreter's instruction events (``sys.monitoring``) count, every code object from its
+    first run on (``sys.settrace``'s opcode events there skip a code object's first traced run: the first call a
+    process traces on 3.12.1, every code object's on 3.13.0); before 3.12, ``sys.settrace``'s opcode events, in
+    the frames called inside the block."""
 
     def __init__(self) -> None:
         self.by_area: collections.Counter[str] = collections.Counter()
         self._areas: dict[str, str] = {}
         self._previous: Callable | None = None
+        self._tool: int | None = None
 
     @property
     def total(self) -> int:
@@ -121,24 +127,50 @@ class Bytecodes:
         gc.collect()
         self._collecting = gc.isenabled()
         gc.disable()
-        self._previous = sys.gettrace()
-        _prime_opcode_tracing()
-        sys.settrace(self._frame)
+        if _MONITORING is None:
+            self._previous = sys.gettrace()
+            sys.settrace(self._frame)
+            return self
+        self._tool = _free_tool()
+        _MONITORING.use_tool_id(self._tool, "petra_ds bytecodes")
+        _MONITORING.register_callback(self._tool, _MONITORING.events.INSTRUCTION, self._instruction_counter())
+        _MONITORING.set_events(self._tool, _MONITORING.events.INSTRUCTION)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        sys.settrace(self._previous)
+        if self._tool is None:
+            sys.settrace(self._previous)
+        else:
+            _MONITORING.set_events(self._tool, 0)
+            _MONITORING.register_callback(self._tool, _MONITORING.events.INSTRUCTION, None)
+            _MONITORING.free_tool_id(self._tool)
+            self._tool = None
         if self._collecting:
             gc.enable()
 
+    def _area_of(self, path: str) -> str:
+        area = self._areas.get(path)
+        if area is None:
+            area = self._areas[path] = _area(path)
+        return area
+
+    def _instruction_counter(self) -> Callable[[CodeType, int], None]:
+        """The callback of each instruction event: counts those of this thread, the counter's own way in and out
+        aside."""
+        thread, counts, area_of, own = threading.get_ident(), self.by_area, self._area_of, _OWN_CODE
+
+        def instruction(code: CodeType, offset: int) -> None:
+            if threading.get_ident() == thread and code not in own:
+                counts[area_of(code.co_filename)] += 1
+
+        return instruction
+
     def _frame(self, frame: FrameType, event: str, arg: Any) -> Callable | None:
-        if frame.f_code is _EXIT:  # the counter's own way out
+        if frame.f_code in _OWN_CODE:  # the counter's own way out
             return None
         frame.f_trace_lines = False  # first: on Python 3.12, clearing it after setting the opcodes' flag clears both
         frame.f_trace_opcodes = True
-        area = self._areas.get(frame.f_code.co_filename)
-        if area is None:
-            area = self._areas[frame.f_code.co_filename] = _area(frame.f_code.co_filename)
+        area = self._area_of(frame.f_code.co_filename)
         counts = self.by_area
 
         def opcode(frame: FrameType, event: str, arg: Any) -> Callable:
@@ -149,28 +181,19 @@ class Bytecodes:
         return opcode
 
 
-_EXIT = Bytecodes.__exit__.__code__
+#: the counter's own way in and out, not counted
+_OWN_CODE = frozenset({Bytecodes.__enter__.__code__, Bytecodes.__exit__.__code__})
+#: Python 3.12's ``sys.monitoring`` (None before)
+_MONITORING = getattr(sys, "monitoring", None)
 
 
-@functools.cache
-def _prime_opcode_tracing() -> None:
-    """Trace one throwaway call with opcode events on, once per process: Python 3.12.1 (3.12 is the GPU machine's)
-    gives the first call a process traces that way, and everything it calls, no opcode event at all."""
-    def opcodes(frame: FrameType, event: str, arg: Any) -> Callable:
-        frame.f_trace_lines = False
-        frame.f_trace_opcodes = True
-        return opcodes
-
-    previous = sys.gettrace()
-    sys.settrace(opcodes)
-    try:
-        _throwaway()
-    finally:
-        sys.settrace(previous)
-
-
-def _throwaway() -> int:
-    return 1
+def _free_tool() -> int:
+    """A ``sys.monitoring`` tool id no other tool (a debugger, coverage, a profiler) holds now."""
+    for tool in (_MONITORING.PROFILER_ID, 3, 4):
+        if _MONITORING.get_tool(tool) is None:
+            return tool
+    raise RuntimeError("Bytecodes needs a sys.monitoring tool id, and the profiler's and ids 3 and 4 are all taken: "
+                       "count without the profiler or tool that holds them")
 
 
 def _area(path: str) -> str:

@@ -168,7 +168,7 @@ class Bytecodes:
     def _frame(self, frame: FrameType, event: str, arg: Any) -> Callable | None:
         if frame.f_code in _OWN_CODE:  # the counter's own way out
             return None
-        frame.f_trace_lines = False  # first: on Python 3.12, clearing it after setting the opcodes' flag clears both
+        frame.f_trace_lines = False
         frame.f_trace_opcodes = True
         area = self._area_of(frame.f_code.co_filename)
         counts = self.by_area

@@ -22,16 +22,17 @@ pytestmark = pytest.mark.skipif(not pool.enabled(), reason="PETRA_DS_TEST_POOL=0
 
 def _dirty(spec):
     """Leave behind what a task could: a process group, another default dtype, a seeded generator, an
-    environment variable, grad mode off, a frozen heap (an example's ``run_main`` freezes it before exiting)."""
+    environment variable, grad mode off, a frozen heap (an example's ``run_main`` freezes it before exiting, except
+    where a nanobind extension is loaded: frozen here whatever the stack)."""
     import petra_ds
-    from petra_ds.runtime.shutdown import before_exit
 
     petra_ds.init_distributed(dist_backend="gloo")
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(1234)
     os.environ["POOL_TEST_LEFTOVER"] = "1"
     torch.set_grad_enabled(False)
-    before_exit()
+    gc.collect()
+    gc.freeze()
     return os.getpid()
 
 

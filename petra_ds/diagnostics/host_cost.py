@@ -124,14 +124,15 @@ class Bytecodes:
         return sum(self.by_area.values())
 
     def __enter__(self) -> "Bytecodes":
+        tool = None if _MONITORING is None else _free_tool()  # before the collector stops: it may raise
         gc.collect()
         self._collecting = gc.isenabled()
         gc.disable()
-        if _MONITORING is None:
+        if tool is None:
             self._previous = sys.gettrace()
             sys.settrace(self._frame)
             return self
-        self._tool = _free_tool()
+        self._tool = tool
         _MONITORING.use_tool_id(self._tool, "petra_ds bytecodes")
         _MONITORING.register_callback(self._tool, _MONITORING.events.INSTRUCTION, self._instruction_counter())
         _MONITORING.set_events(self._tool, _MONITORING.events.INSTRUCTION)

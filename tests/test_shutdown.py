@@ -89,9 +89,14 @@ print(gc.get_freeze_count() - before)
 """
 
 
+def _python(script: str, argument: str) -> subprocess.CompletedProcess:
+    """``script`` run by this interpreter in a process of its own, with ``argument``."""
+    return subprocess.run([sys.executable, "-c", script, argument], cwd=ROOT, env=launcher_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
 def _newly_frozen(loaded: str) -> int:
-    out = subprocess.run([sys.executable, "-c", ENDING, loaded], cwd=ROOT, env=launcher_env(), capture_output=True,
-                         text=True, timeout=120)
+    out = _python(ENDING, loaded)
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.split()[-1])
 
@@ -121,8 +126,7 @@ def test_a_process_holding_triton_s_nanobind_bindings_ends_without_leak_reports(
     teardown left alive; a frozen heap is never freed, so a frozen process ended with ~30 lines of "nanobind:
     leaked ..." (the first run below shows they are real here). Elsewhere the test skips, saying why."""
     def end(how: str) -> subprocess.CompletedProcess:
-        out = subprocess.run([sys.executable, "-c", TRITON_ENDING, how], cwd=ROOT, env=launcher_env(),
-                             capture_output=True, text=True, timeout=120)
+        out = _python(TRITON_ENDING, how)
         if "ModuleNotFoundError: No module named 'triton'" in out.stderr:
             pytest.skip("needs triton (torch's CUDA builds install it)")
         assert out.returncode == 0, out.stderr[-2000:]

@@ -35,7 +35,10 @@
 #          the time is what to look at); memory_report names what stays allocated between calls (within 5%)
 #          and per model plain's and PETRA's device-busy time against the profiled call's wall time, by kernel group
 #          (arithmetic alone puts PETRA's kernel time near 4/3 of plain's), and PETRA's host and kernel time by
-#          instruction kind: busy far below the wall says host-bound, and which instruction's host time to cut
+#          instruction kind: busy far below the wall says host-bound, and which instruction's host time to cut;
+#          "host:" splits plain's and PETRA's host time by self time (Python outside every event, torch ops, CUDA
+#          runtime calls, autograd's device thread): at 5f6c5f8 PETRA took ~88 us of wall per op on the H200 and
+#          plain ~53, where a CPU sees ~11 ns a bytecode: this says what the other 35 us are
 #   lm     steady tokens/s PETRA / backprop: >= 0.65x at micro-batch 4 x k = 4, >= 0.5x at 1 x k = 16
 #   compile  petra_compiled/petra per train_batch: below 1.0x is what would make "compile": true worth its minutes
 #   graphs petra_graphs ("cuda_graphs": true), bf16: RevNet18 petra_graphs/plain <= 1.7x and RevGPT <= 1.5x are the
@@ -107,6 +110,8 @@ esac
 python - "$OUT" <<'PY'
 import json, os, sys
 
+from benchmarks.lib.single_gpu import host_line
+
 out = sys.argv[1]
 for name in ("gpu.json", "gpu_compiled.json", "gpu_graphs.json"):
     path = os.path.join(out, name)
@@ -128,6 +133,9 @@ for name in ("gpu.json", "gpu_compiled.json", "gpu_graphs.json"):
             print("    petra's host (kernels) by instruction: "
                   + ", ".join(f"{kind} {d['seconds'] * 1e3:.1f} ({d.get('device_seconds', 0) * 1e3:.1f}) ms "
                               f"x{d['count']}" for kind, d in kinds))
+        for v in ("plain", "petra"):  # Python, dispatch, launches or autograd's thread: what the host spends on
+            if row.get(f"{v}_host_by_op"):
+                print(f"    {v}'s host: {host_line(row[f'{v}_host_by_op'], names=3)}")
     for row in report["memory"]:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in row.items() if "/" in k)
         named = ", ".join(f"{v} {row[f'{v}_explained_bytes'] / row[f'{v}_allocated_after_bytes']:.3f}"

@@ -301,6 +301,9 @@ def test_benchmark_script_runs_on_the_gpu(tmp_path):
             assert busy <= row[f"{v}_profiled_wall_seconds_per_call"], (v, row)
         kinds = row["petra_host_by_instruction"]  # a backward's kernels, launched by autograd's thread, count too
         assert kinds["ForwardPass"]["device_seconds"] > 0 and kinds["DelayedBackward"]["device_seconds"] > 0, row
+        for v in ("plain", "petra"):  # autograd runs a CUDA backward on its device thread: the split sees it there
+            split = row[f"{v}_host_by_op"]
+            assert split["self_seconds"]["other"] > 0 and split["top"], (v, split)
 
 
 def synchronising_calls(caught: list) -> list[str]:

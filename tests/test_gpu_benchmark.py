@@ -6,7 +6,10 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from benchmarks.lib.single_gpu import host_by_instruction, kernel_group, kernel_summary
+import torch
+
+from benchmarks.lib.single_gpu import host_by_instruction, host_by_op, host_line, kernel_group, kernel_summary
+from petra_ds.runtime.observe import INSTRUCTION_LABEL
 
 
 def test_busy_time_counts_overlapping_work_once():
@@ -72,3 +75,60 @@ def test_kernel_time_counts_for_the_instruction_whose_range_held_its_launch_on_a
     kinds = host_by_instruction(averages, launches)
     assert kinds["ForwardPass"]["device_seconds"] == pytest.approx(15e-6)
     assert kinds["DelayedBackward"]["device_seconds"] == pytest.approx(41e-6)
+
+
+def test_host_time_is_split_by_self_time_between_python_ops_and_other_threads():
+    def event(name, start, self_us, thread=1, device_type=DeviceType.CPU):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start), thread=thread,
+                               self_cpu_time_total=self_us, device_type=device_type)
+
+    events = [event("petra ForwardPass(buffer_id=0)", 0, 30.0),  # the first to start: its thread is the caller's
+              event("aten::conv2d", 5, 20.0),
+              event("cudaLaunchKernel", 6, 4.0),
+              event("petra ForwardPass(buffer_id=1)", 50, 10.0),
+              event("petra DelayedBackward(buffer_id=0)", 100, 50.0),
+              event("aten::convolution_backward", 110, 70.0, thread=2),  # autograd's device thread
+              event("cudaLaunchKernel", 111, 2.0, thread=2),
+              event("petra DelayedBackward(buffer_id=0)", 100, 999.0, device_type=DeviceType.CUDA)]
+    split = host_by_op(events, wall=200e-6, top=3)
+    assert split["self_seconds"] == {"caller": pytest.approx(114e-6), "other": pytest.approx(72e-6)}
+    assert split["outside_seconds"] == pytest.approx(86e-6)
+    assert split["instructions_self_seconds"] == pytest.approx(90e-6)
+    assert split["top"] == [
+        {"name": "aten::convolution_backward", "thread": "other", "seconds": pytest.approx(70e-6), "count": 1},
+        {"name": "petra DelayedBackward", "thread": "caller", "seconds": pytest.approx(50e-6), "count": 1},
+        {"name": "petra ForwardPass", "thread": "caller", "seconds": pytest.approx(40e-6), "count": 2}]
+    assert host_by_op([], wall=1.0) == {}
+
+
+def test_the_report_line_says_the_split_in_milliseconds():
+    split = {"outside_seconds": 0.0123, "self_seconds": {"caller": 0.05, "other": 0.002},
+             "instructions_self_seconds": 0.01,
+             "top": [{"name": "cudaLaunchKernel", "thread": "caller", "seconds": 0.02, "count": 1174}]}
+    assert host_line(split) == ("12.3 ms outside every event, 50.0 ms in events (10.0 ms the instructions' own), "
+                                "2.0 ms on other threads; by self time: cudaLaunchKernel 20.0 ms (1174)")
+
+
+def test_self_times_on_the_calling_thread_add_up_to_the_time_its_events_cover():
+    """What ``outside_seconds`` rests on, in a real trace: an event's self time is its time less its children's, so
+    the calling thread's self times sum to the time covered by its outermost events, nested ops counted once."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x = torch.randn(32, 32, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        for m in range(3):
+            with record_function(f"{INSTRUCTION_LABEL}ForwardPass(buffer_id={m})"):
+                y = torch.nn.functional.gelu(x @ x).sum()
+            y.backward()
+    events = trace.events()
+    caller = min(events, key=lambda e: e.time_range.start).thread
+    outermost = sorted((e.time_range.start, e.time_range.end) for e in events
+                       if e.thread == caller and e.cpu_parent is None)
+    covered, reach = 0.0, None
+    for start, end in outermost:
+        covered += max(end - max(start, reach if reach is not None else start), 0.0)
+        reach = end if reach is None else max(reach, end)
+    split = host_by_op(events, wall=1.0)
+    assert split["self_seconds"]["caller"] == pytest.approx(covered / 1e6, rel=1e-3)
+    forward = next(entry for entry in split["top"] if entry["name"] == f"{INSTRUCTION_LABEL}ForwardPass")
+    assert forward["count"] == 3 and 0 < split["instructions_self_seconds"] <= split["self_seconds"]["caller"]

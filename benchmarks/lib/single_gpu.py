@@ -230,7 +230,41 @@ def profiled(train_batch: Callable[[], Any], device: torch.device) -> dict:
     waited = sum(e.self_cpu_time_total for e in events if "Synchronize" in e.key or e.key.startswith("cudaMemcpy"))
     launched = trace.events()
     return {"host_seconds": wall - waited / 1e6, "profiled_wall_seconds": wall, **kernel_summary(device_work(launched)),
-            "host_by_instruction": host_by_instruction(events, launched)}
+            "host_by_instruction": host_by_instruction(events, launched), "host_by_op": host_by_op(launched, wall)}
+
+
+def host_by_op(events: Any, wall: float, top: int = 20) -> dict:
+    """Where the host's time in the profiled call went, by self time (an event's time less its children's): the
+    calling thread's time outside every event (``outside_seconds``: the Python between ops for plain backprop, between
+    instructions for PETRA), its events' self time and the other threads' (autograd's device threads run a CUDA
+    backward), and the ``top`` names by self time: torch ops, CUDA runtime calls (``cudaLaunchKernel``), autograd
+    nodes, and the engine's instruction ranges by kind, whose self time is the Python inside them (and, for a backward
+    on CUDA, its wait for autograd's thread). A host-bound call's Python is then told from its dispatch and launches.
+    ``instructions_self_seconds`` sums those ranges' self time. The calling thread is the one whose event starts
+    first."""
+    from torch.autograd import DeviceType
+
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    if not cpu:
+        return {}
+    caller = min(cpu, key=lambda e: e.time_range.start).thread
+    self_seconds = {"caller": 0.0, "other": 0.0}
+    names: dict[tuple[str, str], list[float]] = {}
+    instructions = 0.0
+    for e in cpu:
+        side = "caller" if e.thread == caller else "other"
+        labelled = e.name.startswith(INSTRUCTION_LABEL)
+        name = INSTRUCTION_LABEL + _kind(e.name) if labelled else e.name[:120]
+        entry = names.setdefault((name, side), [0.0, 0])
+        entry[0] += e.self_cpu_time_total / 1e6
+        entry[1] += 1
+        self_seconds[side] += e.self_cpu_time_total / 1e6
+        instructions += e.self_cpu_time_total / 1e6 if labelled else 0.0
+    ranked = sorted(names.items(), key=lambda item: -item[1][0])[:top]
+    return {"outside_seconds": max(wall - self_seconds["caller"], 0.0), "self_seconds": self_seconds,
+            "instructions_self_seconds": instructions,
+            "top": [{"name": name, "thread": side, "seconds": seconds, "count": int(count)}
+                    for (name, side), (seconds, count) in ranked]}
 
 
 def host_by_instruction(events: Any, launches: Any = ()) -> dict[str, dict]:
@@ -430,7 +464,7 @@ def summarize(runs: list[dict]) -> dict:
             for part in ("host", "device", "device_busy", "profiled_wall"):  # profiled: see profiled()
                 if all(f"{part}_seconds" in r for r in rs):
                     row_s[f"{variant}_{part}_seconds_per_call"] = statistics.median(r[f"{part}_seconds"] for r in rs)
-            for part in ("device_groups", "host_by_instruction"):
+            for part in ("device_groups", "host_by_instruction", "host_by_op"):
                 if last.get(part):
                     row_s[f"{variant}_{part}"] = last[part]
         for a, b in (("petra", "plain"), ("petra_overlap", "plain"), ("petra_overlap", "petra"),
@@ -447,6 +481,17 @@ def summarize(runs: list[dict]) -> dict:
     return {"memory": memory, "time": speed}
 
 
+def host_line(split: dict, names: int = 4) -> str:
+    """:func:`host_by_op`'s split in one line: outside every event, in events on the calling thread and on the others,
+    then the first ``names`` names by self time."""
+    ms = {part: seconds * 1e3 for part, seconds in split["self_seconds"].items()}
+    first = ", ".join(f"{entry['name']} {entry['seconds'] * 1e3:.1f} ms ({entry['count']})"
+                      for entry in split["top"][:names])
+    inside = split["instructions_self_seconds"] * 1e3
+    return (f"{split['outside_seconds'] * 1e3:.1f} ms outside every event, {ms['caller']:.1f} ms in events "
+            f"({inside:.1f} ms the instructions' own), {ms['other']:.1f} ms on other threads; by self time: {first}")
+
+
 def print_report(report: dict) -> None:
     print(f"\n{report['device']}, k={report['sizes']['k']}, {report['sizes']['rounds']} round(s)")
     for row in report["time"]:
@@ -459,6 +504,9 @@ def print_report(report: dict) -> None:
                          if row.get(f"{v}_device_busy_seconds_per_call"))
         if busy:
             print(f"    device busy, profiled call: {busy}")
+        for v in ("plain", "petra"):
+            if row.get(f"{v}_host_by_op"):
+                print(f"    host of {v}'s profiled call: {host_line(row[f'{v}_host_by_op'])}")
     measure = "max_memory_allocated" if report["device_type"] == "cuda" else "peak (allocator tracker)"
     for row in report["memory"]:
         peaks = ", ".join(f"{v} {row[f'{v}_peak_bytes'] / 2**20:.1f} MiB" for v in VARIANTS

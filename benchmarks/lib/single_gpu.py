@@ -236,12 +236,12 @@ def profiled(train_batch: Callable[[], Any], device: torch.device) -> dict:
 def host_by_op(events: Any, wall: float, top: int = 20) -> dict:
     """Where the host's time in the profiled call went, by self time (an event's time less its children's): the
     calling thread's time outside every event (``outside_seconds``: the Python between ops for plain backprop, between
-    instructions for PETRA), its events' self time and the other threads' (autograd's device threads run a CUDA
-    backward), and the ``top`` names by self time: torch ops, CUDA runtime calls (``cudaLaunchKernel``), autograd
-    nodes, and the engine's instruction ranges by kind, whose self time is the Python inside them (and, for a backward
-    on CUDA, its wait for autograd's thread). A host-bound call's Python is then told from its dispatch and launches.
-    ``instructions_self_seconds`` sums those ranges' self time. The calling thread is the one whose event starts
-    first."""
+    instructions for PETRA, and on CUDA plain's wait in ``backward()``), its events' self time and the other threads'
+    (autograd's device threads run a CUDA backward while the caller waits), and the ``top`` names by self time: torch
+    ops, CUDA runtime calls (``cudaLaunchKernel``), autograd nodes, and the engine's instruction ranges by kind, whose
+    self time is the Python inside them (and, for a backward on CUDA, its wait for autograd's thread). A host-bound
+    call's Python is then told from its dispatch and launches. ``instructions_self_seconds`` sums those ranges' self
+    time. The calling thread is the one whose event starts first."""
     from torch.autograd import DeviceType
 
     cpu = [e for e in events if e.device_type == DeviceType.CPU]

@@ -133,8 +133,8 @@ for name in ("gpu.json", "gpu_compiled.json", "gpu_graphs.json"):
             print("    petra's host (kernels) by instruction: "
                   + ", ".join(f"{kind} {d['seconds'] * 1e3:.1f} ({d.get('device_seconds', 0) * 1e3:.1f}) ms "
                               f"x{d['count']}" for kind, d in kinds))
-        for v in ("plain", "petra"):  # Python, dispatch, launches or autograd's thread: what the host spends on
-            if row.get(f"{v}_host_by_op"):
+        for v in ("plain", "petra", "petra_graphs"):  # Python, dispatch, launches, autograd's thread: where the host
+            if row.get(f"{v}_host_by_op"):  # time goes
                 print(f"    {v}'s host: {host_line(row[f'{v}_host_by_op'], names=3)}")
     for row in report["memory"]:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in row.items() if "/" in k)

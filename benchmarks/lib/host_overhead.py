@@ -38,7 +38,8 @@ One process hosts all J stages (the paper's single-device setting, the same engi
   PETRA's host microseconds per stage-clock (time / (k J)) beside DeepSpeed's per micro-batch per stage.
 - ``instructions`` (not run by default: it needs valgrind, and minutes): the same variants' host instructions per
   ``train_batch``, counted by callgrind (``.host_instructions``), medians over ``--instruction-rounds``: the
-  ratios of ``time`` without the machine's noise.
+  ratios of ``time`` without the machine's noise; and their misses in a simulated 1 MiB last-level cache. With
+  ``time`` in the same run, ``cost_fit`` fits the times as a price per instruction plus one per miss.
 
 Writes ``benchmarks/results/host_overhead_cpu.json`` (``--output`` to choose) and prints a summary.
 """
@@ -564,8 +565,8 @@ def count_instructions(args: argparse.Namespace) -> dict:
     m = negligible_model(args)
     sizes = [f"--{name.replace('_', '-')}={getattr(args, name)}"
              for name in (*FULL, "instruction_rounds", "time_model")]
-    counts = host_instructions.count(["--parts", "instructions", *sizes], args.instruction_rounds, args.calls)
-    return host_instructions.summarize(counts, m["J"], args.k)
+    counts, missed = host_instructions.count(["--parts", "instructions", *sizes], args.instruction_rounds, args.calls)
+    return host_instructions.summarize(counts, m["J"], args.k, missed)
 
 
 def run_windows(args: argparse.Namespace) -> None:
@@ -590,6 +591,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
         report["time"] = time_variants(args)  # garbage slowed PETRA's host by a fifth when it came after them
     if "instructions" in args.parts:
         report["instructions"] = count_instructions(args)
+        if "time" in report:  # the same variants timed: how much of their time the two counts explain
+            report["cost_fit"] = host_instructions.cost_fit(
+                report["time"]["seconds_per_call"], report["instructions"]["median_per_call"],
+                report["instructions"]["last_level"]["median_misses_per_call"])
     if "ops" in args.parts:
         report["ops"] = [count_ops(name, args, bf16, check_finite)
                          for name in args.models for bf16 in (False, True) for check_finite in (True, False)]
@@ -644,6 +649,20 @@ def print_report(report: dict) -> None:
         print(f"host instructions per train_batch ({report['time_model']} negligible, J={t['J']}, k={t['k']}, "
               "callgrind): "
               + ", ".join(f"{n} {c / 1e6:.1f} M" for n, c in t["median_per_call"].items()) + _ratios(t))
+    if "instructions" in report:
+        t = report["instructions"]["last_level"]
+        print(f"last-level misses per train_batch (callgrind, {t['cache']['bytes'] >> 10} KiB simulated): "
+              + ", ".join(f"{n} {c / 1e3:.1f} K" for n, c in t["median_misses_per_call"].items())
+              + f"; PETRA/DeepSpeed {t['petra/deepspeed']:.2f}x, petra_structure/DeepSpeed "
+              f"{t['structure/deepspeed']:.2f}x")
+    if "cost_fit" in report:
+        f = report["cost_fit"]
+        print(f"time fitted as {f['seconds_per_instruction'] * 1e9:.3f} ns an instruction + "
+              f"{f['seconds_per_miss'] * 1e9:.1f} ns a last-level miss (largest misfit {f['largest_misfit']:.1%}): "
+              + "; ".join(f"PETRA over {over} {e['seconds'] * 1e3:.2f} ms, of it instructions "
+                          f"{e['instructions_seconds'] * 1e3:.2f} ms and misses {e['misses_seconds'] * 1e3:.2f} ms"
+                          for over, e in (("deepspeed", f["petra_over_deepspeed"]),
+                                          ("structure", f["petra_over_structure"]))))
     if "time" in report:
         t = report["time"]
         print(f"host time per train_batch ({report['time_model']} negligible, J={t['J']}, k={t['k']}): "

@@ -32,7 +32,7 @@ def test_the_nth_dump_is_the_nth_window(tmp_path):
 def test_a_dump_with_the_cache_simulation_gives_its_last_level_misses(tmp_path):
     events = "events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw\n"
     (tmp_path / "cg.5.1").write_text(events + "summary: 1000 400 200 30 20 10 6 5 4\n")
-    (tmp_path / "cg.5.2").write_text(events + "totals: 2000 800 400 60 40 20 12\n")  # events it counts none of: left out
+    (tmp_path / "cg.5.2").write_text(events + "totals: 2000 800 400 60 40 20 12\n")  # trailing zeros left out
     first, second = host_instructions.dump_totals(str(tmp_path))
     assert first["Ir"] == 1000 and host_instructions.misses(first) == 15
     assert "DLmw" not in second and host_instructions.misses(second) == 12

@@ -11,8 +11,8 @@ engine construction, warm-up) and every other thread's idle spinning stays out o
 
 Callgrind also simulates the caches (``--cache-sim=yes``), with a last level of :data:`LAST_LEVEL` bytes, about what
 one core of a shared server keeps near it (its L2 and a share of the L3; the VM reports a 256 MB L3, which would hold
-everything): the misses count where an instruction costs more than an instruction. Time is then fitted as a price per
-instruction plus a price per last-level miss (:func:`cost_fit`): what the instructions leave unexplained.
+everything): a miss is where an instruction waits for memory. Time is then fitted as a price per instruction plus a
+price per last-level miss (:func:`cost_fit`): what the instructions alone leave unexplained.
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def cost_fit(seconds: dict[str, float], instructions: dict[str, float], missed: 
 
     return {"seconds_per_instruction": a, "seconds_per_miss": b, "fitted_seconds_per_call": fitted,
             "largest_misfit": max(abs(fitted[n] / seconds[n] - 1) for n in names),
-            "petra_over_deepspeed": excess("deepspeed_1f1b_one_stage"), "petra_over_structure": excess("petra_structure")}
+            "petra_over_deepspeed": excess("deepspeed_1f1b_one_stage"),
+            "petra_over_structure": excess("petra_structure")}
 
 
 def ratios(medians: dict[str, float]) -> dict[str, float]:

@@ -4,9 +4,8 @@ summed, which is what tells a host-bound call from a device-bound one."""
 from types import SimpleNamespace
 
 import pytest
-from torch.autograd import DeviceType
-
 import torch
+from torch.autograd import DeviceType
 
 from benchmarks.lib.single_gpu import host_by_instruction, host_by_op, host_line, kernel_group, kernel_summary
 from petra_ds.runtime.observe import INSTRUCTION_LABEL
@@ -122,13 +121,10 @@ def test_self_times_on_the_calling_thread_add_up_to_the_time_its_events_cover():
             y.backward()
     events = trace.events()
     caller = min(events, key=lambda e: e.time_range.start).thread
-    outermost = sorted((e.time_range.start, e.time_range.end) for e in events
-                       if e.thread == caller and e.cpu_parent is None)
-    covered, reach = 0.0, None
-    for start, end in outermost:
-        covered += max(end - max(start, reach if reach is not None else start), 0.0)
-        reach = end if reach is None else max(reach, end)
+    outermost = [(e.name, e.time_range.start, e.time_range.end) for e in events
+                 if e.thread == caller and e.cpu_parent is None]
+    covered = kernel_summary(outermost)["device_busy_seconds"]  # the union of intervals, overlaps counted once
     split = host_by_op(events, wall=1.0)
-    assert split["self_seconds"]["caller"] == pytest.approx(covered / 1e6, rel=1e-3)
+    assert split["self_seconds"]["caller"] == pytest.approx(covered, rel=1e-3)
     forward = next(entry for entry in split["top"] if entry["name"] == f"{INSTRUCTION_LABEL}ForwardPass")
     assert forward["count"] == 3 and 0 < split["instructions_self_seconds"] <= split["self_seconds"]["caller"]

@@ -29,6 +29,8 @@ import sys
 import tempfile
 from typing import Callable
 
+import torch
+
 from petra_ds.runtime.distributed import free_port
 
 from .example_runs import ROOT
@@ -148,13 +150,9 @@ def cost_fit(seconds: dict[str, float], instructions: dict[str, float], missed: 
     engine and over ``petra_structure`` in the two parts. A fit that misses the measured times says that the two
     counts do not explain them."""
     names = [name for name in seconds if name in instructions and name in missed]
-    xx = sum(instructions[n] ** 2 for n in names)
-    xy = sum(instructions[n] * missed[n] for n in names)
-    yy = sum(missed[n] ** 2 for n in names)
-    xt = sum(instructions[n] * seconds[n] for n in names)
-    yt = sum(missed[n] * seconds[n] for n in names)
-    det = xx * yy - xy * xy
-    a, b = (xt * yy - yt * xy) / det, (yt * xx - xt * xy) / det
+    counts = torch.tensor([[instructions[n], missed[n]] for n in names], dtype=torch.float64)
+    times = torch.tensor([[seconds[n]] for n in names], dtype=torch.float64)
+    a, b = torch.linalg.lstsq(counts, times).solution.flatten().tolist()
     fitted = {n: a * instructions[n] + b * missed[n] for n in names}
 
     def excess(over: str) -> dict[str, float]:

@@ -649,8 +649,7 @@ def print_report(report: dict) -> None:
         print(f"host instructions per train_batch ({report['time_model']} negligible, J={t['J']}, k={t['k']}, "
               "callgrind): "
               + ", ".join(f"{n} {c / 1e6:.1f} M" for n, c in t["median_per_call"].items()) + _ratios(t))
-    if "instructions" in report:
-        t = report["instructions"]["last_level"]
+        t = t["last_level"]
         print(f"last-level misses per train_batch (callgrind, {t['cache']['bytes'] >> 10} KiB simulated): "
               + ", ".join(f"{n} {c / 1e3:.1f} K" for n, c in t["median_misses_per_call"].items())
               + f"; PETRA/DeepSpeed {t['petra/deepspeed']:.2f}x, petra_structure/DeepSpeed "

@@ -250,17 +250,15 @@ def host_by_op(events: Any, wall: float, top: int = 20) -> dict:
     caller = min(cpu, key=lambda e: e.time_range.start).thread
     self_seconds = {"caller": 0.0, "other": 0.0}
     names: dict[tuple[str, str], list[float]] = {}
-    instructions = 0.0
     for e in cpu:
         side = "caller" if e.thread == caller else "other"
-        labelled = e.name.startswith(INSTRUCTION_LABEL)
-        name = INSTRUCTION_LABEL + _kind(e.name) if labelled else e.name[:120]
+        name = INSTRUCTION_LABEL + _kind(e.name) if e.name.startswith(INSTRUCTION_LABEL) else e.name[:120]
         entry = names.setdefault((name, side), [0.0, 0])
         entry[0] += e.self_cpu_time_total / 1e6
         entry[1] += 1
         self_seconds[side] += e.self_cpu_time_total / 1e6
-        instructions += e.self_cpu_time_total / 1e6 if labelled else 0.0
     ranked = sorted(names.items(), key=lambda item: -item[1][0])[:top]
+    instructions = sum(seconds for (name, _), (seconds, _) in names.items() if name.startswith(INSTRUCTION_LABEL))
     return {"outside_seconds": max(wall - self_seconds["caller"], 0.0), "self_seconds": self_seconds,
             "instructions_self_seconds": instructions,
             "top": [{"name": name, "thread": side, "seconds": seconds, "count": int(count)}

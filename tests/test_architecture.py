@@ -26,6 +26,8 @@ THIRD_PARTY = {
     "_forward_hooks": "a torch module's forward hooks: whether user code can run in its forward (nn.draws keys a "
                       "branch's random stream unless nothing there can draw; torch has no public query)",
     "_forward_pre_hooks": "a torch module's forward pre-hooks, see _forward_hooks",
+    "_modules": "a torch module's submodule slots: nn.draws walks a stage's modules once per window, and children() "
+                "(a generator over a generator that keeps a set) was most of that walk's host time",
     "_global_forward_hooks": "torch's forward hooks registered for every module, see _forward_hooks",
     "_global_forward_pre_hooks": "torch's forward pre-hooks registered for every module, see _forward_hooks",
     "_foreach_abs": "torch's multi-tensor ops (what torch's own optimizers and clip_grad_norm_ use): one fused op "

@@ -109,6 +109,18 @@ def test_asked_once_per_window_and_keyed_outside_one():
         assert may_draw(module)
 
 
+def test_inside_a_window_every_module_walked_keeps_its_answer():
+    """The window's walk answers for each module under the one asked (a branch asked later reads it), and a slot that
+    holds no module (``register_module(name, None)``) draws nothing."""
+    module = mlp(0.0)
+    module.register_module("empty", None)
+    with modules_fixed():
+        assert not may_draw(module)
+        module[2].p = 0.5
+        assert not draws_random(module[2])  # the window's answer, worked out by the walk above
+    assert draws_random(module[2]) and draws_random(module)
+
+
 #: (in a rank) the keyed scopes entered since :func:`keyed_scopes`
 SCOPES = {"entered": 0}
 

@@ -22,6 +22,9 @@ A function draws nothing when it is one of torch's losses, or says so (a ``draws
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 from typing import Any, Iterable
 
 from torch import nn
@@ -57,37 +60,22 @@ _DROPOUTS = frozenset({nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.
 
 
 def draws_random(module: Any) -> bool:
-    """Whether running ``module`` can draw random numbers (see the module's docstring); asked afresh each time. A
-    tuple of parts run together draws when any of them does."""
-    if isinstance(module, tuple):
-        return any_draws(module)
-    if not isinstance(module, nn.Module):  # a function: torch's losses draw nothing, others may say so
-        if module in _DETERMINISTIC_FUNCTIONS:
-            return False
-        declared = getattr(module, "draws_random", None)
-        return True if declared is None else bool(declared())
-    if hooked(module):
-        return True
-    declared = _declaration(type(module))
-    if declared:
-        return bool(module.draws_random())
-    kind = type(module)
-    if kind in _DROPOUTS:
-        return module.training and module.p > 0
-    if kind not in _DETERMINISTIC:
-        return True
-    return any_draws(module.children())
+    """Whether running ``module`` can draw random numbers (see the module's docstring). Outside a training window it
+    is asked afresh each time; inside one, each module's answer is worked out once, when the window first asks for
+    it or for a module above it, and stands for the window. A tuple of parts run together draws when any of them
+    does."""
+    return _draws(module, window_cache("draws"))
 
 
 def any_draws(modules: Iterable[Any]) -> bool:
     """Whether any of ``modules`` can draw (a ``draws_random()`` whose module draws only through these)."""
-    return any(map(draws_random, modules))
+    return any(map(_draws, modules, itertools.repeat(window_cache("draws"))))
 
 
 def by_children(module: nn.Module) -> bool:
     """A ``draws_random`` for a module whose own forward draws nothing: its submodules decide (``draws_random =
     by_children`` in its class)."""
-    return any_draws(module.children())
+    return _children_draw(module, window_cache("draws"))
 
 
 def may_draw(module: Any) -> bool:
@@ -95,10 +83,60 @@ def may_draw(module: Any) -> bool:
     cache = window_cache("draws")
     if cache is None:
         return True
-    found = cache.get(module)
-    if found is None:
-        found = cache[module] = draws_random(module)
-    return found
+    return _draws(module, cache)
+
+
+def _draws(module: Any, cache: dict | None) -> bool:
+    """:func:`draws_random` with the window's answers (None: outside a window). The cache holds a module's answer
+    under the module and a class's :func:`_declaration` under the class."""
+    if isinstance(module, nn.Module):
+        found = None if cache is None else cache.get(module)
+        if found is None:
+            found = _module_draws(module, cache)
+            if cache is not None:
+                cache[module] = found
+        return found
+    if isinstance(module, tuple):
+        found = None if cache is None else cache.get(module)
+        if found is None:
+            found = any(map(_draws, module, itertools.repeat(cache)))
+            if cache is not None:
+                cache[module] = found
+        return found
+    if module in _DETERMINISTIC_FUNCTIONS:  # a function: torch's losses draw nothing, others may say so
+        return False
+    declared = getattr(module, "draws_random", None)
+    return True if declared is None else bool(declared())
+
+
+def _module_draws(module: nn.Module, cache: dict | None) -> bool:
+    """:func:`draws_random` of a module, its submodules' answers taken from ``cache`` (walked on where missing)."""
+    if (module._forward_hooks or module._forward_pre_hooks or torch_module._global_forward_hooks
+            or torch_module._global_forward_pre_hooks):  # hooked(module), inlined: a walk asks it of every module
+        return True
+    kind = type(module)
+    declared = None if cache is None else cache.get(kind)
+    if declared is None:
+        declared = _declaration(kind)
+        if cache is not None:
+            cache[kind] = declared
+    if declared:
+        return bool(module.draws_random())
+    if kind in _DROPOUTS:
+        return module.training and module.p > 0
+    if kind not in _DETERMINISTIC:
+        return True
+    return bool(module._modules) and _children_draw(module, cache)
+
+
+def _children_draw(module: nn.Module, cache: dict | None) -> bool:
+    """Whether any submodule of ``module`` can draw: its submodule slots read directly (``children()`` is a generator
+    over a generator that keeps a set: most of a walk's host time)."""
+    return any(map(_draws, filter(_IS_MODULE, module._modules.values()), itertools.repeat(cache)))
+
+
+#: a submodule slot that holds a module (``register_module(name, None)`` leaves None in it)
+_IS_MODULE = functools.partial(operator.is_not, None)
 
 
 def hooked(module: nn.Module) -> bool:

@@ -53,6 +53,16 @@ class SubclassedLinear(nn.Linear):
     pass
 
 
+class Unhashable(nn.Identity):
+    """A module that compares by value, which makes Python drop its hash: the walk still answers for it."""
+
+    def __eq__(self, other):
+        return isinstance(other, Unhashable)
+
+    def draws_random(self) -> bool:
+        return False
+
+
 def tiny_llama(**overrides):
     from transformers import LlamaConfig
 
@@ -110,10 +120,11 @@ def test_asked_once_per_window_and_keyed_outside_one():
 
 
 def test_inside_a_window_every_module_walked_keeps_its_answer():
-    """The window's walk answers for each module under the one asked (a branch asked later reads it), and a slot that
-    holds no module (``register_module(name, None)``) draws nothing."""
+    """The window's walk answers for each module under the one asked (a branch asked later reads it), a slot that
+    holds no module (``register_module(name, None)``) draws nothing, and a module without a hash is walked too."""
     module = mlp(0.0)
     module.register_module("empty", None)
+    module.append(Unhashable())
     with modules_fixed():
         assert not may_draw(module)
         module[2].p = 0.5

@@ -88,13 +88,14 @@ def may_draw(module: Any) -> bool:
 
 def _draws(module: Any, cache: dict | None) -> bool:
     """:func:`draws_random` with the window's answers (None: outside a window). The cache holds a module's answer
-    under the module and a class's :func:`_declaration` under the class."""
+    under its id (the window holds every module still and alive, and a module need not be hashable), a tuple's under
+    the tuple and a class's :func:`_declaration` under the class."""
     if isinstance(module, nn.Module):
-        found = None if cache is None else cache.get(module)
+        found = None if cache is None else cache.get(id(module))
         if found is None:
             found = _module_draws(module, cache)
             if cache is not None:
-                cache[module] = found
+                cache[id(module)] = found
         return found
     if isinstance(module, tuple):
         found = None if cache is None else cache.get(module)

@@ -18,7 +18,7 @@
 # the full step's 48 runs) times what changed after the H200 run of 5f6c5f8: the NaN watch's reductions, the
 # offload's copy streams and its host work (with both offloads, 1.76x PETRA's ops a RevNet18 call on a CPU, 2.94x at
 # a882363: python -m benchmarks.host_overhead --parts offload), and the engine's own Python (RevNet18 at J = 10:
-# 393 K -> 285 K bytecodes a call on a CPU, python -m benchmarks.host_overhead --parts bytecodes; the H200 ran at
+# 393 K -> 286 K bytecodes a call on a CPU, python -m benchmarks.host_overhead --parts bytecodes; the H200 ran at
 # 51 us of wall per kernel for PETRA unchecked, 32 for plain), with no keyed RNG scope where nothing can draw
 # (RevNet18 and the bench's RevGPT have no dropout; on a CPU those scopes were 5-8% of a clock's host time, on CUDA
 # each also saved and seeded the GPU's generator), and bf16 casting each weight once per stage and clock instead of

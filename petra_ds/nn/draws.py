@@ -87,15 +87,16 @@ def may_draw(module: Any) -> bool:
 
 
 def _draws(module: Any, cache: dict | None) -> bool:
-    """:func:`draws_random` with the window's answers (None: outside a window). The cache holds a module's answer
-    under its id (the window holds every module still and alive, and a module need not be hashable), a tuple's under
+    """:func:`draws_random` with the window's answers (None: outside a window). The cache holds a module and its
+    answer under the module's id (a module need not be hashable; held, the id stays its own), a tuple's answer under
     the tuple and a class's :func:`_declaration` under the class."""
     if isinstance(module, nn.Module):
-        found = None if cache is None else cache.get(id(module))
-        if found is None:
-            found = _module_draws(module, cache)
-            if cache is not None:
-                cache[id(module)] = found
+        held = None if cache is None else cache.get(id(module))
+        if held is not None and held[0] is module:
+            return held[1]
+        found = _module_draws(module, cache)
+        if cache is not None:
+            cache[id(module)] = (module, found)
         return found
     if isinstance(module, tuple):
         found = None if cache is None else cache.get(module)
@@ -112,8 +113,7 @@ def _draws(module: Any, cache: dict | None) -> bool:
 
 def _module_draws(module: nn.Module, cache: dict | None) -> bool:
     """:func:`draws_random` of a module, its submodules' answers taken from ``cache`` (walked on where missing)."""
-    if (module._forward_hooks or module._forward_pre_hooks or torch_module._global_forward_hooks
-            or torch_module._global_forward_pre_hooks):  # hooked(module), inlined: a walk asks it of every module
+    if hooked(module):
         return True
     kind = type(module)
     declared = None if cache is None else cache.get(kind)

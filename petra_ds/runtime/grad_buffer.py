@@ -32,15 +32,23 @@ class GradBuffer:
             flat = torch.zeros(sum(self.params[i].numel() for i in members), dtype=dtype, device=device)
             offset = 0
             for i in members:
-                n = self.params[i].numel()
-                self.views[i] = flat[offset:offset + n].view_as(self.params[i])
-                offset += n
+                self.views[i] = _grad_view(flat, offset, self.params[i])
+                offset += self.params[i].numel()
             self.flats.append(flat)
+        #: where each view starts and each parameter's strides, as built (``intact`` compares)
+        self._pointers = list(map(Tensor.data_ptr, self.views))
+        self._strides = list(map(Tensor.stride, self.params))
         self.attach()
 
     def covers(self, params: Sequence[Tensor]) -> bool:
         """Whether the buffer holds exactly ``params``, in that order."""
         return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+
+    def intact(self) -> bool:
+        """Whether each view is still where it was built and each parameter laid out as it was: ``Module.to`` to another
+        memory format or dtype gives a parameter and its ``.grad`` new storage in place, the ``.grad`` object kept."""
+        return list(map(Tensor.data_ptr, self.views)) == self._pointers and \
+            list(map(Tensor.stride, self.params)) == self._strides
 
     def attached(self) -> bool:
         """Whether every parameter's ``.grad`` is its view."""
@@ -73,6 +81,15 @@ class GradBuffer:
         return [g for p in self.params if (g := p.grad) is not None]
 
 
+def _grad_view(flat: Tensor, offset: int, param: Tensor) -> Tensor:
+    """``param``'s gradient as the view of ``flat`` from ``offset``, laid out as autograd lays out a gradient: with the
+    parameter's strides where it is dense (a channels-last weight included), else contiguous (``empty_like``'s rule).
+    torch's fused optimizers pair a parameter's elements with its gradient's in memory order: a contiguous gradient of
+    a channels-last weight would update it with its gradient permuted."""
+    strides = torch.empty_like(param, device="meta").stride()
+    return flat.as_strided(param.shape, strides, flat.storage_offset() + offset)
+
+
 class StageGrads:
     """A stage's gradients: those of the parameters its step updates (``stepped``) in a :class:`GradBuffer`,
     the others (a reader's copies of tied weights) as autograd leaves them."""
@@ -103,7 +120,10 @@ class StageGrads:
     def for_step(self) -> None:
         """Before a step: every parameter that trains has a gradient (zero where no backward reached it), and a
         frozen one has none, so that the optimizer skips it (a zero gradient would still move it by its momentum
-        or weight decay)."""
+        or weight decay). A module moved to another layout or dtype since the buffer was built gets a buffer laid out
+        anew, its gradients kept, before anything of the step reads them."""
+        if not self.buffer.intact():
+            self._build()
         if not self._unbuffered and self._current() and self.buffer.attached():
             return  # every parameter is in the buffer and trains, and has its view
         for p in self.params:

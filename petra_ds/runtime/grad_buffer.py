@@ -4,7 +4,8 @@ A stage checks its accumulated gradients for NaN / Inf after every backward and 
 As views of one buffer, each is one op on the buffer instead of one per parameter (DeepSpeed's contiguous
 gradients, torch DDP's ``gradient_as_bucket_view``). Accumulation adds into ``.grad`` in place, so the views
 stay views; a ``.grad`` that something replaced (``zero_grad(set_to_none=True)``, a checkpoint load) is
-noticed, and :meth:`GradBuffer.attach` makes it a view again with its values kept.
+noticed, and :meth:`GradBuffer.attach` makes it a view again with its values kept. Each view is laid out as its
+parameter is (a channels-last weight's too), as autograd lays out a gradient: torch's fused optimizers rely on it.
 """
 
 from __future__ import annotations

@@ -48,6 +48,9 @@
 #          line says what the graphs' memory adds. tests/test_gpu.py checks that graphs train as eager does (fp32,
 #          bf16, keyed dropout, RevGPT) and the float64 oracle. Their first lease: STEPS="tests graphs", about 7
 #          minutes; a run that fails prints its traceback in tests.log
+# A later lease: STEPS=bench BENCH_ARGS="--models revnet18 --variants plain petra --channels-last" times RevNet18 in
+# channels-last memory format (cuDNN's layout conversions were 612 of plain's kernels a fp32 call on the H200, 824 of
+# PETRA's): petra/plain against the default layout's is what to look at.
 # Afterwards, on a CPU machine with the files brought back: predict 10 and 8 GPUs from what this one measured,
 #     python -m benchmarks.gpu predict --inputs runs/gpu/gpu.json
 set -u

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
-from benchmarks.lib.single_gpu import host_by_instruction, host_by_op, host_line, kernel_group, kernel_summary
+from benchmarks.lib.single_gpu import (host_by_instruction, host_by_op, host_line, kernel_group, kernel_summary,
+                                       micro_batches, model, parse_args, to_layout)
 from petra_ds.runtime.observe import INSTRUCTION_LABEL
 
 
@@ -128,3 +129,19 @@ def test_self_times_on_the_calling_thread_add_up_to_the_time_its_events_cover():
     assert split["self_seconds"]["caller"] == pytest.approx(covered, rel=1e-3)
     forward = next(entry for entry in split["top"] if entry["name"] == f"{INSTRUCTION_LABEL}ForwardPass")
     assert forward["count"] == 3 and 0 < split["instructions_self_seconds"] <= split["self_seconds"]["caller"]
+
+
+@pytest.mark.parametrize("flag", [False, True], ids=["contiguous", "channels_last"])
+def test_channels_last_puts_revnet18_s_weights_and_inputs_in_that_layout(flag):
+    """``--channels-last``: every RevNet18 weight whose layouts differ, and each micro-batch, channels-last; RevGPT as
+    it is."""
+    args = parse_args(["--tiny", "--device", "cpu"] + (["--channels-last"] if flag else []))
+    specs, *_ = model("revnet18", args)
+    layers = torch.nn.ModuleList([spec.build(log=False) for spec in specs])
+    assert to_layout(layers, "revnet18", args) == float(flag)
+    x, _ = micro_batches("revnet18", args, 2, torch.device("cpu"))[0]
+    assert x.is_contiguous() is not flag
+    assert x.is_contiguous(memory_format=torch.channels_last if flag else torch.contiguous_format)
+    revgpt = torch.nn.ModuleList([spec.build(log=False) for spec in model("revgpt", args)[0]])
+    before = [p.stride() for p in revgpt.parameters()]
+    assert to_layout(revgpt, "revgpt", args) == 0.0 and [p.stride() for p in revgpt.parameters()] == before

@@ -24,7 +24,8 @@ freshly built:
 
 RevNet18 takes the paper's partition (J = 10, one layer per stage: each reconstructing stage holds one
 block, so the overlap has nothing to hide there); RevGPT's J = 4 stages hold 3 blocks each (its middle
-two reconstruct). All use torch's fused AdamW, gradient clipping at norm 1 and the same micro-batches.
+two reconstruct). All use torch's fused AdamW, gradient clipping at norm 1 and the same micro-batches. ``--channels-last``
+puts RevNet18's weights and inputs in channels-last memory format for plain and PETRA alike.
 Under bf16 each layer of the plain model runs under autocast and its output goes back to fp32, as at a
 PETRA stage boundary (fp32 streams: README, "bf16"). Reported per variant: seconds per ``train_batch``
 (k micro-batches; the median of the calls of a round, then the median over rounds) and
@@ -96,6 +97,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
     for name, value in (TINY if tiny else FULL).items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=value)
+    parser.add_argument("--channels-last", action="store_true",
+                        help="RevNet18's weights and inputs in channels-last memory format, plain and PETRA alike")
     parser.add_argument("--output", default=None, help="JSON report (default benchmarks/results/gpu_<device>.json)")
     return parser.parse_args(argv)
 
@@ -124,12 +127,25 @@ def micro_batches(name: str, args: argparse.Namespace, size: int, device: torch.
     out = []
     for _ in range(count):
         if name == "revnet18":
-            x = torch.randn(size, 3, args.image_size, args.image_size, generator=g)
-            out.append((x.to(device), torch.randint(10, (size,), generator=g).to(device)))
+            x = torch.randn(size, 3, args.image_size, args.image_size, generator=g).to(device)
+            if args.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            out.append((x, torch.randint(10, (size,), generator=g).to(device)))
         else:
             ids = torch.randint(args.vocab_size, (size, args.seq_len + 1), generator=g)
             out.append((ids[:, :-1].to(device), ids[:, 1:].to(device)))
     return out
+
+
+def to_layout(module: torch.nn.Module, name: str, args: argparse.Namespace) -> float:
+    """With ``--channels-last``, RevNet18's module to channels-last memory format (PETRA's once its engine is built:
+    DeepSpeed's initialize broadcasts each parameter as bytes, which a channels-last one cannot be viewed as). Returns
+    the share of its 4-D weights laid out channels-last, of those where the two layouts differ."""
+    if args.channels_last and name == "revnet18":
+        module.to(memory_format=torch.channels_last)
+    weights = [p for p in module.parameters()
+               if p.dim() == 4 and not (p.is_contiguous() and p.is_contiguous(memory_format=torch.channels_last))]
+    return sum(p.is_contiguous(memory_format=torch.channels_last) for p in weights) / max(len(weights), 1)
 
 
 # --- measuring one variant ---
@@ -356,6 +372,7 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMem
     device = memory.device
     torch.manual_seed(0)
     layers = torch.nn.ModuleList([spec.build() for spec in specs]).to(device)
+    channels_last = to_layout(layers, name, args)
     optimizer = torch.optim.AdamW(layers.parameters(), **OPTIMIZER)
     data = itertools.cycle(micro_batches(name, args, size, device))
     k = args.k
@@ -378,7 +395,7 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMem
 
     result = timed(train_batch, 2, args.calls, memory)
     layers = optimizer = data = None  # what train_batch held goes before the leftover is measured
-    return result | {"leftover_bytes": memory.release()}
+    return result | {"channels_last_weights": channels_last, "leftover_bytes": memory.release()}
 
 
 def run_petra(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMemory,
@@ -403,6 +420,7 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMem
     if bf16:
         config["bf16"] = {"enabled": True}
     engine, *_ = petra_ds.initialize(model=module, config=config)
+    channels_last = to_layout(engine.module, name, args)
     batches = micro_batches(name, args, size, engine.device)
     data = itertools.cycle(batches)
     fill = math.ceil(2 * (J - 1) / args.k) + 1
@@ -410,6 +428,7 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMem
     result.update(breakdown(engine, batches, result))
     result["parts"] = [int(p) for p in module.petra_parts]
     result["reconstructing_stages"] = {j: len(st.layers) for j, st in engine.stages.items() if st.reconstructs}
+    result["channels_last_weights"] = channels_last
     engine = module = data = None  # what train_batch held goes before the leftover is measured
     return result | {"leftover_bytes": memory.release()}
 
@@ -565,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
             report = {  # rewritten after every run: a run cut short by a time limit keeps what it measured
                 "command": "python -m benchmarks.gpu " + " ".join(argv),
                 "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
-                "deepspeed": deepspeed.__version__, "tiny": args.tiny, "complete": False,
+                "deepspeed": deepspeed.__version__, "tiny": args.tiny, "channels_last": args.channels_last,
+                "complete": False,
                 "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
                 "bf16_casts_shared_per_clock": shares_casts(),  # this torch's autocast cache: petra_ds/nn/casts.py
                 "sizes": {key: getattr(args, key) for key in FULL},

@@ -24,8 +24,8 @@ freshly built:
 
 RevNet18 takes the paper's partition (J = 10, one layer per stage: each reconstructing stage holds one
 block, so the overlap has nothing to hide there); RevGPT's J = 4 stages hold 3 blocks each (its middle
-two reconstruct). All use torch's fused AdamW, gradient clipping at norm 1 and the same micro-batches. ``--channels-last``
-puts RevNet18's weights and inputs in channels-last memory format for plain and PETRA alike.
+two reconstruct). All use torch's fused AdamW, gradient clipping at norm 1 and the same micro-batches.
+``--channels-last`` puts RevNet18's weights and inputs in channels-last memory format for plain and PETRA alike.
 Under bf16 each layer of the plain model runs under autocast and its output goes back to fp32, as at a
 PETRA stage boundary (fp32 streams: README, "bf16"). Reported per variant: seconds per ``train_batch``
 (k micro-batches; the median of the calls of a round, then the median over rounds) and

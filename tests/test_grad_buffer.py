@@ -13,6 +13,8 @@ from petra_ds.runtime.grad_buffer import GradBuffer, StageGrads
 from petra_ds.tools.toy import toy_data, toy_layer_specs
 
 J, K = 3, 2
+#: torch's fused SGD, which pairs a weight's elements with its gradient's in memory order (as its fused AdamW does)
+FUSED_SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "fused": True}}
 
 
 def engine():
@@ -122,8 +124,11 @@ def test_a_channels_last_weight_has_its_gradient_laid_out_as_autograd_would():
     torch.manual_seed(0)
     weight, grad = torch.randn(4, 3, 2, 2, dtype=torch.float64), torch.randn(4, 3, 2, 2, dtype=torch.float64)
 
+    def channels_last_weight() -> nn.Parameter:
+        return nn.Parameter(weight.clone().contiguous(memory_format=torch.channels_last))
+
     def stepped(buffered: bool) -> torch.Tensor:
-        p = nn.Parameter(weight.clone().contiguous(memory_format=torch.channels_last))
+        p = channels_last_weight()
         if buffered:
             GradBuffer([p])
             p.grad.copy_(grad)
@@ -132,7 +137,7 @@ def test_a_channels_last_weight_has_its_gradient_laid_out_as_autograd_would():
         torch.optim.AdamW([p], lr=0.1, fused=True).step()
         return p.detach()
 
-    p = nn.Parameter(weight.clone().contiguous(memory_format=torch.channels_last))
+    p = channels_last_weight()
     assert GradBuffer([p]).views[0].stride() == p.stride()
     assert torch.equal(stepped(True), stepped(False))
 
@@ -151,7 +156,7 @@ def revnet_engine(layout: str):
     model.double()
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
               "gradient_clipping": 1.0, "petra": {"stages_per_rank": 10},
-              "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "fused": True}}}
+              "optimizer": FUSED_SGD}
     e, *_ = petra_ds.initialize(model=model, config=config)
     if layout == "channels_last":
         e.module.to(memory_format=torch.channels_last)
@@ -190,7 +195,7 @@ def test_channels_last_stages_on_two_ranks_train_as_contiguous_ones():
     """RevNet18's 10 stages over two ranks, float64, fused SGD: messages cross between the ranks as contiguous tensors
     and feed channels-last weights on the other side; the weights end as the contiguous run's to 1e-9."""
     spec = {"model": "revnet", "pipe": 2, "stages_per_rank": 5, "k": 2, "train_batches": 6, "micro_batch": 2,
-            "dropout": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "fused": True}}}
+            "dropout": 0.0, "optimizer": FUSED_SGD}
     contiguous = merged_params(launch(spec))
     converted = merged_params(launch({**spec, "setup": "test_grad_buffer:channels_last"}))
     assert contiguous.keys() == converted.keys()

@@ -29,6 +29,7 @@ from .runtime.config import (PetraConfig, PetraConfigError, check_section_names,
                              jit_build_notice, split_config, uses_muon)
 from .runtime.distributed import apply_group_timeout_to, ensure_single_process_env, init_distributed, is_rank0
 from .runtime.engine import PetraEngine
+from .runtime.layouts import built_contiguous
 from .schedule import first_stage_lateness
 
 __version__ = "0.1.0"
@@ -88,18 +89,20 @@ def initialize(
                 f'{{"stages_per_rank": {model.stages_per_rank}}} (or build a plain PipelineModule for 1F1B)')
         if not (optimizer is None and uses_muon(raw) and isinstance(model, PipelineModule)
                 and not isinstance(model, DualPipeVModule) and not kwargs):
-            built = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                         model_parameters=model_parameters, training_data=training_data,
-                                         lr_scheduler=lr_scheduler, dist_init_required=dist_init_required,
-                                         collate_fn=collate_fn, config=raw, **kwargs)
+            with built_contiguous(model, keep_layout=False):  # its engine broadcasts each parameter as bytes
+                built = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                             model_parameters=model_parameters, training_data=training_data,
+                                             lr_scheduler=lr_scheduler, dist_init_required=dist_init_required,
+                                             collate_fn=collate_fn, config=raw, **kwargs)
             announce(built[0], raw)
             return built
         # deepspeed.initialize would re-tag Muon's parameters by name; build its pipeline engine as it does
         tag_muon_parameters(model)
-        engine = PipelineEngine(args=args, model=model, optimizer=None, model_parameters=model_parameters,
-                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=model.mpu(),
-                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=raw,
-                                config_class=DeepSpeedConfig(raw, model.mpu()))
+        with built_contiguous(model, keep_layout=False):
+            engine = PipelineEngine(args=args, model=model, optimizer=None, model_parameters=model_parameters,
+                                    training_data=training_data, lr_scheduler=lr_scheduler, mpu=model.mpu(),
+                                    dist_init_required=dist_init_required, collate_fn=collate_fn, config=raw,
+                                    config_class=DeepSpeedConfig(raw, model.mpu()))
         announce(engine, raw)
         return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
     petra, ds_config, bf16 = split_config(raw)
@@ -113,10 +116,11 @@ def initialize(
     config_class = DeepSpeedConfig(ds_config, mpu)
     if uses_muon(ds_config):
         tag_muon_parameters(model)
-    engine = PetraEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                         training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                         dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
-                         config_class=config_class, petra_config=petra, bf16=bf16)
+    with built_contiguous(model, keep_layout=True):  # DeepSpeed's engine broadcasts each parameter as bytes
+        engine = PetraEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
+                             config_class=config_class, petra_config=petra, bf16=bf16)
     late = first_stage_lateness(engine.num_petra_stages, engine.micro_batches)
     if late and engine.global_rank == 0:
         logger.warning(late)

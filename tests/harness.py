@@ -133,6 +133,8 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
         model = petra_ds.PetraPipelineModule(
             layer_specs, topology=topology, loss_fn=loss_fn,
             stages_per_rank=spec["stages_per_rank"], partition_method="uniform", base_seed=spec["base_seed"])
+    if spec.get("before_initialize"):  # "module:function", called with the model before the engine is built
+        _named(spec["before_initialize"])(model)
     k, b, dp = spec["k"], spec["micro_batch"], spec["dp"]
     config = {
         "train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": k,

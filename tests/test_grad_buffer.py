@@ -143,9 +143,9 @@ def test_a_channels_last_weight_has_its_gradient_laid_out_as_autograd_would():
 
 
 def revnet_engine(layout: str):
-    """A small RevNet18 in float64 (J = 10, one process, torch's fused SGD); ``layout``: "contiguous", or
-    "channels_last" once the engine is built (``engine.module.to``: DeepSpeed's initialize broadcasts each parameter
-    as bytes, which a channels-last one cannot be viewed as)."""
+    """A small RevNet18 in float64 (J = 10, one process, torch's fused SGD); ``layout``: "contiguous",
+    "channels_last" once the engine is built (``engine.module.to``), or "channels_last_before" its ``initialize``
+    (which builds DeepSpeed's engine on contiguous copies and puts the layout back: ``runtime/layouts.py``)."""
     from petra_ds.models.revnet import revnet_layers
 
     torch.manual_seed(0)
@@ -154,6 +154,8 @@ def revnet_engine(layout: str):
         topology=PipeDataParallelTopology(num_pp=1, num_dp=1), stages_per_rank=10, partition_method="uniform",
         base_seed=0)
     model.double()
+    if layout == "channels_last_before":
+        model.to(memory_format=torch.channels_last)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
               "gradient_clipping": 1.0, "petra": {"stages_per_rank": 10},
               "optimizer": FUSED_SGD}
@@ -166,24 +168,27 @@ def revnet_engine(layout: str):
 def test_a_channels_last_revnet_trains_as_a_contiguous_one(world_of_one):
     """Float64, torch's fused SGD (as its fused AdamW, it pairs elements in memory order): the weights after eleven
     steps equal the contiguous run's to 1e-9, the convolutions rounding otherwise (paired wrongly: 0.36 apart). The
-    module went channels-last after the engine was built, each parameter and its gradient given new storage in place:
-    the buffer notices at the step and lays itself out anew."""
+    module went channels-last after the engine was built, each parameter and its gradient given new storage in place
+    (the buffer notices at the step and lays itself out anew), or before it was built, and kept that layout."""
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(10, (2,), generator=g))
             for _ in range(4)]
     trained = {}
-    for layout in ("contiguous", "channels_last"):
+    for layout in ("contiguous", "channels_last", "channels_last_before"):
         e = revnet_engine(layout)
+        convolutions = [m.weight for m in e.module.modules() if isinstance(m, nn.Conv2d)]
+        laid_out = [w.is_contiguous(memory_format=torch.channels_last) and w.stride(-1) != 1 for w in convolutions]
+        assert convolutions and all(laid_out) == (layout != "contiguous") and any(laid_out) == all(laid_out)
         batches = itertools.cycle([(x if layout == "contiguous" else x.contiguous(memory_format=torch.channels_last),
                                     y) for x, y in data])
         for _ in range(12):
             e.train_batch(batches)
         trained[layout] = params(e)
-        if layout == "channels_last":
-            convolutions = [m.weight for m in e.module.modules() if isinstance(m, nn.Conv2d)]
-            assert convolutions and all(w.grad.stride() == w.stride() for w in convolutions)
-    for a, b in zip(trained["contiguous"], trained["channels_last"]):
-        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+        if layout != "contiguous":
+            assert all(w.grad.stride() == w.stride() for w in convolutions)
+    for layout in ("channels_last", "channels_last_before"):
+        for a, b in zip(trained["contiguous"], trained[layout]):
+            torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
 
 
 def channels_last(engine) -> None:

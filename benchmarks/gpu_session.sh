@@ -32,7 +32,9 @@
 #          petra/petra_unchecked (what check_finite costs) <= 1.03x; RevNet18's peak with the FIFOs and the messages
 #          offloaded (petra_offload_messages) <= plain's, its time within 1.05x of petra's (an H200 at 5f6c5f8, the
 #          copies both ways on one stream: 0.82x plain's peak in fp32, at 1.70x petra's time; with a stream each way
-#          the time is what to look at); memory_report names what stays allocated between calls (within 5%)
+#          the time is what to look at); the "max_memory_reserved" line is the same peak as nvidia-smi sees it
+#          (PETRA frees and takes messages of several sizes every clock: reserved well above allocated would be
+#          fragmentation); memory_report names what stays allocated between calls (within 5%)
 #          and per model plain's and PETRA's device-busy time against the profiled call's wall time, by kernel group
 #          (arithmetic alone puts PETRA's kernel time near 4/3 of plain's), and PETRA's host and kernel time by
 #          instruction kind: busy far below the wall says host-bound, and which instruction's host time to cut;

@@ -286,6 +286,7 @@ def test_benchmark_script_runs_on_the_gpu(tmp_path):
     assert report["device_type"] == "cuda"
     for row in report["memory"]:
         assert row["petra_peak_bytes"] > 0 and row["plain_peak_bytes"] > 0, row
+        assert row["petra_reserved_peak_bytes"] > 0 and row["plain_reserved_peak_bytes"] > 0, row
         for v in ("petra", "petra_offload", "petra_offload_messages"):  # memory_report names no byte CUDA does not
             assert 0 < row[f"{v}_explained_bytes"] <= row[f"{v}_allocated_after_bytes"], (v, row)  # hold
         if row["model"] == "revnet18":  # its downsampling stages keep FIFOs: in host memory with the offload

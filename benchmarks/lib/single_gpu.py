@@ -30,10 +30,12 @@ Under bf16 each layer of the plain model runs under autocast and its output goes
 PETRA stage boundary (fp32 streams: README, "bf16"). Reported per variant: seconds per ``train_batch``
 (k micro-batches; the median of the calls of a round, then the median over rounds) and
 ``torch.cuda.max_memory_allocated`` over the timed calls minus what was allocated before the variant was
-built (parameters, gradients and optimizer state included for both). For PETRA also where the bytes go: after the
-last call, ``engine.memory_report()`` summed over stages by part, the distinct device storages it names with the
-benchmark's micro-batches (``explained_bytes``) against ``torch.cuda.memory_allocated`` (``allocated_after_bytes``),
-and the workspace (the peak less what stays allocated). Writes ``benchmarks/results/gpu_<device>.json``.
+built (parameters, gradients and optimizer state included for both), and ``torch.cuda.max_memory_reserved`` likewise
+(what ``nvidia-smi`` counts: the caching allocator's segments, fragmentation included). For PETRA also where the
+bytes go: after the last call, ``engine.memory_report()`` summed over stages by part, the distinct device storages it
+names with the benchmark's micro-batches (``explained_bytes``) against ``torch.cuda.memory_allocated``
+(``allocated_after_bytes``), and the workspace (the peak less what stays allocated). Writes
+``benchmarks/results/gpu_<device>.json``.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ class DeviceMemory:
 
             self._tracker = AllocatedStorages().__enter__()
         self.before = self._allocated()
+        self.reserved_before = torch.cuda.memory_reserved(self.device) if self._tracker is None else 0
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -195,6 +198,13 @@ class DeviceMemory:
         """The peak since :meth:`reset_peak`, above what was allocated before."""
         peak = torch.cuda.max_memory_allocated(self.device) if self._tracker is None else self._tracker.peak_bytes
         return peak - self.before
+
+    def reserved_peak(self) -> int | None:
+        """The caching allocator's reserved peak since :meth:`reset_peak`, above what it reserved before: what
+        ``nvidia-smi`` counts, fragmentation included (None on a CPU, which has no caching allocator)."""
+        if self._tracker is not None:
+            return None
+        return torch.cuda.max_memory_reserved(self.device) - self.reserved_before
 
     def host_peak(self) -> int | None:
         """The host copies' peak (None on a GPU, where ``torch.cuda`` does not count pinned memory)."""
@@ -224,7 +234,7 @@ def timed(train_batch: Callable[[], Any], warmup: int, calls: int, memory: Devic
     result = {"seconds_per_call": seconds, "median_seconds": statistics.median(seconds)}
     result.update(profiled(train_batch, device))
     result["peak_bytes"], result["allocated_after_bytes"] = memory.peak(), memory.allocated()
-    result["host_peak_bytes"] = memory.host_peak()
+    result["host_peak_bytes"], result["reserved_peak_bytes"] = memory.host_peak(), memory.reserved_peak()
     return result
 
 
@@ -469,8 +479,9 @@ def summarize(runs: list[dict]) -> dict:
         row_m: dict[str, Any] = {"model": name, "dtype": dtype}
         row_s: dict[str, Any] = {"model": name, "dtype": dtype}
         for variant, rs in variants.items():
-            peaks = [r["peak_bytes"] for r in rs if r["peak_bytes"] is not None]
-            row_m[f"{variant}_peak_bytes"] = max(peaks) if peaks else None
+            for key in ("peak_bytes", "reserved_peak_bytes"):
+                peaks = [r[key] for r in rs if r.get(key) is not None]
+                row_m[f"{variant}_{key}"] = max(peaks) if peaks else None
             last = rs[-1]
             for key in ("allocated_after_bytes", "explained_bytes", "workspace_bytes", "memory_report",
                         "host_peak_bytes"):
@@ -530,6 +541,10 @@ def print_report(report: dict) -> None:
                           if row.get(f"{v}_peak_bytes") is not None)
         ratios = ", ".join(f"{k} {row[k]:.3f}x" for k in row if "/" in k)
         print(f"  {row['model']:9s} {row['dtype']}: {measure} {peaks}; {ratios}")
+        reserved = ", ".join(f"{v} {row[f'{v}_reserved_peak_bytes'] / 2**20:.1f} MiB" for v in VARIANTS
+                             if row.get(f"{v}_reserved_peak_bytes") is not None)
+        if reserved:  # allocated plus the allocator's cached, fragmented blocks
+            print(f"    max_memory_reserved (what nvidia-smi counts): {reserved}")
         hosts = ", ".join(f"{v} {row[f'{v}_host_peak_bytes'] / 2**20:.1f} MiB" for v in VARIANTS
                           if row.get(f"{v}_host_peak_bytes"))
         if hosts:

@@ -25,8 +25,8 @@ from .diagnostics.gradient_quality import GradientQuality
 from .diagnostics.settings import format_settings, run_settings
 from .nn.check import NonFiniteError
 from .pipeline.module import PetraPipelineModule, stages_per_rank_of, tag_muon_parameters
-from .runtime.config import (PetraConfig, PetraConfigError, check_section_names, check_stages_per_rank,
-                             jit_build_notice, split_config, uses_muon)
+from .runtime.config import (PetraConfig, PetraConfigError, bf16_device_notice, check_section_names,
+                             check_stages_per_rank, jit_build_notice, split_config, uses_muon)
 from .runtime.distributed import apply_group_timeout_to, ensure_single_process_env, init_distributed, is_rank0
 from .runtime.engine import PetraEngine
 from .runtime.layouts import built_contiguous
@@ -124,6 +124,11 @@ def initialize(
     late = first_stage_lateness(engine.num_petra_stages, engine.micro_batches)
     if late and engine.global_rank == 0:
         logger.warning(late)
+    if bf16 and engine.device.type == "cuda" and engine.global_rank == 0:
+        notice = bf16_device_notice(torch.cuda.get_device_capability(engine.device),
+                                    torch.cuda.get_device_name(engine.device))
+        if notice:
+            logger.warning(notice)
     if petra.gradient_quality_every > 0:
         engine.gradient_quality = engine.observe(GradientQuality(engine, petra.gradient_quality_every))
     announce(engine, raw)

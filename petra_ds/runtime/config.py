@@ -212,6 +212,17 @@ def jit_build_notice(config: Mapping[str, Any], environ: Mapping[str, str], cuda
     return text
 
 
+def bf16_device_notice(capability: tuple[int, int], name: str) -> str | None:
+    """What ``"bf16"`` does on a CUDA device of compute capability ``capability`` (named ``name``): None from 8.0 on
+    (Ampere), which computes in bf16; a warning before, where torch emulates bf16 or has no kernel for it."""
+    if capability >= (8, 0):
+        return None
+    major, minor = capability
+    return (f'"bf16" on {name} (compute capability {major}.{minor}): bf16 arithmetic needs compute capability 8.0 '
+            "or later (A100, H100, RTX 30xx), and before that torch emulates it, slower than fp32, or finds no kernel. "
+            'Train in fp32 here: remove "bf16" from the config')
+
+
 def check_section_names(config: Mapping[str, Any]) -> None:
     """A section named like "petra" but not exactly so ("PETRA", "Petra", "petra_") would otherwise be
     ignored, and the run would silently train DeepSpeed's 1F1B."""
@@ -246,7 +257,8 @@ def split_config(config: Mapping[str, Any]) -> tuple[PetraConfig, dict[str, Any]
     if _section(config, "fp16").get("enabled", False):
         raise PetraConfigError(
             '"fp16" is not supported with PETRA: loss scaling needs an overflow check across all stages, '
-            'which stages that step at different clocks cannot run; use "bf16": {"enabled": true} instead')
+            'which stages that step at different clocks cannot run; use "bf16": {"enabled": true} instead on a GPU '
+            'of compute capability 8.0 or later (A100, H100), or fp32 (neither section) on an older one')
     if _section(config, "torch_autocast").get("enabled", False):
         raise PetraConfigError(
             '"torch_autocast" is not supported with PETRA: its engine runs the stages itself, so DeepSpeed\'s '

@@ -25,11 +25,12 @@ from .diagnostics.gradient_quality import GradientQuality
 from .diagnostics.settings import format_settings, run_settings
 from .nn.check import NonFiniteError
 from .pipeline.module import PetraPipelineModule, stages_per_rank_of, tag_muon_parameters
-from .runtime.config import (PetraConfig, PetraConfigError, bf16_device_notice, check_section_names,
-                             check_stages_per_rank, jit_build_notice, split_config, uses_muon)
+from .runtime.config import (PetraConfig, PetraConfigError, check_section_names, check_stages_per_rank,
+                             jit_build_notice, split_config, uses_muon)
 from .runtime.distributed import apply_group_timeout_to, ensure_single_process_env, init_distributed, is_rank0
 from .runtime.engine import PetraEngine
 from .runtime.layouts import built_contiguous
+from .runtime.precision import bf16_device_notice, float32_notice, float32_parameters
 from .schedule import first_stage_lateness
 
 __version__ = "0.1.0"
@@ -116,6 +117,9 @@ def initialize(
     config_class = DeepSpeedConfig(ds_config, mpu)
     if uses_muon(ds_config):
         tag_muon_parameters(model)
+    converted = float32_parameters(model) if bf16 else 0
+    if converted and is_rank0():
+        logger.warning(float32_notice(converted))
     with built_contiguous(model, keep_layout=True):  # DeepSpeed's engine broadcasts each parameter as bytes
         engine = PetraEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,

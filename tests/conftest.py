@@ -84,3 +84,22 @@ def world_of_one():
         ds_comm.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def deepspeed_warnings():
+    """The warnings logged through DeepSpeed's logger (which petra_ds's notices use) during the test, as text."""
+    import logging
+
+    from deepspeed.utils import logger
+
+    messages: list[str] = []
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Kept(logging.WARNING)
+    logger.addHandler(handler)
+    yield messages
+    logger.removeHandler(handler)

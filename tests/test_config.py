@@ -74,17 +74,6 @@ def test_a_jit_build_on_a_gpu_is_announced_with_what_avoids_it(optimizer, builds
     assert jit_build_notice({"optimizer": optimizer}, {}, cuda=False) is None
 
 
-@pytest.mark.parametrize("capability,name,warns", [((7, 0), "Tesla V100-SXM2-32GB", True), ((7, 5), "Tesla T4", True),
-                                                   ((8, 0), "NVIDIA A100", False), ((9, 0), "NVIDIA H200", False)])
-def test_bf16_on_a_gpu_without_bf16_arithmetic_is_announced_with_fp32_as_the_way_out(capability, name, warns):
-    from petra_ds.runtime.config import bf16_device_notice
-
-    notice = bf16_device_notice(capability, name)
-    assert (notice is not None) == warns
-    if warns:
-        assert name in notice and f"{capability[0]}.{capability[1]}" in notice and "fp32" in notice
-
-
 def test_the_jit_notice_names_the_arch_list_suffix_deepspeed_cannot_parse():
     from petra_ds.runtime.config import jit_build_notice
 

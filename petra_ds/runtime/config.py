@@ -212,17 +212,6 @@ def jit_build_notice(config: Mapping[str, Any], environ: Mapping[str, str], cuda
     return text
 
 
-def bf16_device_notice(capability: tuple[int, int], name: str) -> str | None:
-    """What ``"bf16"`` does on a CUDA device of compute capability ``capability`` (named ``name``): None from 8.0 on
-    (Ampere), which computes in bf16; a warning before, where torch emulates bf16 or has no kernel for it."""
-    if capability >= (8, 0):
-        return None
-    major, minor = capability
-    return (f'"bf16" on {name} (compute capability {major}.{minor}): bf16 arithmetic needs compute capability 8.0 '
-            "or later (A100, H100, RTX 30xx), and before that torch emulates it, slower than fp32, or finds no kernel. "
-            'Train in fp32 here: remove "bf16" from the config')
-
-
 def check_section_names(config: Mapping[str, Any]) -> None:
     """A section named like "petra" but not exactly so ("PETRA", "Petra", "petra_") would otherwise be
     ignored, and the run would silently train DeepSpeed's 1F1B."""

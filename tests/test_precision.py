@@ -1,0 +1,56 @@
+"""``"bf16"`` with PETRA (``runtime/precision.py``): a model handed over in bf16 trains as the same weights in fp32
+would, with a warning; a GPU without bf16 arithmetic is named."""
+
+import itertools
+
+import pytest
+import torch
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from torch import nn
+
+import petra_ds
+from petra_ds.runtime.precision import bf16_device_notice
+from petra_ds.tools.toy import toy_data, toy_layer_specs
+
+
+def toy_model(dtype: torch.dtype) -> nn.Module:
+    """The toy model (batch norms in its couplings: buffers too), its weights rounded to bf16, kept in ``dtype``."""
+    torch.manual_seed(0)
+    model = petra_ds.PetraPipelineModule(
+        toy_layer_specs(batchnorm=True), topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
+        loss_fn=nn.CrossEntropyLoss(), stages_per_rank=3, partition_method="uniform", base_seed=0)
+    return model.to(torch.bfloat16).to(dtype)
+
+
+def test_a_bf16_model_gets_fp32_parameters_and_trains_as_they_would(world_of_one, deepspeed_warnings):
+    """The reference is the same bf16-rounded weights built in fp32: the run handed the bf16 model matches it bit for
+    bit (losses and weights), its parameters and buffers fp32 from initialize on, and one warning counts them."""
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
+              "bf16": {"enabled": True}, "petra": {"stages_per_rank": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = toy_model(dtype)
+        narrow = sum(t.dtype == torch.bfloat16 for t in itertools.chain(model.parameters(), model.buffers()))
+        seen = len(deepspeed_warnings)
+        engine, *_ = petra_ds.initialize(model=model, config=config)
+        warned = [m for m in deepspeed_warnings[seen:] if "are fp32 now" in m]
+        assert len(warned) == (dtype == torch.bfloat16) and all(m.startswith(f'"bf16": {narrow} ') for m in warned)
+        tensors = list(itertools.chain(engine.module.parameters(), engine.module.buffers()))
+        assert all(t.dtype == torch.float32 for t in tensors if t.is_floating_point())
+        data = itertools.cycle(toy_data(64, 8, dtype=torch.float32))
+        losses = [engine.train_batch(data) for _ in range(6)]
+        runs[dtype] = losses, [t.detach().clone() for t in tensors]
+    assert narrow > 0
+    (losses, weights), (got_losses, got_weights) = runs[torch.float32], runs[torch.bfloat16]
+    torch.testing.assert_close(torch.stack(got_losses), torch.stack(losses), rtol=0, atol=0, equal_nan=True)
+    assert all(map(torch.equal, weights, got_weights))
+
+
+@pytest.mark.parametrize("capability,name,warns", [((7, 0), "Tesla V100-SXM2-32GB", True), ((7, 5), "Tesla T4", True),
+                                                   ((8, 0), "NVIDIA A100", False), ((9, 0), "NVIDIA H200", False)])
+def test_bf16_on_a_gpu_without_bf16_arithmetic_is_announced_with_fp32_as_the_way_out(capability, name, warns):
+    notice = bf16_device_notice(capability, name)
+    assert (notice is not None) == warns
+    if warns:
+        assert name in notice and f"{capability[0]}.{capability[1]}" in notice and "fp32" in notice

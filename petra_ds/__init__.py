@@ -108,6 +108,9 @@ def initialize(
         return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
     petra, ds_config, bf16 = split_config(raw)
     if not isinstance(model, PipelineModule):
+        if isinstance(getattr(model, "_orig_mod", None), PipelineModule):  # torch.compile(model)'s wrapper
+            raise TypeError('PETRA needs the PipelineModule itself, not torch.compile(model): pass the module and set '
+                            '"petra": {"compile": true}, which compiles each stage\'s layers in place')
         raise TypeError("PETRA needs a deepspeed.pipe.PipelineModule (or petra_ds.PetraPipelineModule); "
                         f"got {type(model).__name__}")
     check_stages_per_rank(petra, stages_per_rank_of(model))

@@ -46,6 +46,8 @@ THIRD_PARTY = {
                          "engine labels each instruction only then (torch has no public query)",
     "_attn_implementation": "Hugging Face's config field naming the attention kernel: from_pretrained sets it on a "
                             "plain model's config, a config has no public setter",
+    "_orig_mod": "torch.compile's wrapper of a module (OptimizedModule) holds it there: initialize names a compiled "
+                 "PipelineModule as such and points to \"compile\": true",
     "_no_split_modules": "Hugging Face's per-model list whose first entry names its decoder layer class: the one "
                          "pointer from a causal LM class to its layer class",
 }

@@ -219,6 +219,11 @@ def test_a_model_that_is_not_a_pipeline_module_is_refused(world_of_one):
         petra_ds.initialize(model=nn.Sequential(nn.Linear(6, 3)), config=config())
 
 
+def test_a_pipeline_module_wrapped_by_torch_compile_is_refused_with_the_compile_key(world_of_one):
+    with pytest.raises(TypeError, match=r'not torch.compile\(model\): .* "petra": \{"compile": true\}'):
+        petra_ds.initialize(model=torch.compile(toy()), config=config())
+
+
 def test_an_optimizer_is_required(world_of_one):
     no_optimizer = {key: value for key, value in config().items() if key != "optimizer"}
     with pytest.raises(PetraConfigError, match=r'PETRA needs an optimizer: add an "optimizer" section or pass optimizer='):

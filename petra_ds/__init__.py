@@ -30,7 +30,7 @@ from .runtime.config import (PetraConfig, PetraConfigError, check_section_names,
 from .runtime.distributed import apply_group_timeout_to, ensure_single_process_env, init_distributed, is_rank0
 from .runtime.engine import PetraEngine
 from .runtime.layouts import built_contiguous
-from .runtime.precision import bf16_device_notice, float32_notice, float32_parameters
+from .runtime.precision import bf16_device_notice, float32_while_built
 from .schedule import first_stage_lateness
 
 __version__ = "0.1.0"
@@ -120,10 +120,8 @@ def initialize(
     config_class = DeepSpeedConfig(ds_config, mpu)
     if uses_muon(ds_config):
         tag_muon_parameters(model)
-    converted = float32_parameters(model) if bf16 else 0
-    if converted and is_rank0():
-        logger.warning(float32_notice(converted))
-    with built_contiguous(model, keep_layout=True):  # DeepSpeed's engine broadcasts each parameter as bytes
+    # PETRA's bf16 keeps fp32 parameters; DeepSpeed's engine broadcasts each parameter as bytes while it is built
+    with float32_while_built(model, bf16), built_contiguous(model, keep_layout=True):
         engine = PetraEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                              dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,

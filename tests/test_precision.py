@@ -47,6 +47,21 @@ def test_a_bf16_model_gets_fp32_parameters_and_trains_as_they_would(world_of_one
     assert all(map(torch.equal, weights, got_weights))
 
 
+def test_an_engine_that_fails_to_build_leaves_a_bf16_model_in_bf16(world_of_one, deepspeed_warnings):
+    """PETRA's engine refusing a setting while it is built ("cuda_graphs": true on a CPU): the model's tensors go back
+    to bf16 with their values, and no warning says they are fp32."""
+    model = toy_model(torch.bfloat16)
+    before = [t.detach().clone() for t in itertools.chain(model.parameters(), model.buffers())]
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        petra_ds.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "petra": {"stages_per_rank": 3, "cuda_graphs": True}})
+    after = list(itertools.chain(model.parameters(), model.buffers()))
+    assert [t.dtype for t in after] == [t.dtype for t in before] and all(map(torch.equal, after, before))
+    assert any(t.dtype == torch.bfloat16 for t in before)
+    assert not [m for m in deepspeed_warnings if "are fp32 now" in m]
+
+
 @pytest.mark.parametrize("capability,name,warns", [((7, 0), "Tesla V100-SXM2-32GB", True), ((7, 5), "Tesla T4", True),
                                                    ((8, 0), "NVIDIA A100", False), ((9, 0), "NVIDIA H200", False)])
 def test_bf16_on_a_gpu_without_bf16_arithmetic_is_announced_with_fp32_as_the_way_out(capability, name, warns):

@@ -11,25 +11,41 @@ autocast (the reversibility check) and be stepped in bf16. A GPU without bf16 ar
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
+from deepspeed.utils import logger
 from torch import nn
+
+from .distributed import is_rank0
 
 #: floating dtypes narrower than fp32, which bf16's fp32 parameters are made from
 _NARROW = (torch.bfloat16, torch.float16)
 
 
-def float32_parameters(module: nn.Module) -> int:
-    """``module``'s bf16 and fp16 parameters and buffers in fp32, in place (``.data``: the same objects, their layouts
-    kept); returns how many were converted."""
-    narrow = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.dtype in _NARROW]
+@contextmanager
+def float32_while_built(module: Any, bf16: bool) -> Iterator[None]:
+    """Under ``bf16``: inside, ``module``'s bf16 and fp16 parameters and buffers are fp32, in place (``.data``: the same
+    objects, their layouts kept), and stay so after, which rank 0 warns of; where building the engine fails they
+    go back to their dtypes (exactly: the values came from them)."""
+    narrow = [t for t in itertools.chain(module.parameters(), module.buffers())
+              if t.dtype in _NARROW] if bf16 and isinstance(module, nn.Module) else []
+    dtypes = [t.dtype for t in narrow]
     for t in narrow:
         t.data = t.data.float()
-    return len(narrow)
+    try:
+        yield
+    except BaseException:
+        for t, dtype in zip(narrow, dtypes):
+            t.data = t.data.to(dtype)
+        raise
+    if narrow and is_rank0():
+        logger.warning(float32_notice(len(narrow)))
 
 
 def float32_notice(converted: int) -> str:
-    """The warning for :func:`float32_parameters` having converted ``converted`` tensors."""
+    """The warning for :func:`float32_while_built` having converted ``converted`` tensors."""
     return (f'"bf16": {converted} parameters and buffers of the model were bf16 or fp16 and are fp32 now: PETRA keeps '
             "fp32 parameters, gradients and optimizer state and runs each stage under bf16 autocast (as DeepSpeed's "
             "bf16 keeps fp32 master weights). Build the model in fp32 to start from full-precision weights")

@@ -38,21 +38,19 @@ def test_the_parameters_deepspeed_cannot_view_as_bytes_get_their_layout_back():
         assert p is obj and torch.equal(p, values) and p.stride() == strides, name
 
 
-def channels_last_model(model: nn.Module) -> None:
-    """(before_initialize, in the rank) the model to channels-last, a replica's weights first moved off rank 0's."""
-    if torch.distributed.get_rank() == 1:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)  # DeepSpeed's broadcast while building the engine must put rank 0's back
-    model.to(memory_format=torch.channels_last)
-
-
-def contiguous_model(model: nn.Module) -> None:
-    """(before_initialize) the same replica's weights moved, in the contiguous layout."""
+def moved_off_rank_0(model: nn.Module) -> None:
+    """(before_initialize, in the rank) rank 1's weights moved off rank 0's: DeepSpeed's broadcast while building the
+    engine must put rank 0's back."""
     if torch.distributed.get_rank() == 1:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
+
+
+def channels_last_model(model: nn.Module) -> None:
+    """(before_initialize) :func:`moved_off_rank_0`, then the model to channels-last."""
+    moved_off_rank_0(model)
+    model.to(memory_format=torch.channels_last)
 
 
 def test_data_parallel_replicas_built_from_a_channels_last_model_train_as_contiguous_ones():
@@ -61,7 +59,7 @@ def test_data_parallel_replicas_built_from_a_channels_last_model_train_as_contig
     contiguous copies. Both replicas end as the contiguous run's to 1e-9."""
     spec = {"model": "revnet", "pipe": 1, "dp": 2, "stages_per_rank": 10, "k": 2, "train_batches": 6,
             "micro_batch": 2, "dropout": 0.0, "optimizer": FUSED_SGD}
-    contiguous = launch({**spec, "before_initialize": "test_layouts:contiguous_model"})
+    contiguous = launch({**spec, "before_initialize": "test_layouts:moved_off_rank_0"})
     converted = launch({**spec, "before_initialize": "test_layouts:channels_last_model"})
     want = contiguous[0]["params"]
     assert torch.equal(torch.cat([v.flatten() for v in want.values()]),
@@ -104,9 +102,8 @@ def deepspeed_pipeline() -> nn.Module:
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    model = PipelineModule(revnet_layers(18, num_classes=10, cifar=True, base_width=4), loss_fn=nn.CrossEntropyLoss(),
-                           topology=PipeDataParallelTopology(num_pp=1, num_dp=1), partition_method="uniform")
-    return model
+    return PipelineModule(revnet_layers(18, num_classes=10, cifar=True, base_width=4), loss_fn=nn.CrossEntropyLoss(),
+                          topology=PipeDataParallelTopology(num_pp=1, num_dp=1), partition_method="uniform")
 
 
 def test_an_engine_that_fails_to_build_leaves_the_model_in_its_layout(world_of_one):

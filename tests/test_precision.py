@@ -1,5 +1,6 @@
 """``"bf16"`` with PETRA (``runtime/precision.py``): a model handed over in bf16 trains as the same weights in fp32
-would, with a warning; a GPU without bf16 arithmetic is named."""
+would, with a warning (before, the toy model stopped on a dtype mismatch in the reversibility check and RevGPT on its
+layer norms' mixed dtypes); a GPU without bf16 arithmetic is named."""
 
 import itertools
 
@@ -9,28 +10,33 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from torch import nn
 
 import petra_ds
+from petra_ds.models.transformer import lm_loss, revgpt_layers
 from petra_ds.runtime.precision import bf16_device_notice
-from petra_ds.tools.toy import toy_data, toy_layer_specs
+from petra_ds.tools.toy import revgpt_tiny_config, token_data, toy_data, toy_layer_specs
 
 
-def toy_model(dtype: torch.dtype) -> nn.Module:
-    """The toy model (batch norms in its couplings: buffers too), its weights rounded to bf16, kept in ``dtype``."""
+def toy_model(dtype: torch.dtype, name: str = "toy") -> nn.Module:
+    """The toy model (batch norms in its couplings: buffers too) or a tiny RevGPT (layer norms, token ids in), its
+    weights rounded to bf16, kept in ``dtype``."""
     torch.manual_seed(0)
-    model = petra_ds.PetraPipelineModule(
-        toy_layer_specs(batchnorm=True), topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
-        loss_fn=nn.CrossEntropyLoss(), stages_per_rank=3, partition_method="uniform", base_seed=0)
+    layers, loss_fn = (toy_layer_specs(batchnorm=True), nn.CrossEntropyLoss()) if name == "toy" else \
+        (revgpt_layers(revgpt_tiny_config(0.0)), lm_loss)
+    model = petra_ds.PetraPipelineModule(layers, topology=PipeDataParallelTopology(num_pp=1, num_dp=1),
+                                         loss_fn=loss_fn, stages_per_rank=3, partition_method="uniform", base_seed=0)
     return model.to(torch.bfloat16).to(dtype)
 
 
-def test_a_bf16_model_gets_fp32_parameters_and_trains_as_they_would(world_of_one, deepspeed_warnings):
+@pytest.mark.parametrize("name", ["toy", "revgpt"])
+def test_a_bf16_model_gets_fp32_parameters_and_trains_as_they_would(world_of_one, deepspeed_warnings, name):
     """The reference is the same bf16-rounded weights built in fp32: the run handed the bf16 model matches it bit for
     bit (losses and weights), its parameters and buffers fp32 from initialize on, and one warning counts them."""
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
               "bf16": {"enabled": True}, "petra": {"stages_per_rank": 3},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    stream = toy_data(64, 8, dtype=torch.float32) if name == "toy" else token_data(16, 8, 0, torch.float32)
     runs = {}
     for dtype in (torch.float32, torch.bfloat16):
-        model = toy_model(dtype)
+        model = toy_model(dtype, name)
         narrow = sum(t.dtype == torch.bfloat16 for t in itertools.chain(model.parameters(), model.buffers()))
         seen = len(deepspeed_warnings)
         engine, *_ = petra_ds.initialize(model=model, config=config)
@@ -38,7 +44,7 @@ def test_a_bf16_model_gets_fp32_parameters_and_trains_as_they_would(world_of_one
         assert len(warned) == (dtype == torch.bfloat16) and all(m.startswith(f'"bf16": {narrow} ') for m in warned)
         tensors = list(itertools.chain(engine.module.parameters(), engine.module.buffers()))
         assert all(t.dtype == torch.float32 for t in tensors if t.is_floating_point())
-        data = itertools.cycle(toy_data(64, 8, dtype=torch.float32))
+        data = itertools.cycle(stream)
         losses = [engine.train_batch(data) for _ in range(6)]
         runs[dtype] = losses, [t.detach().clone() for t in tensors]
     assert narrow > 0

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from typing import Any, Iterable
+from typing import Any
 
 from torch import nn
 from torch.nn import functional as F
@@ -65,11 +65,6 @@ def draws_random(module: Any) -> bool:
     it or for a module above it, and stands for the window. A tuple of parts run together draws when any of them
     does."""
     return _draws(module, window_cache("draws"))
-
-
-def any_draws(modules: Iterable[Any]) -> bool:
-    """Whether any of ``modules`` can draw (a ``draws_random()`` whose module draws only through these)."""
-    return any(map(_draws, modules, itertools.repeat(window_cache("draws"))))
 
 
 def by_children(module: nn.Module) -> bool:

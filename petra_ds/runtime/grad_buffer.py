@@ -82,13 +82,18 @@ class GradBuffer:
         return [g for p in self.params if (g := p.grad) is not None]
 
 
+def gradient_strides(param: Tensor) -> tuple[int, ...]:
+    """The strides autograd gives ``param``'s gradient: the parameter's own where it is dense (a channels-last weight
+    included), else contiguous (``empty_like``'s rule). So they differ from ``param.stride()`` exactly where the
+    parameter is not dense."""
+    return torch.empty_like(param, device="meta").stride()
+
+
 def _grad_view(flat: Tensor, offset: int, param: Tensor) -> Tensor:
-    """``param``'s gradient as the view of ``flat`` from ``offset``, laid out as autograd lays out a gradient: with the
-    parameter's strides where it is dense (a channels-last weight included), else contiguous (``empty_like``'s rule).
-    torch's fused optimizers pair a parameter's elements with its gradient's in memory order: a contiguous gradient of
-    a channels-last weight would update it with its gradient permuted."""
-    strides = torch.empty_like(param, device="meta").stride()
-    return flat.as_strided(param.shape, strides, flat.storage_offset() + offset)
+    """``param``'s gradient as the view of ``flat`` from ``offset``, laid out by :func:`gradient_strides`. torch's
+    fused optimizers pair a parameter's elements with its gradient's in memory order: a contiguous gradient of a
+    channels-last weight would update it with its gradient permuted."""
+    return flat.as_strided(param.shape, gradient_strides(param), flat.storage_offset() + offset)
 
 
 class StageGrads:

@@ -19,6 +19,7 @@ from deepspeed.utils import logger
 from torch import Tensor, nn
 
 from .distributed import is_rank0
+from .grad_buffer import gradient_strides
 
 
 class LaidOut(NamedTuple):
@@ -34,7 +35,7 @@ def permuted(module: nn.Module) -> list[LaidOut]:
     tensor on its storage (no view of another to break). With their strides."""
     found = []
     for p in module.parameters():
-        if p.dim() == 0 or p.stride(-1) == 1 or torch.empty_like(p, device="meta").stride() != p.stride():
+        if p.dim() == 0 or p.stride(-1) == 1 or gradient_strides(p) != p.stride():
             continue  # viewable as bytes, or not dense: left as it is
         if p.untyped_storage().nbytes() == p.numel() * p.element_size():
             found.append(LaidOut(p, p.stride()))

@@ -25,7 +25,8 @@ freshly built:
 RevNet18 takes the paper's partition (J = 10, one layer per stage: each reconstructing stage holds one
 block, so the overlap has nothing to hide there); RevGPT's J = 4 stages hold 3 blocks each (its middle
 two reconstruct). All use torch's fused AdamW, gradient clipping at norm 1 and the same micro-batches.
-``--channels-last`` puts RevNet18's weights and inputs in channels-last memory format for plain and PETRA alike.
+``--channels-last`` puts RevNet18's weights and inputs in channels-last memory format for plain and PETRA alike
+(PETRA's module converted before ``initialize``, as a user converts it).
 Under bf16 each layer of the plain model runs under autocast and its output goes back to fp32, as at a
 PETRA stage boundary (fp32 streams: README, "bf16"). Reported per variant: seconds per ``train_batch``
 (k micro-batches; the median of the calls of a round, then the median over rounds) and
@@ -139,12 +140,15 @@ def micro_batches(name: str, args: argparse.Namespace, size: int, device: torch.
     return out
 
 
-def to_layout(module: torch.nn.Module, name: str, args: argparse.Namespace) -> float:
-    """With ``--channels-last``, RevNet18's module to channels-last memory format (PETRA's once its engine is built:
-    DeepSpeed's initialize broadcasts each parameter as bytes, which a channels-last one cannot be viewed as). Returns
-    the share of its 4-D weights laid out channels-last, of those where the two layouts differ."""
+def to_layout(module: torch.nn.Module, name: str, args: argparse.Namespace) -> None:
+    """With ``--channels-last``, RevNet18's module to channels-last memory format, as a user converts it: plain's
+    layers, and PETRA's module before ``initialize``."""
     if args.channels_last and name == "revnet18":
         module.to(memory_format=torch.channels_last)
+
+
+def channels_last_share(module: torch.nn.Module) -> float:
+    """The share of ``module``'s 4-D weights laid out channels-last, of those where the two layouts differ."""
     weights = [p for p in module.parameters()
                if p.dim() == 4 and not (p.is_contiguous() and p.is_contiguous(memory_format=torch.channels_last))]
     return sum(p.is_contiguous(memory_format=torch.channels_last) for p in weights) / max(len(weights), 1)
@@ -382,7 +386,8 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMem
     device = memory.device
     torch.manual_seed(0)
     layers = torch.nn.ModuleList([spec.build() for spec in specs]).to(device)
-    channels_last = to_layout(layers, name, args)
+    to_layout(layers, name, args)
+    channels_last = channels_last_share(layers)
     optimizer = torch.optim.AdamW(layers.parameters(), **OPTIMIZER)
     data = itertools.cycle(micro_batches(name, args, size, device))
     k = args.k
@@ -429,8 +434,9 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMem
               "petra": {"stages_per_rank": J, **petra}}
     if bf16:
         config["bf16"] = {"enabled": True}
+    to_layout(module, name, args)
     engine, *_ = petra_ds.initialize(model=module, config=config)
-    channels_last = to_layout(engine.module, name, args)
+    channels_last = channels_last_share(engine.module)
     batches = micro_batches(name, args, size, engine.device)
     data = itertools.cycle(batches)
     fill = math.ceil(2 * (J - 1) / args.k) + 1

@@ -106,7 +106,7 @@ def initialize(
                                     config_class=DeepSpeedConfig(raw, model.mpu()))
         announce(engine, raw)
         return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-    petra, ds_config, bf16 = split_config(raw)
+    petra, ds_config, precision = split_config(raw)
     if not isinstance(model, PipelineModule):
         if isinstance(getattr(model, "_orig_mod", None), PipelineModule):  # torch.compile(model)'s wrapper
             raise TypeError('PETRA needs the PipelineModule itself, not torch.compile(model): pass the module and set '
@@ -120,16 +120,16 @@ def initialize(
     config_class = DeepSpeedConfig(ds_config, mpu)
     if uses_muon(ds_config):
         tag_muon_parameters(model)
-    # PETRA's bf16 keeps fp32 parameters; DeepSpeed's engine broadcasts each parameter as bytes while it is built
-    with float32_while_built(model, bf16), built_contiguous(model, keep_layout=True):
+    # PETRA's bf16 and fp16 keep fp32 parameters; DeepSpeed's engine broadcasts each parameter as bytes while built
+    with float32_while_built(model, precision), built_contiguous(model, keep_layout=True):
         engine = PetraEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                              dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
-                             config_class=config_class, petra_config=petra, bf16=bf16)
+                             config_class=config_class, petra_config=petra, precision=precision)
     late = first_stage_lateness(engine.num_petra_stages, engine.micro_batches)
     if late and engine.global_rank == 0:
         logger.warning(late)
-    if bf16 and engine.device.type == "cuda" and engine.global_rank == 0:
+    if precision.name == "bf16" and engine.device.type == "cuda" and engine.global_rank == 0:
         notice = bf16_device_notice(torch.cuda.get_device_capability(engine.device),
                                     torch.cuda.get_device_name(engine.device))
         if notice:

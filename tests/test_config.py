@@ -10,9 +10,9 @@ BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
 
 
 def test_defaults_and_bf16_taken_out_of_deepspeeds_hands():
-    petra, ds, bf16 = split_config({**BASE, "petra": {}, "bf16": {"enabled": True}})
+    petra, ds, precision = split_config({**BASE, "petra": {}, "bf16": {"enabled": True}})
     assert petra == PetraConfig()
-    assert bf16 and "bf16" not in ds and "petra" not in ds and ds["optimizer"] == BASE["optimizer"]
+    assert precision.name == "bf16" and "bf16" not in ds and "petra" not in ds and ds["optimizer"] == BASE["optimizer"]
 
 
 @pytest.mark.parametrize("section,message", [
@@ -29,7 +29,6 @@ def test_bad_petra_values_name_the_key(section, message):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ({"fp16": {"enabled": True}}, '"fp16" is not supported with PETRA'),
     ({"gradient_clipping": -1.0}, '"gradient_clipping" must be a number >= 0'),
     ({"zero_optimization": {"stage": 1}}, '"zero_optimization.stage" 1 is not supported'),
     ({"gradient_accumulation_steps": 0}, "PETRA's k\\) must be >= 1"),

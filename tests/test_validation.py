@@ -39,7 +39,7 @@ LAYERS = len(toy_layer_specs())
     ({"gradient_accumulation_steps": -3}, r"\(PETRA's k\) must be >= 1, got -3"),
     ({"gradient_clipping": "1.0"}, r'"gradient_clipping" must be a number .* got \'1.0\''),
     ({"gradient_clipping": -0.5}, r'"gradient_clipping" must be a number >= 0 \(0: off; with PETRA each stage clips'),
-    ({"fp16": {"enabled": True, "loss_scale": 0}}, r'"fp16" is not supported with PETRA: loss scaling'),
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, r'the "fp16" section: .*loss_scale must be >= 0'),
     ({"fp16": True}, r'"fp16" must be an object'),
     ({"bf16": "yes"}, r'"bf16" must be an object'),
     ({"torch_autocast": {"enabled": True, "dtype": "float16"}}, r'"torch_autocast" is not supported with PETRA'),
@@ -71,8 +71,8 @@ def test_a_config_petra_cannot_run_is_refused_by_name(extra, message):
     {"petra": None},
 ])
 def test_settings_that_change_nothing_for_petra_are_accepted(extra):
-    petra, ds, bf16 = split_config({**BASE, "petra": {}, **extra})
-    assert petra == PetraConfig() and not bf16 and "petra" not in ds
+    petra, ds, precision = split_config({**BASE, "petra": {}, **extra})
+    assert petra == PetraConfig() and precision.name == "fp32" and "petra" not in ds
 
 
 # --- property: PetraConfig.from_dict accepts every valid section, refuses every invalid one by name ----

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..nn.reversible import Activation, as_tuple
+from ..nn.reversible import Activation, as_tuple, detach_leaf, shaped_like
 from ..runtime.observe import Observer
 from ..schedule import Window, backward_micro_batch, channels, delay
 from ..util.files import save_figure
@@ -205,7 +205,25 @@ class GradientQuality(Observer):
         """(parameter gradients, input gradient) of stage ``st`` for micro-batch ``m`` (``delta=None``:
         the last stage's loss): the stage's own VJP, with the training forward's keyed RNG, ``.grad``
         and the batch-norm running statistics left alone."""
-        return st.vjp(m, x, delta, labels, update_bn=False, into_grad=False)
+        with st.scope(m, update_bn=False), torch.enable_grad():
+            leaf = detach_leaf(x)
+            out = st.run(leaf)
+            if st.is_last:
+                out = st.loss_fn(out, labels)
+        params = [p for p in st.params if p.requires_grad]
+        if st.is_last:
+            outs, grad_outs = [out], [None]
+        else:
+            pairs = [(o, g) for o, g in zip(as_tuple(out), as_tuple(delta)) if g is not None and o.requires_grad]
+            outs, grad_outs = [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]
+        leaves = [t for t in as_tuple(leaf) if t.requires_grad]
+        grads = list(torch.autograd.grad(outs, params + leaves, grad_outs, allow_unused=True)) if outs \
+            else [None] * (len(params) + len(leaves))
+        theta_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        leaf_grads = iter(grads[len(params):])
+        dx = [None if not t.requires_grad else (g if (g := next(leaf_grads)) is not None else torch.zeros_like(t))
+              for t in as_tuple(leaf)]
+        return theta_grads, shaped_like(leaf, dx)
 
     def _end_to_end(self, probe: _Probe, due: list[int]) -> None:
         """Synchronous backprop of the followed micro-batch through every stage, now; the gradients of

@@ -94,7 +94,8 @@ def run_settings(engine: DeepSpeedEngine, config: dict) -> dict:
         "stages_per_rank": getattr(engine, "stages_per_rank", 1),
         "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
         "micro_batches_per_step": engine.gradient_accumulation_steps(),
-        "bf16": bool(engine.bfloat16_enabled()),
+        "precision": engine.precision.describe() if petra else
+        ("bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"),
         "gradient_clipping": {
             "max_norm": clip,
             "from": "config" if "gradient_clipping" in config else f"DeepSpeed {deepspeed.__version__}'s default",
@@ -123,7 +124,7 @@ def format_settings(settings: dict) -> str:
     lines = [f"method: {s['method']} ({s['engine']}); processes: {s['world_size']} = {s['pipeline_ranks']} pipeline "
              f"x {s['data_parallel']} data-parallel; stages: {s['stages']} ({s['stages_per_rank']} per rank); "
              f"{s['micro_batches_per_step']} micro-batches of {s['micro_batch_size']} per step"
-             + ("; bf16" if s["bf16"] else "")]
+             + ("" if s["precision"] == "fp32" else f"; {s['precision']}")]
     runs: list[tuple[list[int], str]] = []
     for stage in s["per_stage"]:
         text = _describe_stage(stage)

@@ -7,12 +7,16 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+import torch
+
 from ..schedule import kept_first
 from ..util.checks import int_at_least, positive_int
 from .compensation import Combined, DelayCompensation, DelayCompensationError
 from .compiled import CUDA_GRAPH_MODES
 from .fifo import FIFO_OFFLOADS
 from .graphed import EMULATE
+from .loss_scale import LossScaleConfig
+from .precision import Precision
 from .transport import MESSAGE_OFFLOADS
 
 INPUT_BUFFERS = ("non_reversible", "all")
@@ -232,26 +236,37 @@ def check_stages_per_rank(petra: PetraConfig, built: int) -> None:
             "matching the config")
 
 
-def split_config(config: Mapping[str, Any]) -> tuple[PetraConfig, dict[str, Any], bool]:
-    """(PETRA's section, the config DeepSpeed's engine is built with, whether bf16 autocast is on).
+def split_config(config: Mapping[str, Any]) -> tuple[PetraConfig, dict[str, Any], Precision]:
+    """(PETRA's section, the config DeepSpeed's engine is built with, the run's precision).
 
-    DeepSpeed would cast the model to bf16 and wrap the optimizer in a BF16 optimizer whose overflow
-    check and gradient norm are collectives over every stage; PETRA keeps fp32 parameters and runs
-    bf16 autocast itself, so the ``bf16`` section is taken out here.
+    DeepSpeed would cast the model to bf16 or fp16 and wrap the optimizer in one whose overflow check and gradient
+    norm are collectives over every stage, with one loss scale for the whole model; PETRA keeps fp32 parameters and
+    runs autocast itself, fp16 with a loss scale per stage (``runtime/loss_scale.py``), so the ``bf16`` and ``fp16``
+    sections are taken out here.
     """
     config = dict(config)
     petra = PetraConfig.from_dict(config.pop("petra", None))
-    bf16_enabled = bool(_section(config, "bf16").get("enabled", False))
+    bf16, fp16 = _section(config, "bf16"), _section(config, "fp16")
     config.pop("bf16", None)
-    if _section(config, "fp16").get("enabled", False):
-        raise PetraConfigError(
-            '"fp16" is not supported with PETRA: loss scaling needs an overflow check across all stages, '
-            'which stages that step at different clocks cannot run; use "bf16": {"enabled": true} instead on a GPU '
-            'of compute capability 8.0 or later (A100, H100), or fp32 (neither section) on an older one')
+    config.pop("fp16", None)
+    precision = Precision()
+    if bf16.get("enabled", False) and fp16.get("enabled", False):
+        raise PetraConfigError('"bf16" and "fp16" are both enabled: enable one (bf16 on a GPU of compute capability '
+                               '8.0 or later, fp16 before that)')
+    if bf16.get("enabled", False):
+        precision = Precision(torch.bfloat16)
+    elif fp16.get("enabled", False):
+        try:
+            precision = Precision(torch.float16, LossScaleConfig.from_section(fp16))
+        except ValueError as e:  # pydantic's ValidationError is one: its messages, without its banner
+            errors = e.errors() if callable(getattr(e, "errors", None)) else None
+            text = "; ".join(error["msg"] for error in errors) if errors else str(e)
+            raise PetraConfigError(f'the "fp16" section: {text}') from None
     if _section(config, "torch_autocast").get("enabled", False):
         raise PetraConfigError(
             '"torch_autocast" is not supported with PETRA: its engine runs the stages itself, so DeepSpeed\'s '
-            'autocast would be silently ignored; use "bf16": {"enabled": true} (bf16 autocast, fp32 parameters)')
+            'autocast would be silently ignored; use "bf16": {"enabled": true} or "fp16": {"enabled": true} '
+            '(autocast inside each stage, fp32 parameters)')
     clipping = config.get("gradient_clipping") or 0.0
     if not isinstance(clipping, (int, float)) or isinstance(clipping, bool) or clipping < 0:
         raise PetraConfigError(
@@ -263,7 +278,7 @@ def split_config(config: Mapping[str, Any]) -> tuple[PetraConfig, dict[str, Any]
         raise PetraConfigError(f'"gradient_accumulation_steps" (PETRA\'s k) must be an integer >= 1, got {gas!r}')
     if gas is not None and gas < 1:
         raise PetraConfigError(f'"gradient_accumulation_steps" (PETRA\'s k) must be >= 1, got {gas}')
-    return petra, config, bf16_enabled
+    return petra, config, precision
 
 
 ZERO_OFFLOAD_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param")

@@ -29,7 +29,7 @@ from ..schedule import (AccumulateAndStep, ClockTemplates, CommitP2P, DelayedBac
                         RecvTiedGrad, RecvTiedWeight, ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad,
                         SendTiedWeight, Timeline, Window, channels)
 from . import checkpoint
-from .config import PetraConfig, check_stages_per_rank
+from .config import PetraConfig, Precision, check_stages_per_rank  # Precision: what split_config reads
 from .fifo import StreamCopies
 from .ledger import memory_report
 from .local_stages import LocalStages
@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 class PetraEngine(PipelineEngine):
     """Runs PETRA on a ``PipelineModule``; created by :func:`petra_ds.initialize`."""
 
-    def __init__(self, *args, petra_config: PetraConfig, bf16: bool = False, **kwargs) -> None:
-        self.petra_config = petra_config
+    def __init__(self, *args, petra_config: PetraConfig, precision: Precision = Precision(), **kwargs) -> None:
+        self.petra_config, self.precision = petra_config, precision
         super().__init__(*args, **kwargs)
         if not hasattr(self, "ties"):  # no optimizer configured: _configure_optimizer did not run
             self.ties = TiedWeights(self.module, self._local_range())
@@ -66,7 +66,7 @@ class PetraEngine(PipelineEngine):
             gradient_accumulation_steps=self.micro_batches, seed=petra_config.seed,
             rows=RowBlocks(self.grid.data_parallel_id), input_buffer=petra_config.input_buffer,
             param_buffer=petra_config.param_buffer, bn_policy=BatchNormPolicy(petra_config.bn_running_stats),
-            autocast_dtype=torch.bfloat16 if bf16 else None, device_type=self.device.type,
+            autocast_dtype=precision.autocast, device_type=self.device.type,
             check_reversible=petra_config.check_reversible, reconstruct_overlap=petra_config.reconstruct_overlap,
             compile=petra_config.compile, cuda_graphs=petra_config.cuda_graphs, fifo_offload=petra_config.fifo_offload)
         #: keyed random draws go by row blocks of the global micro-batch: this run's first degree's replicas
@@ -75,8 +75,8 @@ class PetraEngine(PipelineEngine):
         #: this rank's stages by index, with their step units (``runtime/step.py``), ties and NaN watch
         self.stages = LocalStages(
             module, self.local_stage_ids, self.num_petra_stages, options, petra_config, self.ties,
-            self.stage_optimizers, self.stage_schedulers, reversible=self.reversible,
-            clipping=self.gradient_clipping(), clock=lambda: self._running_clock,
+            self.stage_optimizers, self.stage_schedulers, reversible=self.reversible, loss_scale=precision.loss_scale,
+            clipping=self.gradient_clipping(), clock=lambda: self._running_clock, device=self.device,
             average=self._average_over_replicas if replicas else None, take=self._take_message, notify=self._notify)
         #: (stage, step) of the updates skipped for non-finite gradients, as the windows' reads found them
         self.skipped_steps: list[tuple[int, int]] = self.stages.skipped_steps

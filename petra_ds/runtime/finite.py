@@ -42,6 +42,9 @@ _CHECK = {
             "weight's gradient (another rank's NonFiniteError names its origin), or \"check_finite\" is off",
     "gradient": 'Check the learning rate, the scale of the loss (a sum where a mean was meant), "gradient_clipping" '
                 "and, under bf16, mixed precision",
+    "minimum scale": 'fp16\'s loss scale of stage {stage} is at "min_loss_scale" and its gradients still overflow, so '
+                     "no lower scale helps: check the learning rate and the loss, lower \"min_loss_scale\", or train "
+                     "in bf16 or fp32",
 }
 
 _TRAIN_ON = (' ("petra": {"non_finite": "skip"} skips the updates it poisons and trains on; "check_finite": '
@@ -172,13 +175,16 @@ class FiniteWatch:
     there (every message of a clock at once, on one GPU hosting every stage)."""
 
     def __init__(self, clock: Callable[[], int], local_stages: Iterable[int], petra_stages: int, *,
-                 check_finite: bool = True, non_finite: str = "raise", hold: bool = True) -> None:
+                 check_finite: bool = True, non_finite: str = "raise", hold: bool = True, scaled: bool = False) -> None:
         self._clock = clock
         #: the stages on other ranks: a value computed from their message names its sender
         self._remote = frozenset(range(petra_stages)) - set(local_stages)
         self.check_finite = check_finite
         self.non_finite = non_finite
         self.hold = hold
+        #: fp16's dynamic loss scaling: a gradient overflow is the scale's to handle (a skipped step and a lower
+        #: scale, counted, not an error) but at the minimum scale (:meth:`overflow_at_minimum`)
+        self.scaled = scaled
         self._seen: list[Sighting] = []  # one per tensor reduced, in the order reported
         self._maxima: list[Tensor] = []  # device vectors, one per flush
         self._positions: list[int] = []  # the position in _seen of each entry of _maxima's vectors, end to end
@@ -217,7 +223,7 @@ class FiniteWatch:
         """After a backward: the parameters' gradients accumulated so far (clean until this micro-batch, or an
         earlier check would have seen them; ``StageGrads.tensors``) and the input gradient a stage other than 0
         sends upstream."""
-        if not self.check_finite:
+        if not self.check_finite or self.scaled:
             return
         grads = list(itertools.compress(grads, map(Tensor.numel, grads)))  # a parameter's is floating
         if grads:
@@ -249,9 +255,17 @@ class FiniteWatch:
         if report is not None:
             report[:] = [report[0].for_step(step), [value]]
         else:
-            self._pending.append([Sighting("gradient", "the gradients of its optimizer step {step}", stage, m,
-                                           self._clock(), step=step, hint="step"), [value]])
+            self._pending.append([Sighting("overflow" if self.scaled else "gradient",
+                                           "the gradients of its optimizer step {step}", stage, m, self._clock(),
+                                           step=step, hint="step"), [value]])
         return found_inf
+
+    def overflow_at_minimum(self, stage: int, step: int, m: int, unhandled: Tensor) -> None:
+        """Under dynamic loss scaling, after step ``step`` of ``stage``: ``unhandled`` (a device bool) says its
+        gradients overflowed at the minimum loss scale, an error then."""
+        self._pending.append([Sighting("gradient", "the gradients of its optimizer step {step}", stage, m,
+                                       self._clock(), step=step, hint="minimum scale"),
+                              [torch.where(unhandled, math.inf, 0.0)]])
 
     def flush_gradients(self) -> None:
         """Flush before something rewrites the gradients that backwards reported (a data-parallel average, a
@@ -311,7 +325,11 @@ class FiniteWatch:
             return None
         for position, value in sorted((p, v) for p, v in zip(positions, values) if not math.isfinite(v)):
             sighting = seen[position].written()
-            found = found or (sighting, "NaN" if math.isnan(value) else "Inf")
+            if sighting.kind == "overflow":
+                logger.info(f"fp16: the gradients of stage {sighting.stage}'s optimizer step {sighting.step} "
+                            "overflowed; the step was skipped and its loss scale lowered")
+            else:
+                found = found or (sighting, "NaN" if math.isnan(value) else "Inf")
             if sighting.step is not None and (sighting.stage, sighting.step) not in skipped:
                 skipped.append((sighting.stage, sighting.step))
         self.skipped_steps.extend(skipped)

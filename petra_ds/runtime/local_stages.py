@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from deepspeed.runtime.pipe.module import PipelineModule
+import torch
 from torch import Tensor
 
 from ..nn.casts import clock_casts
@@ -22,6 +23,7 @@ from ..schedule.channels import Key
 from .compensation import AfterSynchronousSteps
 from .config import PetraConfig
 from .finite import FiniteWatch
+from .loss_scale import LossScaleConfig, NoLossScale, StageLossScale
 from .stage import Stage, StageOptions
 from .step import Messages, StageStep
 
@@ -33,19 +35,22 @@ class LocalStages(Mapping[int, Stage]):
                  config: PetraConfig, ties: TiedWeights, optimizers: Sequence[Any], schedulers: Sequence[Any], *,
                  reversible: Sequence[bool], clipping: float, clock: Callable[[], int],
                  average: Callable[[list[Tensor], str], None] | None, take: Callable[[Key], tuple | None],
-                 notify: Callable[..., None]) -> None:
+                 notify: Callable[..., None], loss_scale: LossScaleConfig | None = None,
+                 device: torch.device | str = "cpu") -> None:
         """``clock`` returns the clock running now; ``average``, ``take`` and ``notify`` are the engine's
-        (see :class:`StageStep`)."""
+        (see :class:`StageStep`); ``loss_scale``: fp16's, each stage's scale kept on ``device``."""
         #: what the stages read and make, checked for NaN / Inf on the device, read once per window
         self.finite = FiniteWatch(clock, local, petra_stages, check_finite=config.check_finite,
-                                  non_finite=config.non_finite, hold=config.message_offload != "cpu")
+                                  non_finite=config.non_finite, hold=config.message_offload != "cpu",
+                                  scaled=loss_scale is not None and loss_scale.dynamic)
         self.ties = ties
         self._stages: dict[int, Stage] = {}
         for j in local:
             last = j == petra_stages - 1
             stage = Stage(j, petra_stages, stage_layers(module, j), options,
                           loss_fn=module.loss_fn if last else None, finite=self.finite,
-                          compensation=config.delay_compensation, not_stepped=ties.reader_ids(j))
+                          compensation=config.delay_compensation, not_stepped=ties.reader_ids(j),
+                          loss_scale=NoLossScale() if loss_scale is None else StageLossScale(loss_scale, device))
             if config.synchronous_steps:
                 stage.compensation = AfterSynchronousSteps(stage.compensation, config.synchronous_steps)
             if stage.reversible != reversible[j]:
@@ -109,6 +114,10 @@ class LocalStages(Mapping[int, Stage]):
     def skipped_steps(self) -> list[tuple[int, int]]:
         """(stage, step) of the updates skipped for non-finite gradients (``non_finite: "skip"``)."""
         return self.finite.skipped_steps
+
+    def loss_scales(self) -> dict[int, float]:
+        """fp16: each stage's loss scale now (host reads); empty without fp16."""
+        return {j: st.loss_scale.value() for j, st in self._stages.items() if isinstance(st.loss_scale, StageLossScale)}
 
     @property
     def step_counts(self) -> dict[int, int]:

@@ -40,6 +40,7 @@ from .finite import FiniteWatch
 from .grad_buffer import StageGrads
 from .graphed import graph_layers
 from .ledger import tensor_bytes
+from .loss_scale import NoLossScale, StageLossScale
 from .scope import StageScope
 
 
@@ -104,10 +105,13 @@ class Stage:
         finite: FiniteWatch | None = None,
         compensation: Any = None,
         not_stepped: Collection[int] = (),
+        loss_scale: StageLossScale | NoLossScale = NoLossScale(),
     ) -> None:
         """``finite``: where the stage reports what it reads and makes (default: checks nothing);
         ``compensation``: the engine's delay compensation (anything with ``for_stage``; default none);
-        ``not_stepped``: ids of parameters another stage steps (a reader's copies of tied weights)."""
+        ``not_stepped``: ids of parameters another stage steps (a reader's copies of tied weights);
+        ``loss_scale``: fp16's scale s_j, which its backward applies to the delta it gets and removes from
+        the one it sends (``runtime/loss_scale.py``)."""
         if not layers:
             raise ValueError(f"stage {index} has no layers")
         self.index = index
@@ -117,7 +121,7 @@ class Stage:
         compile_layers(self.layers, options.compile)
         #: the parts' graphed forwards (``cuda_graphs``)
         self.graphed = graph_layers(self.layers, options.cuda_graphs, options.device_type)
-        self.loss_fn = loss_fn
+        self.loss_fn, self.loss_scale = loss_fn, loss_scale
         #: everything it runs, as ``nn.draws`` asks whether any of it can draw random numbers
         self.runs = (*self.layers, loss_fn) if loss_fn is not None else tuple(self.layers)
         self.is_first = index == 0
@@ -319,29 +323,31 @@ class Stage:
     def backward(self, m: int, delta: Activation | None = None) -> tuple[Activation | None, Activation]:
         """delta_j and x~_{j-1} for micro-batch ``m``; Delta_j accumulates into ``.grad``. ``delta`` is
         delta_{j+1} (None at the last stage); a reconstructing stage was handed it with its reconstruction."""
-        k = self.options.gradient_accumulation_steps
+        scale = self.loss_scale
         if self.is_last:
             if self.live is None or self.live[0] != m:
                 raise RuntimeError(f"last stage: no live graph for micro-batch {m}")
             _, x_tilde, leaf, loss = self.live
             self.live = None
             self._use_forward_params(m)
-            dx = shaped_like(leaf, backprop([loss / k], [None], as_tuple(leaf), self))
+            dx = shaped_like(leaf, backprop([scale.loss(loss, self.options.gradient_accumulation_steps)], [None],
+                                            as_tuple(leaf), self))
         elif self.reconstructs:
             rebuilt = self.reconstruction
             if rebuilt is None or rebuilt.micro_batch != m:
                 raise RuntimeError(f"stage {self.index}: backward of micro-batch {m} without its reconstruction")
             if delta is not None:
                 raise ValueError(f"stage {self.index} reconstructs: it was handed delta with its reconstruction")
-            self.reconstruction = None
+            self.reconstruction, delta = None, scale.scaled(rebuilt.delta)
             if rebuilt.tape is None:
-                dx, x_tilde = self._reconstruct_and_backward(m, rebuilt.x, rebuilt.delta)
+                dx, x_tilde = self._reconstruct_and_backward(m, rebuilt.x, delta)
             else:
-                x_tilde, dx = rebuilt.x, rebuilt.tape.backward(rebuilt.delta)
+                x_tilde, dx = rebuilt.x, rebuilt.tape.backward(delta)
         else:
             x_tilde = self._pop_input(m)
             self._use_forward_params(m)
-            _, dx = self.vjp(m, x_tilde, delta, update_bn=not self._bn_in_forward)
+            dx = self.vjp(m, x_tilde, scale.scaled(delta), update_bn=not self._bn_in_forward)
+        dx = scale.unscaled(dx)
         self._restore_params()
         self.backwards += 1
         self.last_micro_batch = m
@@ -349,35 +355,14 @@ class Stage:
         self.finite.gradients(self.index, m, self.grads.tensors(), dx)
         return dx, x_tilde
 
-    def vjp(self, m: int, x: Activation, delta: Activation | None, labels: Any = None, *, update_bn: bool,
-            into_grad: bool = True) -> tuple[list[Tensor] | None, Activation]:
-        """Recompute F_j from input ``x`` under micro-batch ``m``'s keyed RNG and pull ``delta`` back
-        through it (``delta=None`` at the last stage: its loss for ``labels``). ``into_grad``: the
-        parameter gradients accumulate into ``.grad`` (training) and None is returned for them; otherwise
-        they are returned and ``.grad`` is left alone (the gradient-quality probe). Returns
-        ``(parameter gradients, input gradient)``."""
+    def vjp(self, m: int, x: Activation, delta: Activation, *, update_bn: bool) -> Activation:
+        """Recompute F_j from input ``x`` under micro-batch ``m``'s keyed RNG and pull ``delta`` back through it:
+        the parameter gradients accumulate into ``.grad``; returns the input gradient."""
         with self.scope(m, update_bn=update_bn), torch.enable_grad():
             # stage 0 sends no input gradient: its data stays out of the graph (no detached leaf, no dx computed)
-            leaf = x if self.is_first and into_grad else detach_leaf(x)
+            leaf = x if self.is_first else detach_leaf(x)
             out = self.run(leaf)
-            if self.is_last:
-                out = self.loss_fn(out, labels)
-        if into_grad:
-            return None, GraphTape(leaf, out, self).backward(delta)
-        params = [p for p in self.params if p.requires_grad]
-        if self.is_last:
-            outs, grad_outs = [out], [None]
-        else:
-            pairs = [(o, g) for o, g in zip(as_tuple(out), as_tuple(delta)) if g is not None and o.requires_grad]
-            outs, grad_outs = [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]
-        leaves = [t for t in as_tuple(leaf) if t.requires_grad]
-        grads = list(torch.autograd.grad(outs, params + leaves, grad_outs, allow_unused=True)) if outs \
-            else [None] * (len(params) + len(leaves))
-        theta_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-        leaf_grads = iter(grads[len(params):])
-        dx = [None if not t.requires_grad else (g if (g := next(leaf_grads)) is not None else torch.zeros_like(t))
-              for t in as_tuple(leaf)]
-        return theta_grads, shaped_like(leaf, dx)
+        return GraphTape(leaf, out, self).backward(delta)
 
     @contextmanager
     def swapped_params(self, values: Sequence[Tensor]) -> Iterator[None]:
@@ -439,6 +424,7 @@ class Stage:
             "peak_input_bytes": self.peak_input_bytes,
             "peak_param_buffer_bytes": self.peak_param_buffer_bytes,
             "compensation": self.compensation.state_dict(),
+            "loss_scale": self.loss_scale.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -452,6 +438,7 @@ class Stage:
         self.peak_input_bytes = state["peak_input_bytes"]
         self.peak_param_buffer_bytes = state["peak_param_buffer_bytes"]
         self.compensation.load_state_dict(state.get("compensation", {}))
+        self.loss_scale.load_state_dict(state.get("loss_scale"))
 
     # --- accounting ---
 

@@ -3,7 +3,8 @@
 After a stage's k-th backward since its last step: its gradients are averaged over its data-parallel
 replicas, a reader of tied weights hands its gradient to their owner and the owner adds its readers',
 the gradients are clipped over the stage's own parameters and checked for NaN / Inf (one reduction: the
-clipping norm is the check), delay compensation takes the optimizer's step (or the step is skipped), the
+clipping norm is the check; under fp16 they are unscaled first and the check sets the next loss scale), delay
+compensation takes the optimizer's step (or the step is skipped), the
 gradients are cleared, the owner's new tied weights go to their readers, the LR scheduler steps. The
 engine runs this unit and carries what it returns; the unit reaches the engine only through the callables
 it was given.
@@ -46,8 +47,10 @@ class StageStep:
         """Take the stage's ``step``-th step (1-based); returns the messages it produced."""
         st, j = self.stage, self.stage.index
         st.grads.for_step()  # asked at each step: a layer may be frozen later
-        if self.average is not None or self.ties:  # they rewrite the gradients the backwards reported
+        scale = st.loss_scale
+        if self.average is not None or self.ties or scale.scales:  # they rewrite the gradients the backwards reported
             self.finite.flush_gradients()
+        scale.unscale_(st.grads.tensors())  # fp16: before anything reads them
         if self.average is not None:
             self.average(st.grads.tensors() + running_stat_tensors(st.norms),
                          f"the data-parallel reduction of stage {j}")
@@ -58,6 +61,9 @@ class StageStep:
             norm = torch.nn.utils.get_total_norm(grads)  # torch's clip_grad_norm_, the norm taken of the flat buffers
             torch.nn.utils.clip_grads_with_norm_(st.stepped, self.clipping, norm)
         found_inf = self.finite.step(j, step, st.last_micro_batch, grads, norm)
+        unhandled = None if found_inf is None else scale.update(found_inf)
+        if unhandled is not None:  # dynamic loss scaling
+            self.finite.overflow_at_minimum(j, step, st.last_micro_batch, unhandled)
         # a host read, only for an optimizer that cannot skip on the device
         finite = found_inf is None or self.skips_on_device or not bool(found_inf)
         if not finite and self.non_finite == "raise":

@@ -45,6 +45,7 @@ pytestmark = [
 
 FP32_TOL = 1e-4
 BF16_TOL = 1e-1
+FP16_TOL = 2e-2  # fp16's u = 2^-11 in the bf16 bound's place; per-stage loss scales are exact powers of two
 RECONSTRUCTION_TOL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,6 +59,8 @@ RUNS = {
     "bf16": {"optimizer": FROZEN, "bf16": True},
     "fp32_sgd": {"optimizer": SGD},
     "bf16_sgd": {"optimizer": SGD, "bf16": True},
+    "fp16": {"optimizer": FROZEN, "config": {"fp16": {"enabled": True}}},
+    "fp16_sgd": {"optimizer": SGD, "config": {"fp16": {"enabled": True}}},
     # every evaluation casting the weights anew, as without a clock's shared casts (petra_ds/nn/casts.py)
     "bf16_sgd_casts_anew": {"optimizer": SGD, "bf16": True, "casts_anew": True},
     "revgpt_fp32": {"optimizer": FROZEN, "model": "revgpt"},
@@ -210,8 +213,9 @@ def test_it_ran_on_the_gpu_with_nccl_as_a_world_of_one():
         assert (result["graph_replays"] > 0) == bool(RUNS[name].get("petra", {}).get("cuda_graphs")), name
 
 
-@pytest.mark.parametrize("name,tol", [("fp32", FP32_TOL), ("bf16", BF16_TOL), ("revgpt_fp32", FP32_TOL),
-                                      ("revgpt_bf16", BF16_TOL), ("revgpt_bf16_graphs", BF16_TOL)])
+@pytest.mark.parametrize("name,tol", [("fp32", FP32_TOL), ("bf16", BF16_TOL), ("fp16", FP16_TOL),
+                                      ("revgpt_fp32", FP32_TOL), ("revgpt_bf16", BF16_TOL),
+                                      ("revgpt_bf16_graphs", BF16_TOL)])
 def test_frozen_gradients_match_the_float64_oracle(name, tol):
     """lr = 0: every stage's gradient of every step is plain autograd's (the lr = 0 oracle of tests/oracle.py)."""
     stages, data, loss_fn = oracle_for(name)
@@ -222,7 +226,7 @@ def test_frozen_gradients_match_the_float64_oracle(name, tol):
             assert rel(grads[j][step], ref[j]) < tol, (name, step, j)
 
 
-@pytest.mark.parametrize("name,tol", [("fp32_sgd", FP32_TOL), ("bf16_sgd", BF16_TOL),
+@pytest.mark.parametrize("name,tol", [("fp32_sgd", FP32_TOL), ("bf16_sgd", BF16_TOL), ("fp16_sgd", FP16_TOL),
                                       ("fp32_sgd_graphs", FP32_TOL), ("bf16_sgd_graphs", BF16_TOL)])
 def test_training_matches_the_float64_delayed_reference(name, tol):
     """lr > 0: the parameters after 4 steps are PETRA's clock replayed in float64 (``oracle.delayed_training``);

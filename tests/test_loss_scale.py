@@ -97,6 +97,47 @@ def test_power_of_two_scales_train_the_same_bits_and_fp16_rounds_less_than_bf16(
     assert 0 < distance("fp16 dynamic") < distance("bf16")
 
 
+FP16_TOL = 2e-2  # fp16's u = 2^-11 in place of bf16's 2^-9 in tests/test_gpu.py's bound (sqrt(18) x 4 x u ~ 8e-3)
+
+
+@pytest.mark.parametrize("lr", [0.0, 0.1])
+def test_fp16_matches_the_float64_oracle(lr):
+    """J = 3, stage 1 reconstructing, dynamic scaling: with lr 0 every step's gradients (unscaled, as the step sees
+    them) are plain float64 autograd's, and with SGD the weights after 4 steps are PETRA's clock replayed in float64,
+    both within fp16's rounding; an error above fp32's shows the layers ran in fp16."""
+    import oracle
+    from harness import model_for
+
+    spec = {"pipe": 1, "stages_per_rank": 3, "k": 2, "train_batches": 4, "dtype": "float32", "dropout": 0.0,
+            "optimizer": {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}},
+            "config": {"fp16": {"enabled": True}, "gradient_clipping": 0}}
+    got = launch(spec)[0]
+    assert got["reconstructs"][1] and not got["skipped_steps"]
+    initial = got["params"] if lr == 0 else launch({**spec, "train_batches": 0, "drain": False})[0]["params"]
+    layer_specs, loss_fn, data_fn = model_for(spec)
+    data = [(x.double(), y) for x, y in data_fn(8, 4, 0, torch.float32)]
+    stages = oracle.build_stages(3, dropout=0.0, specs=layer_specs)
+    with torch.no_grad():
+        for stage in stages:
+            for n, p in oracle.named_params(stage).items():
+                p.copy_(initial[n].double())
+    if lr == 0:
+        errors = []
+        for step in range(4):
+            ref = oracle.autograd_group_grads(stages, data, range(step * 2, step * 2 + 2), 0, loss=loss_fn)
+            for j in range(3):
+                scale = max(r.abs().max().item() for r in ref[j].values())
+                errors.append(max((got["grads"][j][step][n].double() - ref[j][n]).abs().max().item()
+                                  for n in ref[j]) / scale)
+        error = max(errors)
+    else:
+        start = {n: p.detach().clone() for s in stages for n, p in oracle.named_params(s).items()}
+        final, _ = oracle.delayed_training(stages, data, 2, lr, 0.9, 0)
+        moved = max((final[n] - start[n]).abs().max().item() for n in final)
+        error = max((got["params"][n].double() - final[n]).abs().max().item() for n in final) / moved
+    assert 1e-5 < error < FP16_TOL, error
+
+
 def tiny_loss_engine(precision: dict, calls: int = 1):
     """The toy model (3 stages, one process) whose loss is 2^-24 of its cross-entropy: the first step's gradients of
     each stage, as the step uses them (unscaled), and the engine."""
@@ -162,6 +203,20 @@ def test_an_overflowing_scale_skips_its_steps_halves_and_trains_on(world_of_one)
             unchanged = all(map(torch.equal, snapshots[s - 1], snapshots[s]))
             assert unchanged == (s in steps), (j, s)
         assert engine.stages.loss_scales()[j] == 2.0 ** (30 - len(steps))
+
+
+def test_scaling_and_its_skips_read_nothing_on_the_host(world_of_one):
+    """Scales that move (overflows from 2^30) with a fused optimizer, which skips on the device: a steady-state
+    train_batch still reads the host once, the window's one transfer."""
+    from petra_ds.util.host_reads import HostSyncs
+
+    engine, _, _ = overflow_engine(world_of_one, {"fp16": {"enabled": True, "initial_scale_power": 30,
+                                                           "hysteresis": 1}}, calls=3)
+    data = itertools.cycle(toy_data(16, 4, dtype=torch.float32))
+    with HostSyncs() as syncs:
+        engine.train_batch(data)
+    assert syncs.count == 1, dict(syncs.where)
+    assert engine.skipped_steps
 
 
 @pytest.mark.parametrize("non_finite", ["raise", "skip"])

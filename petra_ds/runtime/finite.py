@@ -365,3 +365,14 @@ def skips_on_device(optimizer: Any) -> bool:
     untouched where it is non-zero."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and \
         bool(getattr(optimizer, "defaults", {}).get("fused"))
+
+
+def fresh_momentum(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is torch's SGD with momentum before its first step has made every momentum buffer. The
+    fused SGD makes them with ``empty_like`` on that step, so one it skips on the device (``found_inf``) leaves them
+    uninitialised, and the next step reads that memory (NaN weights on a CPU, fp16's usual early overflow on a GPU):
+    such a step is guarded by a host read instead."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    return any(group["momentum"] and any("momentum_buffer" not in optimizer.state.get(p, ())
+                                         for p in group["params"]) for group in optimizer.param_groups)

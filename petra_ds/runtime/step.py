@@ -21,7 +21,7 @@ from ..nn.batchnorm import running_stat_tensors
 from ..nn.casts import weights_written
 from ..pipeline.ties import TiedWeights
 from ..schedule.channels import Key
-from .finite import FiniteWatch, skips_on_device
+from .finite import FiniteWatch, fresh_momentum, skips_on_device
 from .stage import Stage
 
 #: what a step produces for other stages: messages by key (tied gradients and weights)
@@ -40,6 +40,8 @@ class StageStep:
         self.clipping, self.finite, self.non_finite, self.ties = clipping, finite, non_finite, ties
         self.average, self.take, self.notify = average, take, notify
         self.skips_on_device = optimizer is not None and skips_on_device(optimizer)
+        #: a fused SGD's first momentum step is not skipped on the device (``finite.fresh_momentum``)
+        self._fresh_momentum = self.skips_on_device and fresh_momentum(optimizer)
         #: optimizer steps taken (skipped ones included), the schedule's count
         self.steps = 0
 
@@ -64,13 +66,17 @@ class StageStep:
         unhandled = None if found_inf is None else scale.update(found_inf)
         if unhandled is not None:  # dynamic loss scaling
             self.finite.overflow_at_minimum(j, step, st.last_micro_batch, unhandled)
+        on_device = self.skips_on_device
+        if on_device and self._fresh_momentum:
+            self._fresh_momentum = fresh_momentum(self.optimizer)
+            on_device = not self._fresh_momentum
         # a host read, only for an optimizer that cannot skip on the device
-        finite = found_inf is None or self.skips_on_device or not bool(found_inf)
+        finite = found_inf is None or on_device or not bool(found_inf)
         if not finite and self.non_finite == "raise":
             self.finite.check()
         self.notify("before_step", j, step)
         if self.optimizer is not None and finite:
-            if self.skips_on_device:
+            if on_device:
                 self.optimizer.found_inf = found_inf
             st.compensation.step(self.optimizer.step, self.optimizer, step)
             weights_written()

@@ -10,8 +10,8 @@ clocks. So each stage keeps its own s_j, and every message stays unscaled betwee
 - a stage divides the input gradient it sends by s_j, and its step divides its parameters' gradients by s_j before
   anything reads them (data-parallel average, tied weights, clipping, the optimizer);
 - s_j changes only at stage j's own step, so the k micro-batches a step accumulates share one scale. Scales are
-  powers of two: scaling and unscaling are exact, and a run's updates do not depend on s where nothing overflows
-  or underflows.
+  powers of two: scaling and unscaling are exact, and a run's updates do not depend on s as long as no scaled
+  value overflows fp16 or falls below its normal range (6.1e-5), where it keeps fewer digits.
 
 Dynamic scaling (``"loss_scale": 0``) follows DeepSpeed's rule per stage, on the device (no host read): a step whose
 gradients hold an Inf or NaN is skipped and lowers s_j (halved, after ``hysteresis`` such steps, not below

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
-from benchmarks.lib.single_gpu import (channels_last_share, host_by_instruction, host_by_op, host_line, kernel_group,
-                                       kernel_summary, micro_batches, model, parse_args, to_layout)
+from benchmarks.lib.single_gpu import (DeviceMemory, channels_last_share, host_by_instruction, host_by_op, host_line,
+                                       kernel_group, kernel_summary, micro_batches, model, parse_args, run_petra,
+                                       run_plain, to_layout)
 from petra_ds.runtime.observe import INSTRUCTION_LABEL
 
 
@@ -147,3 +148,17 @@ def test_channels_last_puts_revnet18_s_weights_and_inputs_in_that_layout(flag):
     before = [p.stride() for p in revgpt.parameters()]
     to_layout(revgpt, "revgpt", args)
     assert channels_last_share(revgpt) == 0.0 and [p.stride() for p in revgpt.parameters()] == before
+
+
+def test_fp16_runs_plain_backprop_through_a_grad_scaler_and_petra_through_its_stages_scales(world_of_one):
+    """``--dtypes fp16`` (CPU, tiny RevGPT): plain backprop steps through torch's GradScaler, PETRA with one loss
+    scale per stage, and neither scale moved (no overflow at these sizes)."""
+    args = parse_args(["--tiny", "--device", "cpu", "--dtypes", "fp16"])
+    runs = {}
+    for variant, dtype in (("plain", "fp16"), ("petra", "fp16"), ("plain", "bf16")):
+        with DeviceMemory(torch.device("cpu")) as memory:
+            run = run_plain if variant == "plain" else run_petra
+            runs[variant, dtype] = run("revgpt", args, dtype, memory)["precision"]
+    assert runs["plain", "fp16"] == "fp16 autocast, GradScaler at 65536"
+    assert runs["petra", "fp16"].startswith("fp16, dynamic loss scale per stage from 2^16")
+    assert runs["petra", "fp16"].endswith("at [65536.0]") and runs["plain", "bf16"] == "bf16"

@@ -1,7 +1,7 @@
 """PETRA on one CUDA device: peak memory and step time against plain backprop, and
 ``petra.reconstruct_overlap`` on vs off.
 
-    python -m benchmarks.gpu                        # a GPU: RevNet18 and RevGPT, fp32 and bf16
+    python -m benchmarks.gpu                        # a GPU: RevNet18 and RevGPT, fp32 and bf16 (--dtypes fp16)
     python -m benchmarks.gpu --device cpu --tiny    # smoke run of every code path on CPU (< 1 min)
 
 One process, a world of one (NCCL on CUDA, gloo on CPU) hosting all J PETRA stages: the paper's
@@ -27,7 +27,7 @@ block, so the overlap has nothing to hide there); RevGPT's J = 4 stages hold 3 b
 two reconstruct). All use torch's fused AdamW, gradient clipping at norm 1 and the same micro-batches.
 ``--channels-last`` puts RevNet18's weights and inputs in channels-last memory format for plain and PETRA alike
 (PETRA's module converted before ``initialize``, as a user converts it).
-Under bf16 each layer of the plain model runs under autocast and its output goes back to fp32, as at a
+Under bf16 or fp16 each layer of the plain model runs under autocast and its output goes back to fp32, as at a
 PETRA stage boundary (fp32 streams: README, "bf16"). Reported per variant: seconds per ``train_batch``
 (k micro-batches; the median of the calls of a round, then the median over rounds) and
 ``torch.cuda.max_memory_allocated`` over the timed calls minus what was allocated before the variant was
@@ -64,7 +64,11 @@ from petra_ds.util.files import write_text_atomic
 from .example_runs import ROOT
 
 MODELS = ("revnet18", "revgpt")
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "fp16")
+#: what runs without ``--dtypes`` (fp16, for GPUs without bf16 arithmetic, when named)
+DEFAULT_DTYPES = ("fp32", "bf16")
+#: a dtype's autocast dtype (None: fp32, no autocast)
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: each PETRA variant's ``"petra"`` settings beside ``stages_per_rank``
 PETRA_VARIANTS = {
     "petra": {}, "petra_overlap": {"reconstruct_overlap": True}, "petra_unchecked": {"check_finite": False},
@@ -96,7 +100,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="small sizes, one round: checks the code paths")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DEFAULT_DTYPES),
+                        help="fp16: plain backprop with torch's GradScaler, PETRA with its loss scale per stage")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
     for name, value in (TINY if tiny else FULL).items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=value)
@@ -380,8 +385,9 @@ def kernel_summary(work: list[tuple[str, float, float]], top: int = 12) -> dict:
             "top_kernels": [{"name": n, "seconds": s, "count": int(c)} for n, (s, c) in ranked]}
 
 
-def run_plain(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMemory) -> dict:
-    """Plain backprop of the whole model: k forward / backward passes, then one Adam step."""
+def run_plain(name: str, args: argparse.Namespace, dtype: str, memory: DeviceMemory) -> dict:
+    """Plain backprop of the whole model: k forward / backward passes, then one Adam step (fp16: through torch's
+    ``GradScaler``, one scale for the model)."""
     specs, loss_fn, _, _, size = model(name, args)
     device = memory.device
     torch.manual_seed(0)
@@ -390,30 +396,40 @@ def run_plain(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMem
     channels_last = channels_last_share(layers)
     optimizer = torch.optim.AdamW(layers.parameters(), **OPTIMIZER)
     data = itertools.cycle(micro_batches(name, args, size, device))
-    k = args.k
+    k, narrow = args.k, AUTOCAST[dtype]
+    scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
     def layer_by_layer(x: Any) -> Any:
         for layer in layers:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, dtype=narrow or torch.bfloat16, enabled=narrow is not None):
                 x = layer(x)
-            if bf16:  # back to fp32 streams, as at a PETRA stage boundary
+            if narrow is not None:  # back to fp32 streams, as at a PETRA stage boundary
                 x = tuple(t.float() for t in x) if isinstance(x, tuple) else x.float()
         return x
 
     def train_batch() -> None:
         for _ in range(k):
             x, labels = next(data)
-            (loss_fn(layer_by_layer(x), labels) / k).backward()
+            loss = loss_fn(layer_by_layer(x), labels) / k
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(layers.parameters(), CLIPPING)
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
     result = timed(train_batch, 2, args.calls, memory)
+    precision = dtype if scaler is None else f"{dtype} autocast, GradScaler at {scaler.get_scale():g}"
     layers = optimizer = data = None  # what train_batch held goes before the leftover is measured
-    return result | {"channels_last_weights": channels_last, "leftover_bytes": memory.release()}
+    return result | {"channels_last_weights": channels_last, "precision": precision,
+                     "leftover_bytes": memory.release()}
 
 
-def run_petra(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMemory,
+def run_petra(name: str, args: argparse.Namespace, dtype: str, memory: DeviceMemory,
               petra: dict[str, Any] | None = None) -> dict:
     """PetraEngine, all J stages in this process, with the ``"petra"`` settings ``petra``; timed after
     ceil(2(J-1)/k) + 1 calls fill the pipeline."""
@@ -432,8 +448,8 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMem
               "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}}, "steps_per_print": 10**9,
               "gradient_clipping": CLIPPING,
               "petra": {"stages_per_rank": J, **petra}}
-    if bf16:
-        config["bf16"] = {"enabled": True}
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
     to_layout(module, name, args)
     engine, *_ = petra_ds.initialize(model=module, config=config)
     channels_last = channels_last_share(engine.module)
@@ -445,6 +461,8 @@ def run_petra(name: str, args: argparse.Namespace, bf16: bool, memory: DeviceMem
     result["parts"] = [int(p) for p in module.petra_parts]
     result["reconstructing_stages"] = {j: len(st.layers) for j, st in engine.stages.items() if st.reconstructs}
     result["channels_last_weights"] = channels_last
+    scales = engine.stages.loss_scales()
+    result["precision"] = engine.precision.describe() + (f", at {sorted(set(scales.values()))}" if scales else "")
     engine = module = data = None  # what train_batch held goes before the leftover is measured
     return result | {"leftover_bytes": memory.release()}
 
@@ -591,12 +609,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     for round_ in range(args.rounds):
         for name, dtype, variant in itertools.product(args.models, args.dtypes, args.variants):
-            bf16 = dtype == "bf16"
             with DeviceMemory(device) as memory:
                 if variant == "plain":
-                    result = run_plain(name, args, bf16, memory)
+                    result = run_plain(name, args, dtype, memory)
                 else:
-                    result = run_petra(name, args, bf16, memory, PETRA_VARIANTS[variant])
+                    result = run_petra(name, args, dtype, memory, PETRA_VARIANTS[variant])
             runs.append({"model": name, "dtype": dtype, "variant": variant, "round": round_, **result})
             peak = result["peak_bytes"]
             print(f"[round {round_ + 1}/{args.rounds}] {name:9s} {dtype} {variant:22s} "

@@ -127,6 +127,20 @@ def test_across_processes_with_lr0_the_three_gradients_agree():
             assert r[key] == pytest.approx(expected, abs=1e-9), (r, key)
 
 
+def test_under_fp16_the_probe_compares_unscaled_gradients():
+    """fp16 with each stage's loss scale at 2^16, lr = 0: PETRA's gradient (read from a scaled .grad) and the two
+    references (VJPs run with the same scale) agree to fp16's rounding, in direction and in norm."""
+    rows = launch({"pipe": 1, "stages_per_rank": 4, "k": 2, "train_batches": 4, "optimizer": SGD0,
+                   "dtype": "float32", "config": {"fp16": {"enabled": True}},
+                   "petra": {"gradient_quality_every": 1}, "capture_grads": False,
+                   "probe": "test_gradient_quality:_records"})[0]["probe"]
+    assert sorted({r["stage"] for r in rows}) == [0, 1, 2, 3]
+    for r in rows:
+        for key in gq.metric_keys(r):
+            if key.startswith(("cos_petra", "cos_delayed", "norm_")):
+                assert r[key] == pytest.approx(1, abs=1e-2), (r, key)
+
+
 def test_plot_and_table(tmp_path):
     rows = [{"step": s, "stage": j, "micro_batch": s, "samples": s, "reconstruction_error": 0.1 * j,
              **{f"{kind}_{a}_{b}": 0.5 + 0.1 * j for kind in ("cos", "norm") for a, b in gq.PAIRS}}

@@ -153,9 +153,9 @@ class GradientQuality(Observer):
         k = engine.micro_batches  # the engine scales the loss by 1/k
         delta, before = probe.before.pop(stage)
         params = self._params(st)
-        probe.grads.setdefault(stage, {})["petra"] = [
+        probe.grads.setdefault(stage, {})["petra"] = list(st.loss_scale.unscaled(tuple(  # fp16: .grad is scaled
             k * (p.grad.detach() - (torch.zeros_like(p) if b is None else b)) if p.grad is not None
-            else torch.zeros_like(p) for p, b in zip(params, before)]
+            else torch.zeros_like(p) for p, b in zip(params, before))))
         x, labels, theta = probe.forward.pop(stage)
         probe.grads[stage]["delayed"] = [k * g if delta is not None else g
                                          for g in self._delayed(st, m, x, labels, theta, delta)]
@@ -203,8 +203,9 @@ class GradientQuality(Observer):
     @staticmethod
     def _vjp(st, m: int, x: Activation, labels: Any, delta: Activation | None) -> tuple[list[Tensor], Activation]:
         """(parameter gradients, input gradient) of stage ``st`` for micro-batch ``m`` (``delta=None``:
-        the last stage's loss): the stage's own VJP, with the training forward's keyed RNG, ``.grad``
-        and the batch-norm running statistics left alone."""
+        the last stage's loss): the stage's own VJP, with the training forward's keyed RNG and loss scale (fp16),
+        ``.grad`` and the batch-norm running statistics left alone."""
+        scale = st.loss_scale
         with st.scope(m, update_bn=False), torch.enable_grad():
             leaf = detach_leaf(x)
             out = st.run(leaf)
@@ -212,9 +213,10 @@ class GradientQuality(Observer):
                 out = st.loss_fn(out, labels)
         params = [p for p in st.params if p.requires_grad]
         if st.is_last:
-            outs, grad_outs = [out], [None]
+            outs, grad_outs = [scale.loss(out, 1)], [None]
         else:
-            pairs = [(o, g) for o, g in zip(as_tuple(out), as_tuple(delta)) if g is not None and o.requires_grad]
+            pairs = [(o, g) for o, g in zip(as_tuple(out), as_tuple(scale.scaled(delta)))
+                     if g is not None and o.requires_grad]
             outs, grad_outs = [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]
         leaves = [t for t in as_tuple(leaf) if t.requires_grad]
         grads = list(torch.autograd.grad(outs, params + leaves, grad_outs, allow_unused=True)) if outs \
@@ -223,7 +225,7 @@ class GradientQuality(Observer):
         leaf_grads = iter(grads[len(params):])
         dx = [None if not t.requires_grad else (g if (g := next(leaf_grads)) is not None else torch.zeros_like(t))
               for t in as_tuple(leaf)]
-        return theta_grads, shaped_like(leaf, dx)
+        return list(scale.unscaled(tuple(theta_grads))), scale.unscaled(shaped_like(leaf, dx))
 
     def _end_to_end(self, probe: _Probe, due: list[int]) -> None:
         """Synchronous backprop of the followed micro-batch through every stage, now; the gradients of

@@ -138,6 +138,30 @@ def test_fp16_matches_the_float64_oracle(lr):
     assert 1e-5 < error < FP16_TOL, error
 
 
+def lower_first_ranks_scales(engine) -> None:
+    """(a harness ``setup``) stages 0 and 1 start at scale 2^12, the others where the config put them."""
+    for j, stage in engine.stages.items():
+        if j < 2:
+            stage.loss_scale.load_state_dict({**stage.loss_scale.state_dict(), "scale": 2.0 ** 12})
+
+
+def test_tied_embeddings_cross_ranks_unscaled():
+    """RevGPT with its embedding (stage 0) tied to its head (stage 3), on 2 ranks, stages 0-1 at scale 2^12 and 2-3
+    at 2^16: the head's gradient reaches the embedding after its own stage unscaled it, so the run ends where all
+    stages at 2^16 end, within fp16's subnormal rounding (a few 1e-9 here: RevGPT's smallest gradients, the key
+    bias's above all, fall below fp16's normal range); a gradient added at its sender's scale would be 16 times
+    too large."""
+    common = {"pipe": 2, "stages_per_rank": 2, "k": 2, "train_batches": 3, "model": "revgpt", "tie_embeddings": True,
+              "dropout": 0.0, "optimizer": SGD, "dtype": "float32", **fp16(loss_scale=2 ** 16)}
+    start = merged_params(launch({**common, "train_batches": 0, "drain": False}))
+    lowered = {"setup": "test_loss_scale:lower_first_ranks_scales"}
+    runs = [merged_params(launch({**common, **setup})) for setup in ({}, lowered)]
+    assert runs[0].keys() == runs[1].keys() == start.keys()
+    assert float((runs[1]["0.token.weight"] - start["0.token.weight"]).abs().max()) > 1e-4  # it trained
+    for n in runs[1]:
+        torch.testing.assert_close(runs[1][n], runs[0][n], rtol=0, atol=1e-7)
+
+
 def tiny_loss_engine(precision: dict, calls: int = 1):
     """The toy model (3 stages, one process) whose loss is 2^-24 of its cross-entropy: the first step's gradients of
     each stage, as the step uses them (unscaled), and the engine."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from deepspeed.runtime.pipe.module import PipelineModule
 import torch
+from deepspeed.runtime.pipe.module import PipelineModule
 from torch import Tensor
 
 from ..nn.casts import clock_casts

@@ -22,6 +22,7 @@ lower scale can help. A fixed ``loss_scale`` never changes, and an overflow is a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -84,7 +85,7 @@ class LossScaleConfig:
 
 
 def _power_of_two(x: float) -> bool:
-    return x > 0 and float(x).hex().startswith(("0x1.0000000000000p", "0x1p"))
+    return x > 0 and math.frexp(x)[0] == 0.5
 
 
 class NoLossScale:

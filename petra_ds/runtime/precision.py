@@ -38,7 +38,8 @@ class Precision(NamedTuple):
         """How the settings print names it."""
         return self.loss_scale.describe() if self.loss_scale is not None else self.name
 
-#: floating dtypes narrower than fp32, which bf16's fp32 parameters are made from
+
+#: floating dtypes narrower than fp32, which mixed precision's fp32 parameters are made from
 _NARROW = (torch.bfloat16, torch.float16)
 
 

@@ -1,13 +1,12 @@
 """One stage's optimizer step as one unit (the ``AccumulateAndStep`` instruction), in the order it must run.
 
-After a stage's k-th backward since its last step: its gradients are averaged over its data-parallel
-replicas, a reader of tied weights hands its gradient to their owner and the owner adds its readers',
-the gradients are clipped over the stage's own parameters and checked for NaN / Inf (one reduction: the
-clipping norm is the check; under fp16 they are unscaled first and the check sets the next loss scale), delay
-compensation takes the optimizer's step (or the step is skipped), the
-gradients are cleared, the owner's new tied weights go to their readers, the LR scheduler steps. The
-engine runs this unit and carries what it returns; the unit reaches the engine only through the callables
-it was given.
+After a stage's k-th backward since its last step: under fp16 its gradients are unscaled, they are averaged over
+its data-parallel replicas, a reader of tied weights hands its gradient to their owner and the owner adds its
+readers', the gradients are clipped over the stage's own parameters and checked for NaN / Inf (one reduction: the
+clipping norm is the check; under fp16 it also sets the next loss scale), delay compensation takes the optimizer's
+step (or the step is skipped), the gradients are cleared, the owner's new tied weights go to their readers, the LR
+scheduler steps. The engine runs this unit and carries what it returns; the unit reaches the engine only through
+the callables it was given.
 """
 
 from __future__ import annotations

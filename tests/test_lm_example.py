@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -272,3 +273,25 @@ def test_eval_sequences_fix_the_held_out_text_whatever_the_micro_batch():
     args.eval_batches = None
     assert train.validation_batches(args, 4) == train.EVAL_SEQUENCES // 4
     assert train.validation_batches(args, 16) * 16 == 16 * (train.EVAL_SEQUENCES // 16)
+
+
+def test_fp16_on_two_ranks_reports_every_stage_s_skips_and_scale(tmp_path):
+    """The decoder under fp16 from scale 2^24 (its first steps overflow; hysteresis 1), J = 4 on two pooled ranks:
+    summary.json lists the skipped steps of the stages on both ranks and each stage's scale, lowered once per skip."""
+    from harness import launch, run_example
+
+    with open(os.path.join(ROOT, "ds_configs", "petra_lm.json")) as f:
+        config = {**json.load(f), "fp16": {"enabled": True, "initial_scale_power": 24, "hysteresis": 1}}
+    (tmp_path / "fp16.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    argv = ["--deepspeed_config", str(tmp_path / "fp16.json"), "--model", "decoder", "--data-files", *_files(tmp_path),
+            *SMALL, "--stages", "4", "--output-dir", str(out), "--sample-tokens", "0"]
+    launch({"example": "reformer", "argv": argv}, world_size=2, target=run_example)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["precision"].startswith("fp16, dynamic loss scale per stage from 2^24")
+    skipped = [tuple(s) for s in summary["skipped"]]
+    assert summary["skipped_steps"] == len(skipped) > 0 and {0, 3} <= {j for j, _ in skipped}
+    assert sorted(summary["loss_scales"]) == ["0", "1", "2", "3"]
+    for j, scale in summary["loss_scales"].items():
+        assert scale == 2.0 ** (24 - sum(stage == int(j) for stage, _ in skipped)), (j, skipped)
+    assert math.isfinite(summary["final_val_loss"])

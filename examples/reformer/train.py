@@ -65,7 +65,7 @@ from petra_ds.models.transformer import RevGPTConfig, lm_loss
 from petra_ds.tools.run_partition import agreed_partition, baseline_module, shared_layer_costs
 from petra_ds.tools.run_checkpoints import finish as finish_checkpoints, resume, save
 from petra_ds.tools.runs import (RunFiles, add_run_arguments, against_baseline, apply_global_batch, apply_run_arguments,
-                                 run_layout, run_main)
+                                 run_layout, run_main, skipped_steps)
 
 
 #: held-out sequences per evaluation when the command line names none
@@ -400,6 +400,7 @@ def main() -> None:
             print(f"stopped after step {args.stop_after} of {args.max_steps}; continue with --resume")
         return
     memory = engine.memory_report() if method == "petra" else None
+    skipped = skipped_steps(engine)  # a collective under PETRA
     generated = None
     if args.sample_tokens > 0 or args.export_hf:
         gathered = gathered_model(engine, hf_config, args)
@@ -417,7 +418,7 @@ def main() -> None:
                    "steps": args.max_steps, "world_size": dist.get_world_size(),
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
                    "partition": partition, "settings": engine.run_settings, "memory_rank0": memory,
-                   "sample": generated, "args": vars(args), "config": config}
+                   "sample": generated, "args": vars(args), "config": config, **skipped}
         if args.baseline:
             summary["against_baseline"] = against_baseline(summary, args.baseline, "final_val_loss")
             print(summary["against_baseline"]["label"], flush=True)

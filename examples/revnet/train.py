@@ -50,7 +50,7 @@ from petra_ds.tools.recipe import no_decay_groups, paper_recipe, scheduler_facto
 from petra_ds.tools.run_partition import agreed_partition, baseline_module, shared_layer_costs
 from petra_ds.tools.run_checkpoints import finish as finish_checkpoints, resume, save
 from petra_ds.tools.runs import (Layout, RunFiles, add_run_arguments, against_baseline, apply_global_batch,
-                                 apply_run_arguments, run_layout, run_main)
+                                 apply_run_arguments, run_layout, run_main, skipped_steps)
 
 ARCHS = {f"{kind}{depth}": (kind, depth) for kind in ("revnet", "resnet") for depth in (18, 34, 50)}
 
@@ -230,13 +230,14 @@ def main() -> None:
         if rank0:
             print(f"stopped after step {args.stop_after} of {total_steps}; continue with --resume")
         return
+    skipped = skipped_steps(engine)  # a collective under PETRA
     if rank0:
         summary = {"method": method, "arch": args.arch, "dataset": args.dataset, "final_eval_acc": metrics[-1]["eval_acc"],
                    "best_eval_acc": best, "final_eval_loss": metrics[-1]["eval_loss"],
                    "samples_per_s": metrics[-1]["samples_per_s"], "steps": total_steps, "world_size": dist.get_world_size(),
                    "stages": getattr(engine, "num_petra_stages", engine.num_stages), "layout": vars(layout),
                    "partition": partition, "settings": engine.run_settings, "args": vars(args), "config": config,
-                   "recipe": vars(recipe) if extra else None}
+                   "recipe": vars(recipe) if extra else None, **skipped}
         if args.baseline:
             summary["against_baseline"] = against_baseline(summary, args.baseline, "final_eval_acc",
                                                            higher_is_better=True)

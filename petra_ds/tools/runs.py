@@ -317,6 +317,22 @@ def against_baseline(summary: dict, baseline_dir: str, metric: str, higher_is_be
             "same_optimizer": same, "label": label}
 
 
+def skipped_steps(engine: DeepSpeedEngine) -> dict[str, Any]:
+    """The optimizer steps a run skipped (non-finite gradients, fp16 overflows) and, under PETRA's fp16, each stage's
+    loss scale now, for summary.json. PETRA: every rank's stages, gathered (a collective: every rank calls it);
+    DeepSpeed's engine: its own count."""
+    from ..runtime.engine import PetraEngine
+
+    if not isinstance(engine, PetraEngine):
+        return {"skipped_steps": int(getattr(engine, "skipped_steps", 0) or 0)}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (list(engine.skipped_steps), engine.stages.loss_scales()))
+    skipped = sorted({tuple(s) for steps, _ in gathered for s in steps})
+    scales = {j: scale for _, rank_scales in gathered for j, scale in rank_scales.items()}
+    return {"skipped_steps": len(skipped), "skipped": [list(s) for s in skipped],
+            "loss_scales": {str(j): scales[j] for j in sorted(scales)} or None}
+
+
 def run_main(main: Callable[[], None]) -> None:
     """An example's ``main()``, with a configuration error ended as one line on rank 0 and a non-zero exit
     on every rank instead of a traceback per rank, and a finished run's process groups ended before the

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from ..nn.reversible import Activation, as_tuple, shaped_like
+from ..nn.reversible import Activation, shaped_like
 
 
 @dataclass(frozen=True)
@@ -185,5 +185,10 @@ class StageLossScale:
 
 
 def _times(values: Activation, factor: Tensor) -> Activation:
-    """``values`` (a tensor or a tuple of them, None entries kept), each floating tensor multiplied by ``factor``."""
-    return shaped_like(values, [t * factor if t is not None and t.is_floating_point() else t for t in as_tuple(values)])
+    """``values`` (a tensor or a tuple of them, None entries kept), each floating tensor multiplied by ``factor``: one
+    multi-tensor op for a tuple (a coupling's two streams), one kernel on a GPU."""
+    if isinstance(values, Tensor):
+        return values * factor if values.is_floating_point() else values
+    scaled = [t is not None and t.is_floating_point() for t in values]
+    products = iter(torch._foreach_mul([t for t, s in zip(values, scaled) if s], factor) if any(scaled) else ())
+    return shaped_like(values, [next(products) if s else t for t, s in zip(values, scaled)])

@@ -11,7 +11,8 @@ reversible) and, clocks later, a backward with its parameters as they are *then*
   (data, not an activation buffer) for stage 0, kept the same way.
 
 ``Delta_j`` accumulates into the parameters' ``.grad``; the loss is divided by k at the last stage so
-that after k backwards ``.grad`` is the mean over the k micro-batches, as DeepSpeed does.
+that after k backwards ``.grad`` is the mean over the k micro-batches, as DeepSpeed does (under fp16, times the
+stage's loss scale, which its step removes: ``runtime/loss_scale.py``).
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class StageLossScale:
         #: where the next step stands in the window: 0 right after an overflow (and at the start), else 1 ..
         #: ``loss_scale_window``, and a step without overflow at ``loss_scale_window`` doubles the scale (DeepSpeed's
         #: "stable interval" s: 0 for s = 0, else (s - 1) mod window + 1)
-        self.good = torch.zeros((), device=device)
+        self.in_window = torch.zeros((), device=device)
 
     def loss(self, loss: Tensor, k: int) -> Tensor:
         """What the last stage backpropagates: its micro-batch's share of the step's mean loss, times s_j."""
@@ -159,13 +159,13 @@ class StageLossScale:
         unhandled = torch.le(self.scale, c.min_loss_scale)
         lower = found_inf * torch.le(self.hysteresis, 1)  # 1.0: this overflow halves the scale
         good = 1 - found_inf
-        grow = good * torch.eq(self.good, c.loss_scale_window)  # 1.0: this step doubles it
+        grow = good * torch.eq(self.in_window, c.loss_scale_window)  # 1.0: this step doubles it
         self.scale.mul_(torch.pow(2.0, grow - lower)).clamp_(min=c.min_loss_scale)  # powers of two: exact
         torch.reciprocal(self.scale, out=self.inverse)
         self.hysteresis.sub_(found_inf - lower)  # an overflow that does not lower the scale uses one up
         refill = good if c.consecutive_hysteresis else grow
         self.hysteresis.add_(refill * (c.hysteresis - self.hysteresis))
-        self.good.remainder_(c.loss_scale_window).add_(1).mul_(good)
+        self.in_window.remainder_(c.loss_scale_window).add_(1).mul_(good)
         return torch.logical_and(unhandled, lower > 0)
 
     def value(self) -> float:
@@ -173,13 +173,13 @@ class StageLossScale:
         return float(self.scale)
 
     def state_dict(self) -> dict[str, float]:
-        return {"scale": float(self.scale), "hysteresis": float(self.hysteresis), "good": float(self.good)}
+        return {"scale": float(self.scale), "hysteresis": float(self.hysteresis), "in_window": float(self.in_window)}
 
     def load_state_dict(self, state: Mapping[str, float] | None) -> None:
         """Continue from :meth:`state_dict` (None, from a run without fp16: the initial scale stays)."""
         if state is None:
             return
-        for name in ("scale", "hysteresis", "good"):
+        for name in ("scale", "hysteresis", "in_window"):
             getattr(self, name).fill_(state[name])
         self.inverse.copy_(torch.reciprocal(self.scale))
 

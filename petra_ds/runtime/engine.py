@@ -29,7 +29,7 @@ from ..schedule import (AccumulateAndStep, ClockTemplates, CommitP2P, DelayedBac
                         RecvTiedGrad, RecvTiedWeight, ReverseReconstruct, SendActivation, SendGrad, SendTiedGrad,
                         SendTiedWeight, Timeline, Window, channels)
 from . import checkpoint
-from .config import PetraConfig, Precision, check_stages_per_rank  # Precision: what split_config reads
+from .config import PetraConfig, Precision, check_stages_per_rank  # Precision: split_config's
 from .fifo import StreamCopies
 from .ledger import memory_report
 from .local_stages import LocalStages

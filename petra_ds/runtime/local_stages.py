@@ -117,7 +117,7 @@ class LocalStages(Mapping[int, Stage]):
 
     def loss_scales(self) -> dict[int, float]:
         """fp16: each stage's loss scale now (host reads); empty without fp16."""
-        return {j: st.loss_scale.value() for j, st in self._stages.items() if isinstance(st.loss_scale, StageLossScale)}
+        return {j: st.loss_scale.value() for j, st in self._stages.items() if st.loss_scale.scales}
 
     @property
     def step_counts(self) -> dict[int, int]:

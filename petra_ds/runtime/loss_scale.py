@@ -91,6 +91,7 @@ def _power_of_two(x: float) -> bool:
 class NoLossScale:
     """What a stage without fp16 scales by: nothing (the same calls as :class:`StageLossScale`'s on its path)."""
 
+    #: whether a stage scales its gradients (fp16)
     scales = False
 
     def loss(self, loss: Tensor, k: int) -> Tensor:

@@ -197,14 +197,16 @@ def test_a_tiny_loss_underflows_in_fp16_at_scale_one_and_is_kept_by_the_dynamic_
             assert not engine.skipped_steps
 
 
-def overflow_engine(world_of_one, precision: dict, calls: int, optimizer: dict | None = None):
+def overflow_engine(world_of_one, precision: dict, calls: int, optimizer: dict | None = None,
+                    scheduler: dict | None = None):
     torch.manual_seed(0)
     model = petra_ds.PetraPipelineModule(
         toy_layer_specs(), topology=PipeDataParallelTopology(num_pp=1, num_dp=1), stages_per_rank=3,
         loss_fn=nn.CrossEntropyLoss(), partition_method="uniform", base_seed=0)
     config = {**BASE, "steps_per_print": 10**9, "gradient_clipping": 1.0, **precision,
               "petra": {"stages_per_rank": 3, **precision.pop("petra", {})},
-              "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True, "fused": True}}}
+              "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True, "fused": True}},
+              **({} if scheduler is None else {"scheduler": scheduler})}
     engine, *_ = petra_ds.initialize(model=model, config=config)
     before: dict[int, list[list[torch.Tensor]]] = {j: [] for j in engine.stages}
     engine.step_observers.append(lambda j, st: before[j].append([p.detach().clone() for p in st.params]))
@@ -227,6 +229,24 @@ def test_an_overflowing_scale_skips_its_steps_halves_and_trains_on(world_of_one)
             unchanged = all(map(torch.equal, snapshots[s - 1], snapshots[s]))
             assert unchanged == (s in steps), (j, s)
         assert engine.stages.loss_scales()[j] == 2.0 ** (30 - len(steps))
+
+
+def test_a_skipped_step_still_advances_its_stages_lr_schedule(world_of_one):
+    """The host learns of an overflow at the window's end, so a stage's scheduler steps with every step the schedule
+    gives it, skipped or not (DeepSpeed's engine, which reads its one overflow flag at each step, does not step it):
+    each stage's learning rate is DeepSpeed's WarmupLR after all of that stage's steps, whatever it skipped."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    schedule = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 50, "warmup_type": "linear"}
+    engine, before, _ = overflow_engine(world_of_one, {"fp16": {"enabled": True, "initial_scale_power": 30,
+                                                                "hysteresis": 1}}, calls=8,
+                                        scheduler={"type": "WarmupLR", "params": schedule})
+    assert engine.skipped_steps
+    for j, scheduler in enumerate(engine.stage_schedulers):
+        oracle = WarmupLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1e-2), **schedule)
+        for _ in before[j]:
+            oracle.step()
+        assert scheduler.get_last_lr() == oracle.get_last_lr(), (j, len(before[j]), engine.skipped_steps)
 
 
 def test_a_fused_sgd_whose_first_steps_overflow_trains_as_the_unfused_one(world_of_one):

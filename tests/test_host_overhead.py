@@ -114,18 +114,18 @@ def test_a_steady_clock_shifted_from_its_template_costs_at_most_0_4x_the_bytecod
 def counts(world_of_one):
     """Ops per micro-batch for both models and dtypes, check_finite on and off (the benchmark's own function; plain
     backprop's counts with check_finite on only, where they are compared)."""
-    return {(name, bf16, finite): host_overhead.count_ops(name, TINY, bf16, finite, plain=finite)
-            for name in host_overhead.MODELS for bf16 in (False, True) for finite in (True, False)}
+    return {(name, dtype, finite): host_overhead.count_ops(name, TINY, dtype, finite, plain=finite)
+            for name in host_overhead.MODELS for dtype in host_overhead.DTYPES for finite in (True, False)}
 
 
 @pytest.mark.parametrize("name", host_overhead.MODELS)
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_petra_dispatches_at_most_1_5x_the_ops_of_plain_backprop_per_stage(counts, name, bf16):
+@pytest.mark.parametrize("dtype", host_overhead.DTYPES)
+def test_petra_dispatches_at_most_1_5x_the_ops_of_plain_backprop_per_stage(counts, name, dtype):
     """Per micro-batch at steady state, the same optimizer (fused AdamW) and clipping; the arithmetic alone is
     about 4/3 (a second evaluation of every layer). Per stage, first / FIFO / reconstructing / last, against
     that stage's layers alone (what one rank of a J-rank pipeline runs), and the whole model in one process (RevNet18
     at J = 10 takes 10 optimizer steps per k micro-batches against plain's one)."""
-    row = counts[(name, bf16, True)]
+    row = counts[(name, dtype, True)]
     for stage in row["stages"]:
         assert stage["ratio"] <= 1.5, stage
     assert {"first", "last", "reconstructing"} <= {s["kind"] for s in row["stages"]}
@@ -137,24 +137,24 @@ def test_with_cuda_graphs_a_clock_launches_fewer_kernels_than_plain_backprop(cou
     """Each part (F, G, a non-reversible layer) one replay per evaluation, counted with the graphs' eager stand-ins:
     the launches per micro-batch fall below plain backprop's (about 0.4x RevGPT, 0.7x RevNet18 here), and every
     replay the counter saw is one the parts made."""
-    row = host_overhead.count_ops(name, TINY, False, plain=False, graphs=True)
+    row = host_overhead.count_ops(name, TINY, "fp32", plain=False, graphs=True)
     assert row["graph_replays"] == row["parts_replayed"] > 0
-    assert row["petra_ops"] <= bound * counts[(name, False, True)]["plain_ops"], row["petra_ops"]
+    assert row["petra_ops"] <= bound * counts[(name, "fp32", True)]["plain_ops"], row["petra_ops"]
 
 
 @pytest.mark.parametrize("name", host_overhead.MODELS)
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_no_tensor_a_multi_tensor_kernel_could_fuse_goes_one_by_one_because_of_its_list(counts, name, bf16):
+@pytest.mark.parametrize("dtype", host_overhead.DTYPES)
+def test_no_tensor_a_multi_tensor_kernel_could_fuse_goes_one_by_one_because_of_its_list(counts, name, dtype):
     """Every ``_foreach_*`` op of a steady-state call (the NaN watch's, the accumulation's, clipping's) hands CUDA
     lists it fuses: RevNet18's stem and downsampling send the watch channel halves that are not dense, which must
     not take the rest of the clock's tensors one by one with them (218 reductions a call on an H200)."""
-    assert counts[(name, bf16, True)]["petra_foreach_dragged"] == 0
+    assert counts[(name, dtype, True)]["petra_foreach_dragged"] == 0
 
 
 @pytest.mark.parametrize("name", host_overhead.MODELS)
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_check_finite_adds_at_most_3_percent_of_the_ops(counts, name, bf16):
-    on, off = counts[(name, bf16, True)], counts[(name, bf16, False)]
+@pytest.mark.parametrize("dtype", host_overhead.DTYPES)
+def test_check_finite_adds_at_most_3_percent_of_the_ops(counts, name, dtype):
+    on, off = counts[(name, dtype, True)], counts[(name, dtype, False)]
     assert on["petra_ops"] <= 1.03 * off["petra_ops"], (on["petra_ops"], off["petra_ops"])
 
 
@@ -205,7 +205,7 @@ def test_bf16_casts_each_weight_once_per_clock(world_of_one, name):
 
     assert shares_casts()  # this torch keeps a cast cached under no_grad differentiable
     m, k = host_overhead.model(name, TINY), TINY.k
-    engine, stream = host_overhead.petra_engine(m, k, bf16=True), host_overhead.data(m)
+    engine, stream = host_overhead.petra_engine(m, k, "bf16"), host_overhead.data(m)
     for _ in range(host_overhead.fill_calls(m["J"], k) + 1):
         engine.train_batch(stream)
     casts = _casts_of(engine.module.parameters(), lambda: engine.train_batch(stream))
@@ -241,7 +241,7 @@ def test_sharing_a_clock_s_casts_changes_no_bit(world_of_one, monkeypatch, petra
     m, k = host_overhead.model("revnet18", TINY), TINY.k
 
     def trained() -> dict[str, torch.Tensor]:
-        engine, stream = host_overhead.petra_engine(m, k, bf16=True, petra=petra), host_overhead.data(m)
+        engine, stream = host_overhead.petra_engine(m, k, "bf16", petra=petra), host_overhead.data(m)
         for _ in range(host_overhead.fill_calls(m["J"], k) + 3):
             engine.train_batch(stream)
         return {n: t.clone() for n, t in engine.module.state_dict().items()}
@@ -256,8 +256,8 @@ def test_sharing_a_clock_s_casts_changes_no_bit(world_of_one, monkeypatch, petra
 
 def test_op_counts_do_not_depend_on_width_sequence_or_batch(world_of_one):
     """Why the benchmark counts at narrow sizes what ``python -m benchmarks.gpu`` runs wide."""
-    narrow = host_overhead.count_ops("revgpt", TINY, False, True)
-    wide = host_overhead.count_ops("revgpt", TINY, False, True, d=32, seq=16)
+    narrow = host_overhead.count_ops("revgpt", TINY, "fp32", True)
+    wide = host_overhead.count_ops("revgpt", TINY, "fp32", True, d=32, seq=16)
     assert narrow["petra_by_op"] == wide["petra_by_op"]
 
 
@@ -265,7 +265,7 @@ def test_op_counts_do_not_depend_on_width_sequence_or_batch(world_of_one):
 def test_a_steady_state_train_batch_makes_one_host_sync(world_of_one, name):
     """The window's one read (its loss and every NaN / Inf check together); the optimizer steps are guarded on
     the device (fused AdamW's found_inf), the returned loss is not read."""
-    row = host_overhead.count_syncs(name, TINY, False)
+    row = host_overhead.count_syncs(name, TINY, "fp32")
     assert row["syncs"] == 1, row["where"]
     assert all("runtime/engine.py" in where and "tolist" in where for where in row["where"])
 

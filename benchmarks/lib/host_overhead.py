@@ -10,7 +10,8 @@ One process hosts all J stages (the paper's single-device setting, the same engi
 - ``ops``: aten ops dispatched per micro-batch at steady state (``petra_ds.diagnostics.host_cost.OpCounter``),
   PETRA against plain forward + backward of the same layers with the same optimizer (torch's fused AdamW,
   the step's ops shared over its k micro-batches), fp32 and bf16 (plain: each layer under autocast, its
-  output back to fp32, as at a PETRA stage boundary), with ``check_finite`` on and off; per stage too,
+  output back to fp32, as at a PETRA stage boundary; ``--dtypes`` adds fp16: plain through torch's ``GradScaler``,
+  PETRA with its loss scale per stage), with ``check_finite`` on and off; per stage too,
   first / FIFO (non-reversible middle) / reconstructing / last, against the plain forward + backward of that
   stage's layers. The models have the depth, stages, heads, k and optimizer of ``python -m benchmarks.gpu`` (RevGPT:
   12 blocks, J = 4; RevNet18: J = 10), narrowed in width, sequence and batch, which change no count
@@ -68,6 +69,9 @@ PARTS = ("ops", "syncs", "bytecodes", "offload", "time", "instructions")
 #: what a run without --parts measures (instructions need valgrind and minutes)
 DEFAULT_PARTS = ("ops", "syncs", "bytecodes", "offload", "time")
 MODELS = ("revgpt", "revnet18")
+#: the precisions ``ops`` and ``syncs`` count in, and the autocast dtype of each (None: none)
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = tuple(AUTOCAST)
 #: what changes an op count is kept from the GPU benchmark (blocks, stages, heads, k); the rest is narrowed
 FULL = {"k": 4, "revgpt_blocks": 12, "revgpt_heads": 12, "revgpt_d": 96, "revgpt_seq": 16, "revgpt_batch": 2,
         "revgpt_stages": 4, "revnet_width": 8, "revnet_image": 8, "revnet_batch": 2, "revnet_stages": 10,
@@ -83,6 +87,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="small sizes (what the tests check)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS))
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["fp32", "bf16"],
+                        help="ops, ops_graphs and syncs: the precisions counted (fp16: opt-in)")
     parser.add_argument("--time-model", choices=MODELS, default="revgpt",
                         help="time and instructions: the negligible RevGPT (default), or RevNet18 at the ops sizes "
                              "with its J = 10 one-layer stages (the GPU benchmark's partition)")
@@ -154,8 +160,9 @@ def petra_module(m: dict, pipe: int = 1):
                                         partition_method=m["partition"], base_seed=0)
 
 
-def petra_engine(m: dict, k: int, bf16: bool = False, petra: dict | None = None, pipe: int = 1):
-    """PETRA on ``m``'s J stages over ``pipe`` pipeline ranks (1: all of them in this process)."""
+def petra_engine(m: dict, k: int, dtype: str = "fp32", petra: dict | None = None, pipe: int = 1):
+    """PETRA on ``m``'s J stages over ``pipe`` pipeline ranks (1: all of them in this process), in ``dtype``
+    (``DTYPES``)."""
     import petra_ds
 
     per_rank = m["J"] // pipe
@@ -163,8 +170,8 @@ def petra_engine(m: dict, k: int, bf16: bool = False, petra: dict | None = None,
     config = {"train_micro_batch_size_per_gpu": m["size"], "gradient_accumulation_steps": k,
               "optimizer": OPTIMIZER, "steps_per_print": 10**9, "gradient_clipping": CLIPPING,
               "petra": {"stages_per_rank": per_rank, **(petra or {})}}
-    if bf16:
-        config["bf16"] = {"enabled": True}
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
     engine, *_ = petra_ds.initialize(model=module, config=config)
     return engine
 
@@ -174,31 +181,60 @@ def fill_calls(J: int, k: int) -> int:
     return math.ceil(2 * (J - 1) / k) + 1
 
 
-def plain_model(m: dict, bf16: bool) -> tuple[torch.nn.ModuleList, Callable]:
+def plain_model(m: dict, dtype: str) -> tuple[torch.nn.ModuleList, Callable]:
     torch.manual_seed(0)
     layers = torch.nn.ModuleList([spec.build(log=False) for spec in m["specs"]])
+    autocast = AUTOCAST[dtype]
 
     def run(x: Any, chosen: Any = None) -> Any:
         for layer in (layers if chosen is None else chosen):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 x = layer(x)
-            if bf16:  # back to fp32 streams, as at a PETRA stage boundary
+            if autocast is not None:  # back to fp32 streams, as at a PETRA stage boundary
                 x = tuple(t.float() for t in x) if isinstance(x, tuple) else x.float()
         return x
 
     return layers, run
 
 
+class PlainStep:
+    """Plain backprop's loss and step: clipping and the optimizer, and under fp16 torch's ``GradScaler`` (the loss
+    scaled, the gradients unscaled before clipping, the scale updated after the step)."""
+
+    def __init__(self, params: Any, dtype: str) -> None:
+        self.params = list(params)
+        self.optimizer = torch_optimizer(self.params)
+        self.scaler = torch.amp.GradScaler("cpu") if dtype == "fp16" else None
+        if self.scaler is not None:  # makes its scale: a stage but the last scales no loss, its gradient comes scaled
+            self.scaler.scale(torch.zeros(()))
+
+    def loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def __call__(self) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.params, CLIPPING)
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 # --- ops ---
 
-def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: bool = True, plain: bool = True,
+def count_ops(name: str, args: argparse.Namespace, dtype: str, check_finite: bool = True, plain: bool = True,
               graphs: bool = False, **sizes: int) -> dict:
     """Ops per micro-batch: PETRA's total and per stage, plain's total and per stage (``plain=False``: PETRA's
     alone). ``graphs``: PETRA with ``"cuda_graphs": "emulate"``, each replay one op, as the launch it is on CUDA."""
     from petra_ds.diagnostics.host_cost import InstructionScopes, OpCounter
 
     m, k = model(name, args, **sizes), args.k
-    engine = petra_engine(m, k, bf16, {"check_finite": check_finite, "cuda_graphs": "emulate" if graphs else False})
+    engine = petra_engine(m, k, dtype, {"check_finite": check_finite, "cuda_graphs": "emulate" if graphs else False})
     stream = data(m)
     for _ in range(fill_calls(m["J"], k)):
         engine.train_batch(stream)
@@ -217,12 +253,12 @@ def count_ops(name: str, args: argparse.Namespace, bf16: bool, check_finite: boo
     parts = [int(p) for p in engine.module.petra_parts]
     dragged = sum(counter.dragged.values()) / k
     if not plain:
-        return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
+        return {"model": name, "dtype": dtype, "check_finite": check_finite, "J": m["J"], "k": k,
                 "petra_ops": counter.total / k, "petra_foreach_dragged": dragged, "parts": parts,
                 "graph_replays": counter.by_name["graph_replay"] / k,
                 "in_graphs_ops": sum(counter.in_graphs.values()) / k, "parts_replayed": replayed / k}
-    plain_total, plain_stages = count_plain(m, k, bf16, parts)
-    return {"model": name, "dtype": "bf16" if bf16 else "fp32", "check_finite": check_finite, "J": m["J"], "k": k,
+    plain_total, plain_stages = count_plain(m, k, dtype, parts)
+    return {"model": name, "dtype": dtype, "check_finite": check_finite, "J": m["J"], "k": k,
             "petra_ops": counter.total / k, "petra_foreach_dragged": dragged, "plain_ops": plain_total,
             "ratio": counter.total / k / plain_total,
             "engine_ops": counter.scope_totals().get(None, 0) / k, "parts": parts,
@@ -245,47 +281,46 @@ def stage_kind(stage: Any) -> str:
     return "reconstructing" if stage.reconstructs else "fifo"
 
 
-def count_plain(m: dict, k: int, bf16: bool, parts: list[int]) -> tuple[float, list[float]]:
+def count_plain(m: dict, k: int, dtype: str, parts: list[int]) -> tuple[float, list[float]]:
     """Plain backprop's ops per micro-batch: the whole model (k forward + backward, clipping and one optimizer
     step, shared over k), and per stage of ``parts`` (the stage's layers alone: forward and backward from a
     detached input, and the stage's share of the step)."""
     from petra_ds.diagnostics.host_cost import OpCounter
 
-    whole = count_plain_by_op(m, k, bf16)
-    layers, run = plain_model(m, bf16)
+    whole = count_plain_by_op(m, k, dtype)
+    layers, run = plain_model(m, dtype)
     stream = data(m)
     stages = []
     x, labels = next(stream)
     for j in range(len(parts) - 1):
         chosen = layers[parts[j]:parts[j + 1]]
-        stage_optimizer = torch_optimizer(chosen.parameters())
+        stage_step = PlainStep(chosen.parameters(), dtype)
         leaf = _leaf(x)
         with OpCounter() as counter:
             out = run(leaf, chosen)
             if j == len(parts) - 2:
-                (m["loss"](out, labels) / k).backward()
+                stage_step.loss(m["loss"](out, labels) / k).backward()
             else:
                 torch.autograd.backward(list(_tuple(out)), [torch.ones_like(t) for t in _tuple(out)])
-        stage_optimizer.step()  # the step's first call creates its state: count the second
-        stage_optimizer.zero_grad(set_to_none=True)
+        stage_step()  # the step's first call creates its state: count the second
+        stage_step.zero_grad()
         for p in chosen.parameters():
             p.grad = torch.zeros_like(p)
         with OpCounter() as step:
-            torch.nn.utils.clip_grad_norm_(chosen.parameters(), CLIPPING)
-            stage_optimizer.step()
-        stage_optimizer.zero_grad(set_to_none=True)
+            stage_step()
+        stage_step.zero_grad()
         stages.append(counter.total + step.total / k)
         with torch.no_grad():
             x = run(x, chosen)
     return sum(whole.values()), stages
 
 
-def count_plain_by_op(m: dict, k: int, bf16: bool) -> dict[str, float]:
+def count_plain_by_op(m: dict, k: int, dtype: str) -> dict[str, float]:
     """Plain backprop's ops per micro-batch by name: k forward + backward passes, clipping and one optimizer
     step (shared over the k), at the second call."""
     from petra_ds.diagnostics.host_cost import OpCounter
 
-    train_batch = _plain_call(m, k, bf16)
+    train_batch = _plain_call(m, k, dtype)
     train_batch()
     with OpCounter() as counter:
         train_batch()
@@ -303,18 +338,18 @@ def _leaf(x: Any) -> Any:
 
 # --- syncs ---
 
-def count_syncs(name: str, args: argparse.Namespace, bf16: bool) -> dict:
+def count_syncs(name: str, args: argparse.Namespace, dtype: str) -> dict:
     """Host reads inside one steady-state ``train_batch`` (the returned loss is not read)."""
     from petra_ds.util.host_reads import HostSyncs
 
     m, k = model(name, args), args.k
-    engine = petra_engine(m, k, bf16)
+    engine = petra_engine(m, k, dtype)
     stream = data(m)
     for _ in range(fill_calls(m["J"], k)):
         engine.train_batch(stream)
     with HostSyncs() as syncs:
         engine.train_batch(stream)
-    return {"model": name, "dtype": "bf16" if bf16 else "fp32", "syncs": syncs.count, "where": dict(syncs.where)}
+    return {"model": name, "dtype": dtype, "syncs": syncs.count, "where": dict(syncs.where)}
 
 
 # --- bytecodes ---
@@ -538,12 +573,12 @@ def _reevaluated_layers(m: dict) -> int:
     return petra_module(m).petra_parts[-2]
 
 
-def _plain_call(m: dict, k: int, bf16: bool = False, again: int = 0) -> Callable[[], Any]:
+def _plain_call(m: dict, k: int, dtype: str = "fp32", again: int = 0) -> Callable[[], Any]:
     """A plain backprop ``train_batch``: k forward + backward passes, clipping, one optimizer step. ``again``:
     the first ``again`` layers also run a graph-free forward per micro-batch first (PETRA's arithmetic, without
     its machinery: the floor of its host time)."""
-    layers, run = plain_model(m, bf16)
-    optimizer, stream = torch_optimizer(layers.parameters()), data(m)
+    layers, run = plain_model(m, dtype)
+    step, stream = PlainStep(layers.parameters(), dtype), data(m)
 
     def call() -> None:
         for _ in range(k):
@@ -551,10 +586,9 @@ def _plain_call(m: dict, k: int, bf16: bool = False, again: int = 0) -> Callable
             if again:
                 with torch.no_grad():
                     run(x, layers[:again])
-            (m["loss"](run(x), labels) / k).backward()
-        torch.nn.utils.clip_grad_norm_(layers.parameters(), CLIPPING)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            step.loss(m["loss"](run(x), labels) / k).backward()
+        step()
+        step.zero_grad()
 
     return call
 
@@ -596,23 +630,23 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
                 report["time"]["seconds_per_call"], report["instructions"]["median_per_call"],
                 report["instructions"]["last_level"]["median_misses_per_call"])
     if "ops" in args.parts:
-        report["ops"] = [count_ops(name, args, bf16, check_finite)
-                         for name in args.models for bf16 in (False, True) for check_finite in (True, False)]
+        report["ops"] = [count_ops(name, args, dtype, check_finite)
+                         for name in args.models for dtype in args.dtypes for check_finite in (True, False)]
         for row in report["ops"]:
             off = next(r for r in report["ops"] if r["model"] == row["model"] and r["dtype"] == row["dtype"]
                        and not r["check_finite"])
             row["check_finite_cost"] = row["petra_ops"] / off["petra_ops"] - 1
         report["ops_graphs"] = []  # what a CUDA-graphed clock launches, counted with the graphs' eager stand-ins
         for name in args.models:
-            for bf16 in (False, True):
-                row = count_ops(name, args, bf16, plain=False, graphs=True)
+            for dtype in args.dtypes:
+                row = count_ops(name, args, dtype, plain=False, graphs=True)
                 eager = next(r for r in report["ops"] if r["model"] == name and r["dtype"] == row["dtype"]
                              and r["check_finite"])
                 row.update(plain_ops=eager["plain_ops"], ratio=row["petra_ops"] / eager["plain_ops"],
                            eager_petra_ops=eager["petra_ops"])
                 report["ops_graphs"].append(row)
     if "syncs" in args.parts:
-        report["syncs"] = [count_syncs(name, args, bf16) for name in args.models for bf16 in (False, True)]
+        report["syncs"] = [count_syncs(name, args, dtype) for name in args.models for dtype in args.dtypes]
     if "bytecodes" in args.parts:
         report["bytecodes"] = [count_bytecodes(name, args) for name in args.models]
     if "offload" in args.parts:

@@ -76,10 +76,10 @@ def measured(row: dict, k: int) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def ops_per_stage(name: str, J: int, bf16: bool) -> dict[str, Any]:
+def ops_per_stage(name: str, J: int, dtype: str) -> dict[str, Any]:
     """PETRA's and plain's ops per micro-batch per stage at J stages (this commit's code), counted on CPU."""
     args = host_overhead.parse_args([])
-    row = host_overhead.count_ops(name, args, bf16, stages=J)
+    row = host_overhead.count_ops(name, args, dtype, stages=J)
     return {"petra": [s["petra_ops"] for s in row["stages"]], "plain": [s["plain_ops"] for s in row["stages"]],
             "petra_total": row["petra_ops"], "parts": row["parts"], "layers": row["layers"]}
 
@@ -119,13 +119,13 @@ def predict_model(name: str, row: dict, sizes: dict, ran: dict, now: dict) -> di
     that ran on the GPU and of this commit."""
     from petra_ds.perf.predict import predict_host_bound
 
-    J, bf16 = TARGETS[name], row["dtype"] == "bf16"
+    J, dtype = TARGETS[name], row["dtype"]
     got = measured(row, sizes["k"])
     prefix = "revnet" if name == "revnet18" else "revgpt"
-    now_total = ops_per_stage(name, sizes[f"{prefix}_stages"], bf16)["petra_total"]  # at the run's J
+    now_total = ops_per_stage(name, sizes[f"{prefix}_stages"], dtype)["petra_total"]  # at the run's J
     ran_total = now_total if ran["ops"] is None else ran["ops"][(name, row["dtype"])]
     per_op = got["petra_host_s"] / ran_total
-    ops = ops_per_stage(name, J, bf16)
+    ops = ops_per_stage(name, J, dtype)
     costs = device_costs(name, got["plain_device_s"], ops, J, sizes)
     # PETRA: the host seconds of each op, times the ops of each stage (the shape of this commit's, assumed the
     # same for the code that ran); a peer: PETRA's host time over the measured ratio, spread as plain's ops

@@ -454,5 +454,5 @@ def test_the_engine_shifts_its_steady_clocks_instead_of_deriving_them(world_of_o
                                        reversible=engine.reversible)
     with Bytecodes() as alone:
         clocks = list(derived)
-    assert len(clocks) == k and sum(map(len, clocks)) > 180  # 190: no receives or posts inside one process
+    assert len(clocks) == k and sum(map(len, clocks)) > 190  # 198: no receives between the stages of one process
     assert 0 < counter.by_area["petra_ds.schedule"] <= 0.6 * alone.by_area["petra_ds.schedule"]

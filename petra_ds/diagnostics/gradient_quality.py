@@ -89,8 +89,6 @@ class _Probe:
     step: int
     samples: int
     forward: dict[int, tuple[Activation, Any, list[Tensor]]] = field(default_factory=dict)  # j: x, labels, theta
-    #: stage 0's input and labels, for the end-to-end passes (kept past stage 0's backward, which may run before them)
-    source: tuple[Activation, Any] | None = None
     before: dict[int, tuple[Activation | None, list[Tensor | None]]] = field(default_factory=dict)
     grads: dict[int, dict[str, list[Tensor]]] = field(default_factory=dict)  # j: kind -> gradient
     reconstruction: dict[int, float] = field(default_factory=dict)
@@ -132,11 +130,9 @@ class GradientQuality(Observer):
         with st.compensation.forward_weights():  # the weights the forward ran with (predicted, if it predicts)
             theta = [p.detach().clone() for p in self._params(st)]
         probe.forward[stage] = (x, labels, theta)
-        if stage == 0:
-            probe.source = (x, labels)
 
     def forwards_done(self, engine: "PetraEngine", clock: int) -> None:
-        """After the clock's forwards, before any step: the end-to-end passes due now."""
+        """After the clock's forwards, before any backward or step: the end-to-end passes due now."""
         for probe in list(self.open.values()):
             due = [j for j in range(self.J) if backward_micro_batch(clock, j, self.J) == probe.m]
             if due:
@@ -237,7 +233,8 @@ class GradientQuality(Observer):
         engine, m = self.engine, probe.m
         local = list(engine.local_stage_ids)
         inputs: dict[int, tuple[Activation, Any]] = {}
-        carry: Any = probe.source
+        # stage 0's input: its forward stash, still there (its backward is this clock at the latest)
+        carry: Any = probe.forward[0][:2] if 0 in probe.forward else None
         for j in local:  # forward through this rank's stages, in pipeline order
             if j > 0 and j == local[0]:
                 key = channels.forward_key(j - 1, m, channels.PROBE_ACT)

@@ -12,8 +12,7 @@ clock meets them::
 and around every instruction ``before_instruction`` / ``after_instruction``.
 
 ``forwards_done`` comes once per clock after its forwards and the activations' batch, before any
-parameter change (what the gradient-quality probe needs); before any backward too, except on a rank that hosts
-every stage, which runs each stage's backward right after its forward. Observers that change what the
+backward or parameter change (what the gradient-quality probe needs). Observers that change what the
 engine computes do not exist: every hook runs with the training math already decided. (The engine's own
 ``fifo_offload: "auto"`` planner, ``runtime/offload_plan.py``, is an observer that moves where FIFO entries wait,
 never a bit of what is computed.)

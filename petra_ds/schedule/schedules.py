@@ -10,9 +10,7 @@ when the clock began) and posts the gradients' batch (``PostP2P("grad")``), step
 due, and at its ``CommitP2P`` posts the tied weights' batch and waits for all of this clock's messages:
 a message travels exactly one clock, its transfer overlaps the rest of the clock, and a window of clocks
 leaves nothing half-sent behind it. One batch per (clock, phase), in that order on every rank, is what
-makes the traffic safe under NCCL's rules (see ``petra_ds.runtime.transport``). A rank that hosts every stage
-has nothing to post: it runs each stage's forward and then its backward, stage after stage, and hands its messages
-over at the commit.
+makes the traffic safe under NCCL's rules (see ``petra_ds.runtime.transport``).
 """
 
 from __future__ import annotations
@@ -83,8 +81,7 @@ def _kind(kind: str) -> dict[str, str]:
 
 class Clock(list):
     """One clock's instructions of one rank, in order, and where its forward phase ends: the instructions
-    before ``forwards_end`` load, run every forward and post the activations, and on a rank that hosts every
-    stage also run the backwards, each right after its stage's forward; none steps (the engine tells its observers
+    before ``forwards_end`` load, run forwards and post their activations (the engine tells its observers
     there, ``Observer.forwards_done``)."""
 
     def __init__(self, instructions: Sequence[PipeInstruction] = (), forwards_end: int = 0) -> None:
@@ -295,30 +292,20 @@ class PetraSchedule(PipeSchedule):
     def _derive(self, clock: int) -> Clock:
         """:meth:`clock_instructions` from the clock equations."""
         now = [self.compute(clock, stage) for stage in self.local_stages]
-
-        def gradient_takers(key: Key) -> list[ComputeInstruction]:
-            return self.compute(clock + 1, key.stage)[1]
-
-        if len(self.local_stages) == self.num_petra_stages:
-            # nothing leaves the rank, so nothing is posted: each stage's backward follows its forward while what
-            # both touch is still in the host's nearest caches (1.5-4% of a clock's host time on negligible layers)
-            compute = [c for f, b in now for c in f + b]
-            cmds = with_messages(compute, [], gradient_takers, self.local_stages)
-            posts, forwards_end = len(cmds) > len(compute), len(cmds)  # its messages, handed over at the commit
-        else:
-            following = [self.compute(clock + 1, stage) for stage in self.local_stages]
-            cmds = with_messages([c for f, _ in now for c in f], [c for f, _ in following for c in f],
-                                 lambda key: self.compute(clock + 1, key.stage)[0], self.local_stages)
-            posts = len(cmds) > sum(len(f) for f, _ in now)
-            if posts:
-                cmds.append(PostP2P(channels.ACT))
-            forwards_end = len(cmds)
-            backwards = [c for _, b in reversed(now) for c in b]
-            grads = with_messages(backwards, [c for _, b in following for c in b], gradient_takers, self.local_stages)
-            cmds.extend(grads)
-            if len(grads) > len(backwards):
-                cmds.append(PostP2P(channels.GRAD))
-                posts = True
+        following = [self.compute(clock + 1, stage) for stage in self.local_stages]
+        cmds = with_messages([c for f, _ in now for c in f], [c for f, _ in following for c in f],
+                             lambda key: self.compute(clock + 1, key.stage)[0], self.local_stages)
+        posts = len(cmds) > sum(len(f) for f, _ in now)
+        if posts:
+            cmds.append(PostP2P(channels.ACT))
+        forwards_end = len(cmds)
+        backwards = [c for _, b in reversed(now) for c in b]
+        grads = with_messages(backwards, [c for _, b in following for c in b],
+                              lambda key: self.compute(clock + 1, key.stage)[1], self.local_stages)
+        cmds.extend(grads)
+        if len(grads) > len(backwards):
+            cmds.append(PostP2P(channels.GRAD))
+            posts = True
         for stage in self.local_stages:
             step = self.step_at(clock, stage)
             if step is not None:

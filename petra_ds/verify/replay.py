@@ -25,7 +25,7 @@ from ..schedule import (AccumulateAndStep, CommitP2P, DelayedBackward, ForwardPa
                         PostP2P, ReverseReconstruct, Window, channels, delay, reconstructs)
 from ..schedule.instructions import BACKWARD, FORWARD, LOAD, STEP
 
-#: the compute phases of a clock, in the order a stage must run them
+#: the compute phases of a clock, in the order a rank must run them
 COMPUTE_PHASES = (LOAD, FORWARD, BACKWARD, STEP)
 
 
@@ -133,7 +133,7 @@ class _Replay:
         self.graph: dict[int, tuple[int, int]] = {}  # last stage's live graph
         self.done_this_clock: dict[int, int] = {}  # stage -> clock of its last step
         self.ties = {key: (owner, tuple(readers)) for key, owner, readers in ties}
-        self.phase_reached: dict[int, tuple[int, int]] = {}  # stage -> (clock, latest compute phase run)
+        self.phase_reached: dict[int, tuple[int, int]] = {}  # rank -> (clock, latest compute phase run)
 
     def reconstructs(self, j: int) -> bool:
         return reconstructs(j, self.J, self.reversible[j], self.input_buffer)
@@ -206,18 +206,16 @@ class _Replay:
     # --- instructions ---
 
     def execute(self, rank: int, clock: int, cmd) -> bool:
-        """Run ``cmd``; False when it must wait (only a commit can). A stage's compute runs in the order of
-        its instructions' phases within a clock (load, forward, backward, step); the stages of a rank may
-        interleave (a rank that hosts every stage runs each stage's forward and backward back to back)."""
+        """Run ``cmd``; False when it must wait (only a commit can). A rank's compute runs in the order of
+        its instructions' phases within a clock (load, forward, backward, step)."""
         done = self.run_instruction(rank, clock, cmd)
         if cmd.phase in COMPUTE_PHASES:
-            seen_clock, latest = self.phase_reached.get(cmd.stage, (clock, 0))
+            seen_clock, latest = self.phase_reached.get(rank, (clock, 0))
             latest = latest if seen_clock == clock else 0
             phase = COMPUTE_PHASES.index(cmd.phase)
             if phase < latest:
-                self.fail(rank, clock, cmd, f"a {cmd.phase} after the {COMPUTE_PHASES[latest]} phase of its "
-                                            "stage's clock")
-            self.phase_reached[cmd.stage] = (clock, phase)
+                self.fail(rank, clock, cmd, f"a {cmd.phase} after the {COMPUTE_PHASES[latest]} phase of its clock")
+            self.phase_reached[rank] = (clock, phase)
         return done
 
     def run_instruction(self, rank: int, clock: int, cmd) -> bool:

@@ -50,6 +50,12 @@
 #          line says what the graphs' memory adds. tests/test_gpu.py checks that graphs train as eager does (fp32,
 #          bf16, keyed dropout, RevGPT) and the float64 oracle. Their first lease: STEPS="tests graphs", about 7
 #          minutes; a run that fails prints its traceback in tests.log
+#   fp16   python -m benchmarks.gpu --dtypes fp16 (STEPS=fp16, about 4 minutes; a later lease): plain backprop through
+#          torch's GradScaler against PETRA's loss scale per stage. petra/plain near bf16's: a CPU counts 1.16x (RevGPT)
+#          and 1.45x (RevNet18) plain's ops a micro-batch under fp16, 1.14x and 1.27x under bf16
+#          (host_ops_fp16_cpu.json); each petra run's skipped_steps a handful (the scale coming down from 2^16, at most
+#          a few per stage), its "precision" the scales it ended at. tests/test_gpu.py's fp16 runs check the float64
+#          oracle (FP16_TOL), on no GPU yet
 # A later lease: STEPS=bench BENCH_ARGS="--models revnet18 --variants plain petra --channels-last" times RevNet18 in
 # channels-last memory format (cuDNN's layout conversions were 612 of plain's kernels a fp32 call on the H200, 824 of
 # PETRA's): petra/plain against the default layout's is what to look at.
@@ -86,6 +92,10 @@ case " $STEPS " in *" graphs "*)
   step graphs 300 python -m benchmarks.gpu --rounds 2 --calls 8 --dtypes bf16 \
     --variants plain petra petra_unchecked petra_graphs --output "$OUT/gpu_graphs.json" ;;
 esac
+case " $STEPS " in *" fp16 "*)
+  step fp16 300 python -m benchmarks.gpu --rounds 2 --calls 8 --dtypes fp16 --variants plain petra petra_unchecked \
+    ${BENCH_ARGS:-} --output "$OUT/gpu_fp16.json" ;;
+esac
 case " $STEPS " in *" lm "*)
   # text no setting was tuned on: this machine's Python standard-library sources, [a-h]*.py / [t-z]*.py
   LM_DATA=${LM_DATA:-$(mktemp -d)}
@@ -118,7 +128,7 @@ import json, os, sys
 from benchmarks.lib.single_gpu import host_line
 
 out = sys.argv[1]
-for name in ("gpu.json", "gpu_compiled.json", "gpu_graphs.json"):
+for name in ("gpu.json", "gpu_compiled.json", "gpu_graphs.json", "gpu_fp16.json"):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         continue

@@ -463,6 +463,7 @@ def run_petra(name: str, args: argparse.Namespace, dtype: str, memory: DeviceMem
     result["channels_last_weights"] = channels_last
     scales = engine.stages.loss_scales()
     result["precision"] = engine.precision.describe() + (f", at {sorted(set(scales.values()))}" if scales else "")
+    result["skipped_steps"] = len(engine.skipped_steps)  # fp16: each stage's overflows while its scale comes down
     engine = module = data = None  # what train_batch held goes before the leftover is measured
     return result | {"leftover_bytes": memory.release()}
 

@@ -65,14 +65,12 @@ from petra_ds.util.files import write_text_atomic
 
 from . import host_instructions
 from .example_runs import one_cpu_process, save_report
+from .single_gpu import AUTOCAST, DEFAULT_DTYPES, DTYPES
 
 PARTS = ("ops", "syncs", "bytecodes", "offload", "time", "instructions")
 #: what a run without --parts measures (instructions need valgrind and minutes)
 DEFAULT_PARTS = ("ops", "syncs", "bytecodes", "offload", "time")
 MODELS = ("revgpt", "revnet18")
-#: the precisions ``ops`` and ``syncs`` count in, and the autocast dtype of each (None: none)
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPES = tuple(AUTOCAST)
 #: what changes an op count is kept from the GPU benchmark (blocks, stages, heads, k); the rest is narrowed
 FULL = {"k": 4, "revgpt_blocks": 12, "revgpt_heads": 12, "revgpt_d": 96, "revgpt_seq": 16, "revgpt_batch": 2,
         "revgpt_stages": 4, "revnet_width": 8, "revnet_image": 8, "revnet_batch": 2, "revnet_stages": 10,
@@ -88,8 +86,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="small sizes (what the tests check)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS))
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["fp32", "bf16"],
-                        help="ops, ops_graphs and syncs: the precisions counted (fp16: opt-in)")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DEFAULT_DTYPES),
+                        help="ops, ops_graphs and syncs: the precisions counted (the GPU benchmark's; fp16 opt-in)")
     parser.add_argument("--time-model", choices=MODELS, default="revgpt",
                         help="time and instructions: the negligible RevGPT (default), or RevNet18 at the ops sizes "
                              "with its J = 10 one-layer stages (the GPU benchmark's partition)")

@@ -428,10 +428,11 @@ def negligible_model(args: argparse.Namespace) -> dict[str, Any]:
 def variant_calls(m: dict, k: int) -> dict[str, Callable[[], Any]]:
     """One ``train_batch`` of each variant on ``m``'s layers, warmed up to steady state.
 
-    Every variant is built, warmed up and thrown away once first: the first engine of a kind built in a process
-    shares its memory with the one-time work its build and first calls trigger (imports, caches), and ran about 2%
-    slower than the same engine built after it (PETRA against DeepSpeed's engine, each built first in turn, 4 runs
-    of 40 rounds: 1.44x built first, 1.415x built second; 1.43x either way after a thrown-away build of each)."""
+    Every variant is built, warmed up and thrown away once first: the first engine of a kind built in a process ran
+    about 2% slower than the same engine built after it, likely because it shares its memory with the one-time work
+    its build triggers (deepspeed.initialize's imports among it). PETRA against DeepSpeed's engine, each built first
+    in turn, 4 runs of 40 rounds: 1.44x built first, 1.415x built second; 1.43x either way after a thrown-away build
+    of each."""
     builders = {"petra": lambda: _petra_call(m, k), "petra_unchecked": lambda: _petra_call(m, k, check_finite=False),
                 "deepspeed_1f1b_one_stage": lambda: _deepspeed_call(m, k),
                 "torch_1f1b_one_stage": lambda: _torch_call(m, k), "plain": lambda: _plain_call(m, k),

@@ -52,7 +52,7 @@
 #          minutes; a run that fails prints its traceback in tests.log
 #   fp16   python -m benchmarks.gpu --dtypes fp16 (STEPS=fp16, about 4 minutes; a later lease): plain backprop through
 #          torch's GradScaler against PETRA's loss scale per stage. petra/plain near bf16's: a CPU counts 1.16x (RevGPT)
-#          and 1.45x (RevNet18) plain's ops a micro-batch under fp16, 1.14x and 1.27x under bf16
+#          and 1.42x (RevNet18) plain's ops a micro-batch under fp16, 1.14x and 1.27x under bf16
 #          (host_ops_fp16_cpu.json); each petra run's skipped_steps a handful (the scale coming down from 2^16, at most
 #          a few per stage), its "precision" the scales it ended at. tests/test_gpu.py's fp16 runs check the float64
 #          oracle (FP16_TOL), on no GPU yet

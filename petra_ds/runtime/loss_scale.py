@@ -131,6 +131,7 @@ class StageLossScale:
         #: ``loss_scale_window``, and a step without overflow at ``loss_scale_window`` doubles the scale (DeepSpeed's
         #: "stable interval" s: 0 for s = 0, else (s - 1) mod window + 1)
         self.in_window = torch.zeros((), device=device)
+        self._full_hysteresis = torch.full_like(self.hysteresis, float(config.hysteresis))
 
     def loss(self, loss: Tensor, k: int) -> Tensor:
         """What the last stage backpropagates: its micro-batch's share of the step's mean loss, times s_j."""
@@ -151,23 +152,24 @@ class StageLossScale:
 
     def update(self, found_inf: Tensor) -> Tensor | None:
         """After the step that ``found_inf`` (1.0: its gradients held an Inf or NaN, else 0.0) guarded: the next s_j,
-        in place, in about 20 scalar ops on the device. Returns a device bool, whether this overflow is not the scale's
+        in place, in 17 scalar ops on the device. Returns a device bool, whether this overflow is not the scale's
         to handle: it came at the minimum scale, where no lower scale can help (None for a fixed scale: every
         overflow is a non-finite gradient then)."""
         c = self.config
         if not c.dynamic:
             return None
-        unhandled = torch.le(self.scale, c.min_loss_scale)
         lower = found_inf * torch.le(self.hysteresis, 1)  # 1.0: this overflow halves the scale
+        unhandled = torch.logical_and(torch.le(self.scale, c.min_loss_scale), lower)
         good = 1 - found_inf
         grow = good * torch.eq(self.in_window, c.loss_scale_window)  # 1.0: this step doubles it
-        self.scale.mul_(torch.pow(2.0, grow - lower)).clamp_(min=c.min_loss_scale)  # powers of two: exact
+        # s + s x (1, -1/2 or 0): doubled, halved or kept, exactly (a power of two)
+        self.scale.addcmul_(self.scale, torch.sub(grow, lower, alpha=0.5)).clamp_(min=c.min_loss_scale)
         torch.reciprocal(self.scale, out=self.inverse)
         self.hysteresis.sub_(found_inf - lower)  # an overflow that does not lower the scale uses one up
-        refill = good if c.consecutive_hysteresis else grow
-        self.hysteresis.add_(refill * (c.hysteresis - self.hysteresis))
+        # refilled to ``hysteresis`` (a weight of exactly 0 or 1 makes lerp exact)
+        self.hysteresis.lerp_(self._full_hysteresis, good if c.consecutive_hysteresis else grow)
         self.in_window.remainder_(c.loss_scale_window).add_(1).mul_(good)
-        return torch.logical_and(unhandled, lower > 0)
+        return unhandled
 
     def value(self) -> float:
         """s_j now (a host read)."""

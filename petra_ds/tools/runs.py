@@ -325,8 +325,8 @@ def skipped_steps(engine: DeepSpeedEngine) -> dict[str, Any]:
 
     if not isinstance(engine, PetraEngine):
         return {"skipped_steps": int(getattr(engine, "skipped_steps", 0) or 0)}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (list(engine.skipped_steps), engine.stages.loss_scales()))
+    gathered = engine.transport.all_gather_object((list(engine.skipped_steps), engine.stages.loss_scales()),
+                                                  "the skipped steps and loss scales for summary.json")
     skipped = sorted({tuple(s) for steps, _ in gathered for s in steps})
     scales = {j: scale for _, rank_scales in gathered for j, scale in rank_scales.items()}
     return {"skipped_steps": len(skipped), "skipped": [list(s) for s in skipped],

@@ -438,15 +438,17 @@ def variant_calls(m: dict, k: int) -> dict[str, Callable[[], Any]]:
                 "torch_1f1b_one_stage": lambda: _torch_call(m, k), "plain": lambda: _plain_call(m, k),
                 "plain_and_petra_forwards": lambda: _plain_call(m, k, again=_reevaluated_layers(m)),
                 "petra_structure": lambda: structure_call(m, k)}
-    for kept in (False, True):
+
+    def built() -> dict[str, Callable[[], Any]]:
         calls = {name: build() for name, build in builders.items()}
         for call in calls.values():
             for _ in range(fill_calls(m["J"], k) + 1):
                 call()
-        if not kept:
-            del calls
-            gc.collect()
-    return calls
+        return calls
+
+    built()  # thrown away
+    gc.collect()
+    return built()
 
 
 def interleaved(names: list[str], rounds: int) -> list[str]:

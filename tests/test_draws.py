@@ -1,6 +1,7 @@
 """A keyed scope with nothing to key is skipped (``petra_ds.nn.draws``): which modules can draw random numbers, decided
-conservatively and once per training window; training with the skipped scopes equals training with every scope
-keyed, bit for bit; a dropout switched on between windows is keyed from the next window on."""
+conservatively and once per training window (in an engine, once while its modules stay as they were:
+``test_lasting.py``); training with the skipped scopes equals training with every scope keyed, bit for bit; a
+dropout switched on between windows is keyed from the next window on."""
 
 import os
 import sys
@@ -15,6 +16,7 @@ from petra_ds.models.decoder import DecoderBlock, DecoderNorm
 from petra_ds.models.revnet import DownsampleBlock, RevBlock, Stem
 from petra_ds.models.transformer import Embedding, RevGPTBlock, lm_loss
 from petra_ds.nn import AdditiveCoupling
+from petra_ds.nn import draws
 from petra_ds.nn.draws import draws_random, may_draw
 from petra_ds.nn.window import modules_fixed
 
@@ -119,16 +121,23 @@ def test_asked_once_per_window_and_keyed_outside_one():
         assert may_draw(module)
 
 
-def test_inside_a_window_every_module_walked_keeps_its_answer():
-    """The window's walk answers for each module under the one asked (a branch asked later reads it), a slot that
-    holds no module (``register_module(name, None)``) draws nothing, and a module without a hash is walked too."""
+def test_inside_a_window_one_walk_serves_every_module_under_it(monkeypatch):
+    """The window walks each module once, and a module under one already walked (a branch asked after its stage) is
+    not walked again; a slot that holds no module (``register_module(name, None)``) draws nothing, a module without a
+    hash is walked too, and an answer once given stands for the window."""
+    walked = []  # each module walked is asked once whether it is hooked
+    hooked = draws.hooked
+    monkeypatch.setattr(draws, "hooked", lambda module: walked.append(module) or hooked(module))
     module = mlp(0.0)
     module.register_module("empty", None)
     module.append(Unhashable())
     with modules_fixed():
         assert not may_draw(module)
+        assert len(walked) == 6  # the Sequential, its four layers and the Unhashable, each once
+        assert not may_draw(module[2]) and not may_draw(module[-1])
         module[2].p = 0.5
-        assert not draws_random(module[2])  # the window's answer, worked out by the walk above
+        assert not may_draw(module)  # the window's answer
+        assert len(walked) == 6
     assert draws_random(module[2]) and draws_random(module)
 
 

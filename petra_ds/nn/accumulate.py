@@ -12,7 +12,7 @@ Which parameters a graph accumulates into is its owner's (a coupling's F, a stag
 graph after the owner's parameters last changed. An owner whose graph reaches a parameter it does not hold (a
 closure over another module's weight) keeps autograd's accumulation, which finds every parameter. Inside the
 engine's window (``window.modules_fixed``) an owner's parameters are collected and checked once, not at every
-graph.
+graph, and kept across the engine's windows while its modules stay as they were (``window.Lasting``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .window import window_cache
+from .window import lasting_cache, window_cache
 
 #: a tensor's ``.grad`` and ``.requires_grad`` read at C level: per-tensor loops through ``map`` and ``filter``
 #: run no Python frame per tensor (a stage runs them per graph and per backward)
@@ -43,17 +43,20 @@ ENGINE_ENTRY = getattr(torch.autograd.graph, "_engine_run_backward", None)
 def _trainable(owner: Any, outputs: Sequence[Tensor], leaves: Sequence[Tensor]) -> tuple[list[Tensor], bool]:
     """``owner``'s trainable parameters, and whether its graphs accumulate into no others (checked on the first
     graph after its parameters last changed)."""
-    cache = window_cache("parameters")  # owner -> (its trainable parameters, whether its graph reaches no others)
-    found = None if cache is None else cache.get(owner)
-    if found is None:
-        params = tuple(owner.parameters())
-        ids = tuple(map(id, params))
-        checked = _CHECKED.get(owner)
-        if checked is None or checked[0] != ids:
-            checked = _CHECKED[owner] = (ids, _reaches_only(outputs, leaves, params))
-        found = ([p for p in params if p.requires_grad], checked[1])
-        if cache is not None:
-            cache[owner] = found
+    cache = lasting_cache("parameters", owner)  # id(owner) -> (owner, (its trainable parameters, whether ...))
+    if cache is None:
+        cache = window_cache("parameters")
+    held = None if cache is None else cache.get(id(owner))
+    if held is not None and held[0] is owner:
+        return held[1]
+    params = tuple(owner.parameters())
+    ids = tuple(map(id, params))
+    checked = _CHECKED.get(owner)
+    if checked is None or checked[0] != ids:
+        checked = _CHECKED[owner] = (ids, _reaches_only(outputs, leaves, params))
+    found = ([p for p in params if p.requires_grad], checked[1])
+    if cache is not None:
+        cache[id(owner)] = (owner, found)
     return found
 
 

@@ -7,8 +7,10 @@ and on a CPU their states (2.5 KB for the Mersenne twister) go through the cache
 (RevNets, most LLM pre-training) that was 5-8% of a clock's host time for nothing. Where nothing under a branch (a
 stage) can draw, its scope is skipped: it draws what it drew before, nothing.
 
-"Can draw" is decided conservatively, once per training window (``window.py``; outside a window every scope is
-keyed, as it always was). A module draws nothing when no forward hook can run on it and it is
+"Can draw" is decided conservatively, once per training window, or in an engine once for as long as its modules stay
+as they were (``window.py``; outside a window every scope is keyed, as it always was): a walk finds what the answer
+depends on (``_Plan``), and a dropout's rate and a module's own declaration are read in each window. A module draws
+nothing when no forward hook can run on it and it is
 
 - of a torch.nn type known to draw nothing (the layers, norms, activations, pools and containers below; an exact
   type, not a subclass, whose forward may do anything), each module under it too;
@@ -25,13 +27,13 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules import module as torch_module
 
-from .window import window_cache
+from .window import lasting_cache, window_cache
 
 #: torch.nn types whose forward draws no random number (an exact type; RReLU and the fractional pools draw)
 _DETERMINISTIC = frozenset({
@@ -62,15 +64,14 @@ _DROPOUTS = frozenset({nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.
 def draws_random(module: Any) -> bool:
     """Whether running ``module`` can draw random numbers (see the module's docstring). Outside a training window it
     is asked afresh each time; inside one, each module's answer is worked out once, when the window first asks for
-    it or for a module above it, and stands for the window. A tuple of parts run together draws when any of them
-    does."""
+    it, and stands for the window. A tuple of parts run together draws when any of them does."""
     return _draws(module, window_cache("draws"))
 
 
 def by_children(module: nn.Module) -> bool:
     """A ``draws_random`` for a module whose own forward draws nothing: its submodules decide (``draws_random =
     by_children`` in its class)."""
-    return _children_draw(module, window_cache("draws"))
+    return _kept("draw plans of children", module, _children_plan).draws()
 
 
 def may_draw(module: Any) -> bool:
@@ -83,13 +84,13 @@ def may_draw(module: Any) -> bool:
 
 def _draws(module: Any, cache: dict | None) -> bool:
     """:func:`draws_random` with the window's answers (None: outside a window). The cache holds a module and its
-    answer under the module's id (a module need not be hashable; held, the id stays its own), a tuple's answer under
-    the tuple and a class's :func:`_declaration` under the class."""
+    answer under the module's id (a module need not be hashable; held, the id stays its own) and a tuple's answer
+    under the tuple."""
     if isinstance(module, nn.Module):
         held = None if cache is None else cache.get(id(module))
         if held is not None and held[0] is module:
             return held[1]
-        found = _module_draws(module, cache)
+        found = _plan(module).draws()
         if cache is not None:
             cache[id(module)] = (module, found)
         return found
@@ -106,33 +107,70 @@ def _draws(module: Any, cache: dict | None) -> bool:
     return True if declared is None else bool(declared())
 
 
-def _module_draws(module: nn.Module, cache: dict | None) -> bool:
-    """:func:`draws_random` of a module, its submodules' answers taken from ``cache`` (walked on where missing)."""
-    if hooked(module):
-        return True
-    kind = type(module)
-    declared = None if cache is None else cache.get(kind)
-    if declared is None:
-        declared = _declaration(kind)
-        if cache is not None:
-            cache[kind] = declared
-    if declared:
-        return bool(module.draws_random())
-    if kind in _DROPOUTS:
-        return module.training and module.p > 0
-    if kind not in _DETERMINISTIC:
-        return True
-    return bool(module._modules) and _children_draw(module, cache)
-
-
-def _children_draw(module: nn.Module, cache: dict | None) -> bool:
-    """Whether any submodule of ``module`` can draw: its submodule slots read directly (``children()`` is a generator
-    over a generator that keeps a set: most of a walk's host time)."""
-    return any(map(_draws, filter(_IS_MODULE, module._modules.values()), itertools.repeat(cache)))
-
-
 #: a submodule slot that holds a module (``register_module(name, None)`` leaves None in it)
 _IS_MODULE = functools.partial(operator.is_not, None)
+_RATE = operator.attrgetter("p")
+_POSITIVE = functools.partial(operator.lt, 0)
+_ASK = operator.methodcaller("draws_random")
+
+
+class _Plan(NamedTuple):
+    """What a module's answer is made of, found by walking it once: whether it draws whatever else holds (a hook, a
+    type not known to draw nothing), the dropouts in training mode under it (each draws while its rate is above 0)
+    and the modules under it that answer for themselves (asked in each window). The walk reads only what a window
+    holds still (``window.py``), so a plan lasts as long as the engine's :class:`~.window.Lasting` keeps it."""
+
+    always: bool
+    dropouts: tuple
+    asked: tuple
+
+    def draws(self) -> bool:
+        return self.always or any(map(_POSITIVE, map(_RATE, self.dropouts))) or any(map(_ASK, self.asked))
+
+
+_NEVER = _Plan(False, (), ())
+_ALWAYS = _Plan(True, (), ())
+
+
+def _plan(module: nn.Module) -> _Plan:
+    return _kept("draw plans", module, _walk)
+
+
+def _kept(purpose: str, module: nn.Module, make: Callable[[nn.Module], _Plan]) -> _Plan:
+    """``make(module)``, kept between the engine's windows where it lasts (``window.Lasting``), else for the window."""
+    cache = lasting_cache(purpose, module)
+    if cache is None:
+        cache = window_cache(purpose)
+    held = None if cache is None else cache.get(id(module))
+    if held is not None and held[0] is module:
+        return held[1]
+    plan = make(module)
+    if cache is not None:
+        cache[id(module)] = (module, plan)
+    return plan
+
+
+def _walk(module: nn.Module) -> _Plan:
+    if hooked(module):
+        return _ALWAYS
+    kind = type(module)
+    declared = _declaration(kind)
+    if declared and kind.draws_random is not by_children:
+        return _Plan(False, (), (module,))
+    if kind in _DROPOUTS:
+        return _Plan(False, (module,) if module.training else (), ())
+    if kind not in _DETERMINISTIC and not declared:
+        return _ALWAYS
+    return _children_plan(module)
+
+
+def _children_plan(module: nn.Module) -> _Plan:
+    parts = list(map(_plan, filter(_IS_MODULE, module._modules.values())))
+    if not parts:
+        return _NEVER
+    if any(part.always for part in parts):
+        return _ALWAYS
+    return _Plan(False, sum((part.dropouts for part in parts), ()), sum((part.asked for part in parts), ()))
 
 
 def hooked(module: nn.Module) -> bool:

@@ -19,7 +19,6 @@ import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import Tensor
 
-from ..nn.window import modules_fixed
 from ..nn.batchnorm import BatchNormPolicy
 from ..nn.rng import RowBlocks
 from ..pipeline.module import layer_module, stage_layers, stage_reversible, stages_per_rank_of
@@ -254,7 +253,7 @@ class PetraEngine(PipelineEngine):
     def _run_window(self, window: Window) -> Tensor:
         self._window_losses = []
         self._notify("window_start", window)
-        with modules_fixed():
+        with self.stages.window():
             self._exec(PetraSchedule.for_window(
                 window, self.pipeline_ranks, self.stage_id, stages_per_rank=self.stages_per_rank,
                 gradient_accumulation_steps=self.micro_batches, reversible=self.reversible,

@@ -10,13 +10,14 @@ state a checkpoint keeps. Built once, in the engine's constructor, with everythi
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 from torch import Tensor
 
 from ..nn.casts import clock_casts
+from ..nn.window import Lasting, modules_fixed
 from ..pipeline.module import stage_layers
 from ..pipeline.ties import TiedWeights
 from ..schedule.channels import Key
@@ -60,6 +61,7 @@ class LocalStages(Mapping[int, Stage]):
                                     non_finite=config.non_finite, ties=ties, average=average, take=take,
                                     notify=notify)
                        for i, (j, st) in enumerate(self._stages.items())}
+        self._lasting = Lasting(module for st in self._stages.values() for module in st.modules)
 
     def __getitem__(self, stage: int) -> Stage:
         return self._stages[stage]
@@ -88,6 +90,11 @@ class LocalStages(Mapping[int, Stage]):
     def tie_specs(self) -> list[tuple[str, int, tuple[int, ...]]]:
         """The ties as the schedule takes them (``PetraSchedule.for_window``'s ``ties``)."""
         return self.ties.specs()
+
+    def window(self) -> ContextManager[None]:
+        """What a training window runs under: its modules held still (``nn/window.py``), and what earlier windows
+        worked out about them kept while they stay as they were."""
+        return modules_fixed(self._lasting)
 
     @contextmanager
     def clock(self) -> Iterator[None]:

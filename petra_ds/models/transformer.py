@@ -117,8 +117,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: Any = None, layer: int = 0, **_: Any) -> Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.norm(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        # (b, t, 3 d) -> q, k, v as (b, heads, t, d / heads) views: three ops, not a split and a view and a transpose
+        # each (the same strides, so the same bits)
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4).unbind()
         if cache is not None:
             k, v = cache.update(k, v, layer)
         mask = cached_attention_mask(t, k.shape[2], x.device)

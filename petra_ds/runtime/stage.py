@@ -17,7 +17,7 @@ stage's loss scale, which its step removes: ``runtime/loss_scale.py``).
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, Sequence
 
@@ -42,7 +42,7 @@ from .grad_buffer import StageGrads
 from .graphed import graph_layers
 from .ledger import tensor_bytes
 from .loss_scale import NoLossScale, StageLossScale
-from .scope import StageScope
+from .scope import stage_scope
 
 
 @dataclass
@@ -216,11 +216,11 @@ class Stage:
         return shaped_like(x, [t.to(stream_dtype) if t.is_floating_point() and t.dtype == dtype else t
                         for t in as_tuple(x)])
 
-    def scope(self, m: int, update_bn: bool) -> StageScope:
+    def scope(self, m: int, update_bn: bool) -> AbstractContextManager[None]:
         """Keyed RNG of (seed, m, stage, replica's rows) where anything it runs can draw (``nn.draws``); batch norms
         update running statistics iff ``update_bn``."""
-        return StageScope(self.options.seed, m, self.index, self.options.rows, self.norms, update_bn,
-                          keyed=may_draw(self.runs))
+        return stage_scope(self.options.seed, m, self.index, self.options.rows, self.norms, update_bn,
+                           keyed=may_draw(self.runs))
 
     @property
     def _bn_in_forward(self) -> bool:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 from torch import Tensor, nn
 
+from ..util.grad_mode import enable_grad, no_grad
 from .reversible import Activation, Reversible, Tape, add_grad, as_dtype, vjp_into
 from .draws import by_children
 from .rng import layer_rng
@@ -42,7 +42,7 @@ def _plain(t: Tensor) -> Tensor:
 
 def _undo(y: Tensor, residual: Tensor) -> Tensor:
     """``y - residual`` in ``y``'s dtype, outside any graph (no detached views needed)."""
-    with torch.no_grad():
+    with no_grad():
         return y - as_dtype(residual, y.dtype)
 
 
@@ -79,11 +79,11 @@ class AdditiveCoupling(Reversible):
 
     def reconstruct(self, y: Activation) -> tuple[tuple[Tensor, Tensor], Tape]:
         y1, y2 = y
-        with torch.enable_grad():
+        with enable_grad():
             y1_leaf = _leaf(y1)
             g = self._g(y1_leaf)
         x2_leaf = _undo(y2, g).requires_grad_()
-        with torch.enable_grad():
+        with enable_grad():
             f = self._f(x2_leaf)
         return (_undo(y1, f), x2_leaf.detach()), _AdditiveTape(y1_leaf, g, x2_leaf, f, self.F, self.G)
 
@@ -125,7 +125,7 @@ class SwapCoupling(Reversible):
 
     def reconstruct(self, y: Activation) -> tuple[tuple[Tensor, Tensor], Tape]:
         y1, y2 = y
-        with torch.enable_grad():
+        with enable_grad():
             x2_leaf = _leaf(y1)
             f = self._f(x2_leaf)
         return (_undo(y2, f), _plain(y1)), _SwapTape(x2_leaf, f, self.F)
@@ -181,7 +181,7 @@ class HalfCoupling(Reversible):
 
     def reconstruct(self, y: Activation) -> tuple[tuple[Tensor, Tensor], Tape]:
         ya, yb = y[self._a], y[self._b]
-        with torch.enable_grad():
+        with enable_grad():
             xb_leaf = _leaf(yb)
             f = self._f(xb_leaf)
         return self._pair(_undo(ya, f), _plain(yb)), _HalfTape(xb_leaf, f, self.F, self._pair)

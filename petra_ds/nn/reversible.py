@@ -21,6 +21,7 @@ from typing import Any, Callable, ContextManager, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from ..util.grad_mode import enable_grad, no_grad
 from .accumulate import backprop
 from .draws import by_children
 
@@ -207,10 +208,10 @@ class Reversible(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} declares itself reversible but has no inverse()")
 
     def reconstruct(self, y: Activation) -> tuple[Activation, Tape]:
-        with torch.no_grad():
+        with no_grad():
             x = self.inverse(y)
         x_leaf = detach_leaf(x)
-        with torch.enable_grad():
+        with enable_grad():
             y_again = self.forward(x_leaf)
         owner = self if isinstance(self, nn.Module) else None
         return shaped_like(x, [t.detach() for t in as_tuple(x)]), GraphTape(x_leaf, y_again, owner)

@@ -50,6 +50,7 @@ from torch import Tensor
 from ..nn.casts import weights_written
 from ..schedule import delay
 from ..util.checks import positive_int
+from ..util.grad_mode import no_grad
 
 METHODS = ("none", "weight_prediction", "lr_rescale", "adaptive_momentum", "error_feedback")
 
@@ -217,19 +218,19 @@ class WeightPrediction(StageCompensation):
             return
         weights = [p.data for p in self.params]
         stored = [torch.empty_like(w) for w in weights]
-        with torch.no_grad():  # multi-tensor ops for the stage
+        with no_grad():  # multi-tensor ops for the stage
             torch._foreach_copy_(stored, weights)
             torch._foreach_add_(weights, torch._foreach_mul(self.d, self.ahead))
         weights_written()
         try:
             yield
         finally:
-            with torch.no_grad():
+            with no_grad():
                 torch._foreach_copy_(weights, stored)
             weights_written()
 
     def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
-        with torch.no_grad():  # multi-tensor ops: a few ops per step for the stage, not a few per tensor
+        with no_grad():  # multi-tensor ops: a few ops per step for the stage, not a few per tensor
             _, update = _step_and_update(self.params, optimizer_step)
             if self.d is None or self.beta == 0:
                 self.d = update
@@ -256,7 +257,7 @@ class ErrorFeedback(StageCompensation):
         self.last: list[Tensor] | None = None  # u_{t-1}; None before the first step (zero)
 
     def step(self, optimizer_step: Callable[[], Any], optimizer: Any, step: int) -> None:
-        with torch.no_grad():  # a few multi-tensor ops for the stage
+        with no_grad():  # a few multi-tensor ops for the stage
             weights, update = _step_and_update(self.params, optimizer_step)
             change = update if self.last is None else torch._foreach_sub(update, self.last)
             torch._foreach_add_(weights, change, alpha=self.ahead)

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..nn.accumulate import REQUIRES_GRAD
 from ..nn.check import NonFiniteError
+from ..util.grad_mode import no_grad
 from ..util.nested import tensors_in
 
 #: what to check first, by kind
@@ -122,7 +123,7 @@ def max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
     norm; on the CPU, where that norm is a scalar loop 10x slower than a vectorised one, the foreach maximum of the
     foreach absolute values. Tensors on several devices (a data dict left on the host) end on a GPU's."""
     if any(map(REQUIRES_GRAD, tensors)):  # a loss: its reduction joins no graph
-        with torch.no_grad():
+        with no_grad():
             return _max_abs_each(tensors)
     return _max_abs_each(tensors)
 
@@ -248,7 +249,7 @@ class FiniteWatch:
         grads = float_tensors(grads)
         if not grads:
             return None
-        with torch.no_grad():
+        with no_grad():
             value = max_abs_each(grads)[0].amax() if norm is None else norm.float()
             found_inf = torch.nan_to_num(value * 0, nan=1.0)
         report = self._backward_gradients.pop(stage, None)

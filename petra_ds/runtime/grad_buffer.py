@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..nn.accumulate import GRAD, REQUIRES_GRAD
+from ..util.grad_mode import no_grad
 
 
 class GradBuffer:
@@ -57,7 +58,7 @@ class GradBuffer:
 
     def attach(self) -> None:
         """Make every parameter's ``.grad`` its view again, keeping its value (None: zero)."""
-        with torch.no_grad():
+        with no_grad():
             for p, view in zip(self.params, self.views):
                 if p.grad is view:
                     continue

@@ -34,6 +34,7 @@ from ..nn.reversible import (Activation, GraphTape, SequentialTape, as_tuple, as
 from ..nn.rng import RowBlocks
 from ..pipeline.module import layer_module
 from ..schedule import reconstructs
+from ..util.grad_mode import enable_grad, no_grad
 from .compensation import NoCompensation
 from .compiled import compile_layers
 from .fifo import InputFifo, StreamCopies, saved_entries
@@ -182,7 +183,7 @@ class Stage:
         """``inverse(forward(x)) == x`` for every layer declared reversible, on this input: a wrong inverse
         would otherwise train a wrong model silently. Raises ``ReversibilityError`` naming the layer."""
         self._checked = True
-        with torch.no_grad(), norms_running_stats(self.norms, update=False):
+        with no_grad(), norms_running_stats(self.norms, update=False):
             for i, layer in enumerate(self.layers):
                 if isinstance(layer, nn.Module) and is_reversible(layer):
                     check_reversible(layer, x, name=f"stage {self.index}, its layer {i} ({type(layer).__name__})",
@@ -237,7 +238,7 @@ class Stage:
             self.check_layers(x)
         if self.is_last:
             # its only evaluation is the one that is differentiated: it plays the backward's role
-            with self.scope(m, update_bn=True), torch.enable_grad():
+            with self.scope(m, update_bn=True), enable_grad():
                 leaf = detach_leaf(x)
                 loss = self.loss_fn(self.run(leaf), labels)
             if loss.dim() != 0:
@@ -245,7 +246,7 @@ class Stage:
             self.live = (m, x, leaf, loss)
             self.finite.loss(self.index, m, loss)
             return loss.detach()
-        with self.scope(m, update_bn=self._bn_in_forward), torch.no_grad(), self.compensation.forward_weights():
+        with self.scope(m, update_bn=self._bn_in_forward), no_grad(), self.compensation.forward_weights():
             y = self.run(x)
         if self.is_first:
             self.raw.append(m, x)
@@ -359,7 +360,7 @@ class Stage:
     def vjp(self, m: int, x: Activation, delta: Activation, *, update_bn: bool) -> Activation:
         """Recompute F_j from input ``x`` under micro-batch ``m``'s keyed RNG and pull ``delta`` back through it:
         the parameter gradients accumulate into ``.grad``; returns the input gradient."""
-        with self.scope(m, update_bn=update_bn), torch.enable_grad():
+        with self.scope(m, update_bn=update_bn), enable_grad():
             # stage 0 sends no input gradient: its data stays out of the graph (no detached leaf, no dx computed)
             leaf = x if self.is_first else detach_leaf(x)
             out = self.run(leaf)
@@ -378,7 +379,7 @@ class Stage:
     @staticmethod
     def _swap_in(params: Sequence[Tensor], values: Sequence[Tensor]) -> list[Tensor]:
         """Copy ``values`` into ``params``; return what they held."""
-        with torch.no_grad():
+        with no_grad():
             saved = [p.detach().clone() for p in params]
             for p, v in zip(params, values):
                 p.copy_(v)

@@ -4,7 +4,7 @@ at every instruction, and ``contextlib``'s generator machinery was a visible par
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from typing import Sequence
 
 from torch import nn
@@ -41,12 +41,4 @@ class StageScope:
 
 
 #: the scope of a stage with nothing to key and no batch norm (most LLMs): shared, it does nothing
-_NOTHING = nullcontext()
-
-
-def stage_scope(seed: int, m: int, stage: int, rows: int | RowBlocks, norms: Sequence[nn.modules.batchnorm._BatchNorm],
-                update_bn: bool, keyed: bool) -> AbstractContextManager[None]:
-    """A :class:`StageScope`, or one shared no-op where it would do nothing (no stream to key, no norm to set)."""
-    if not (keyed or norms):
-        return _NOTHING
-    return StageScope(seed, m, stage, rows, norms, update_bn, keyed)
+NO_SCOPE = nullcontext()

@@ -43,7 +43,7 @@ from .grad_buffer import StageGrads
 from .graphed import graph_layers
 from .ledger import tensor_bytes
 from .loss_scale import NoLossScale, StageLossScale
-from .scope import stage_scope
+from .scope import NO_SCOPE, StageScope
 
 
 @dataclass
@@ -220,8 +220,10 @@ class Stage:
     def scope(self, m: int, update_bn: bool) -> AbstractContextManager[None]:
         """Keyed RNG of (seed, m, stage, replica's rows) where anything it runs can draw (``nn.draws``); batch norms
         update running statistics iff ``update_bn``."""
-        return stage_scope(self.options.seed, m, self.index, self.options.rows, self.norms, update_bn,
-                           keyed=may_draw(self.runs))
+        keyed = may_draw(self.runs)
+        if not (keyed or self.norms):
+            return NO_SCOPE
+        return StageScope(self.options.seed, m, self.index, self.options.rows, self.norms, update_bn, keyed=keyed)
 
     @property
     def _bn_in_forward(self) -> bool:

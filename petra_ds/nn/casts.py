@@ -23,19 +23,17 @@ from typing import ContextManager
 
 import torch
 
-from ..util.grad_mode import enable_grad, no_grad
-
 
 @functools.cache
 def shares_casts() -> bool:
     """Whether this torch's autocast cache may be shared between a ``no_grad`` evaluation and one with grad: a cast
     cached under ``no_grad`` still carries the weight's gradient (checked on the CPU; the cache is the same code on
     every device). Asked in whatever mode the caller is in: grad is enabled for the question."""
-    with torch.inference_mode(False), enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():
         weight = torch.ones(1, 1, requires_grad=True)
         x = torch.ones(1, 1)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            with no_grad():
+            with torch.no_grad():
                 torch.mm(x, weight)
             out = torch.mm(x, weight)
     return out.requires_grad

@@ -183,7 +183,7 @@ class Stage:
         """``inverse(forward(x)) == x`` for every layer declared reversible, on this input: a wrong inverse
         would otherwise train a wrong model silently. Raises ``ReversibilityError`` naming the layer."""
         self._checked = True
-        with no_grad(), norms_running_stats(self.norms, update=False):
+        with torch.no_grad(), norms_running_stats(self.norms, update=False):
             for i, layer in enumerate(self.layers):
                 if isinstance(layer, nn.Module) and is_reversible(layer):
                     check_reversible(layer, x, name=f"stage {self.index}, its layer {i} ({type(layer).__name__})",

@@ -6,6 +6,7 @@ answers; a dropout's rate and a module's own ``draws_random`` are asked in every
 import pytest
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from benchmarks.lib import host_overhead
 from petra_ds.nn import draws
@@ -48,7 +49,7 @@ def _set_class(module: nn.Module, kind: type) -> None:
     module.__class__ = kind
 
 
-#: a change between windows -> a handle to remove afterwards (a global hook) or None
+#: a change between windows, made by a function of the tree (a hook's registration returns its handle)
 CHANGES = {
     "a parameter replaced": lambda t: setattr(t[0][0], "weight", nn.Parameter(torch.zeros(8, 4))),
     "a parameter frozen": lambda t: t[0][3].bias.requires_grad_(False),
@@ -94,7 +95,7 @@ def test_a_change_between_windows_is_answered_as_a_fresh_walk_answers(change):
             after = facts(root)
         fresh = facts(root)  # outside a window: walked afresh
     finally:
-        if handle is not None and hasattr(handle, "remove"):
+        if isinstance(handle, RemovableHandle):  # a hook's
             handle.remove()
     assert same(after, fresh)
     assert not same(after, before)  # each change changes an answer: one missed would fail the line above
@@ -107,7 +108,8 @@ def test_a_steady_window_walks_nothing_and_a_module_outside_the_roots_is_walked_
     with modules_fixed(lasting):
         first = facts(root)
     assert walked and collected
-    walked.clear(), collected.clear()
+    walked.clear()
+    collected.clear()
     with modules_fixed(lasting):
         assert same(facts(root), first)
     assert walked == [] and collected == []

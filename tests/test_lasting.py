@@ -13,36 +13,16 @@ from petra_ds.nn import draws
 from petra_ds.nn.accumulate import backprop
 from petra_ds.nn.draws import draws_random, may_draw
 from petra_ds.nn.window import Lasting, modules_fixed
+from test_draws import Declared, Noisy, SubclassedLinear
 
 TINY = host_overhead.parse_args(["--tiny"])
-
-
-class Noisy(nn.Module):
-    def forward(self, x):
-        return x + torch.rand_like(x)
-
-
-class Declared(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.draws = False
-
-    def draws_random(self) -> bool:
-        return self.draws
-
-    def forward(self, x):
-        return x
-
-
-class SubclassedLinear(nn.Linear):
-    pass
 
 
 def tree() -> nn.Sequential:
     """Draws nothing: a dropout at rate 0, one in eval mode, a module that declares it draws nothing."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.0), nn.Linear(8, 4)),
-                         nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3).eval()), Declared())
+                         nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3).eval()), Declared(False))
 
 
 def _set_class(module: nn.Module, kind: type) -> None:

@@ -115,8 +115,8 @@ _ASK = operator.methodcaller("draws_random")
 
 
 class _Plan(NamedTuple):
-    """What a module's answer is made of, found by walking it once: whether it draws whatever else holds (a hook, a
-    type not known to draw nothing), the dropouts in training mode under it (each draws while its rate is above 0)
+    """What a module's answer is made of, found by walking it once: whether it draws in any case (``always``: a hook,
+    a type not known to draw nothing), the dropouts in training mode under it (each draws while its rate is above 0)
     and the modules under it that answer for themselves (asked in each window). The walk reads only what a window
     holds still (``window.py``), so a plan lasts as long as the engine's :class:`~.window.Lasting` keeps it."""
 

@@ -15,8 +15,7 @@ from torch.nn import functional as F
 from petra_ds.models.decoder import DecoderBlock, DecoderNorm
 from petra_ds.models.revnet import DownsampleBlock, RevBlock, Stem
 from petra_ds.models.transformer import Embedding, RevGPTBlock, lm_loss
-from petra_ds.nn import AdditiveCoupling
-from petra_ds.nn import draws
+from petra_ds.nn import AdditiveCoupling, draws
 from petra_ds.nn.draws import draws_random, may_draw
 from petra_ds.nn.window import modules_fixed
 
@@ -121,13 +120,19 @@ def test_asked_once_per_window_and_keyed_outside_one():
         assert may_draw(module)
 
 
+def walks_counted(monkeypatch) -> list:
+    """The modules ``draws`` walks from now on (each walked module is asked once whether it is hooked)."""
+    walked = []
+    hooked = draws.hooked
+    monkeypatch.setattr(draws, "hooked", lambda module: walked.append(module) or hooked(module))
+    return walked
+
+
 def test_inside_a_window_one_walk_serves_every_module_under_it(monkeypatch):
     """The window walks each module once, and a module under one already walked (a branch asked after its stage) is
     not walked again; a slot that holds no module (``register_module(name, None)``) draws nothing, a module without a
     hash is walked too, and an answer once given stands for the window."""
-    walked = []  # each module walked is asked once whether it is hooked
-    hooked = draws.hooked
-    monkeypatch.setattr(draws, "hooked", lambda module: walked.append(module) or hooked(module))
+    walked = walks_counted(monkeypatch)
     module = mlp(0.0)
     module.register_module("empty", None)
     module.append(Unhashable())

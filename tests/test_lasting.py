@@ -9,11 +9,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from benchmarks.lib import host_overhead
-from petra_ds.nn import draws
 from petra_ds.nn.accumulate import backprop
 from petra_ds.nn.draws import draws_random, may_draw
 from petra_ds.nn.window import Lasting, modules_fixed
-from test_draws import Declared, Noisy, SubclassedLinear
+from test_draws import Declared, Noisy, SubclassedLinear, walks_counted
 
 TINY = host_overhead.parse_args(["--tiny"])
 
@@ -112,11 +111,9 @@ def test_the_engine_s_steady_windows_walk_no_module(world_of_one, monkeypatch):
 
 
 def _counted(monkeypatch) -> tuple[list, list]:
-    """The modules ``draws`` walks (each asked whether it is hooked, once) and those whose parameters are collected,
-    from now on."""
-    walked, collected = [], []
-    hooked, parameters = draws.hooked, nn.Module.parameters
-    monkeypatch.setattr(draws, "hooked", lambda module: walked.append(module) or hooked(module))
+    """The modules ``draws`` walks and those whose parameters are collected, from now on."""
+    walked, collected = walks_counted(monkeypatch), []
+    parameters = nn.Module.parameters
     monkeypatch.setattr(nn.Module, "parameters", lambda self, *args, **kwargs: collected.append(self)
                         or parameters(self, *args, **kwargs))
     return walked, collected

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .window import lasting_cache, window_cache
+from .window import kept
 
 #: a tensor's ``.grad`` and ``.requires_grad`` read at C level: per-tensor loops through ``map`` and ``filter``
 #: run no Python frame per tensor (a stage runs them per graph and per backward)
@@ -42,22 +42,13 @@ ENGINE_ENTRY = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 def _trainable(owner: Any, outputs: Sequence[Tensor], leaves: Sequence[Tensor]) -> tuple[list[Tensor], bool]:
     """``owner``'s trainable parameters, and whether its graphs accumulate into no others (checked on the first
-    graph after its parameters last changed)."""
-    cache = lasting_cache("parameters", owner)  # id(owner) -> (owner, (its trainable parameters, whether ...))
-    if cache is None:
-        cache = window_cache("parameters")
-    held = None if cache is None else cache.get(id(owner))
-    if held is not None and held[0] is owner:
-        return held[1]
+    graph after its parameters last changed); kept for the window or longer (``window.kept``)."""
     params = tuple(owner.parameters())
     ids = tuple(map(id, params))
     checked = _CHECKED.get(owner)
     if checked is None or checked[0] != ids:
         checked = _CHECKED[owner] = (ids, _reaches_only(outputs, leaves, params))
-    found = ([p for p in params if p.requires_grad], checked[1])
-    if cache is not None:
-        cache[id(owner)] = (owner, found)
-    return found
+    return [p for p in params if p.requires_grad], checked[1]
 
 
 def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: Sequence[Tensor],
@@ -68,7 +59,7 @@ def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: 
     graph uses (None: unknown, autograd accumulates them)."""
     if owner is None:
         return _by_autograd(outputs, grads, leaves)
-    trainable, reaches_only = _trainable(owner, outputs, leaves)
+    trainable, reaches_only = kept("parameters", owner, _trainable, outputs, leaves)
     targets = list(map(GRAD, trainable))
     if not reaches_only or any(map(_IS_NONE, targets)):
         return _by_autograd(outputs, grads, leaves)
@@ -76,8 +67,8 @@ def backprop(outputs: Sequence[Tensor], grads: Sequence[Tensor | None], leaves: 
     found = _engine(outputs, grads, wanted + trainable, accumulate=False)
     added = list(found[len(wanted):])
     if any(map(_IS_NONE, added)):  # a parameter this graph does not reach
-        kept = [(a, g) for a, g in zip(targets, added) if g is not None]
-        targets, added = [a for a, _ in kept], [g for _, g in kept]
+        reached = [(a, g) for a, g in zip(targets, added) if g is not None]
+        targets, added = [a for a, _ in reached], [g for _, g in reached]
     if targets:  # no graph is recorded: neither side requires grad (create_graph is off)
         torch._foreach_add_(targets, added)
     if len(wanted) == len(leaves):

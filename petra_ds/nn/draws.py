@@ -27,13 +27,13 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules import module as torch_module
 
-from .window import lasting_cache, window_cache
+from .window import kept, window_cache
 
 #: torch.nn types whose forward draws no random number (an exact type; RReLU and the fractional pools draw)
 _DETERMINISTIC = frozenset({
@@ -71,7 +71,7 @@ def draws_random(module: Any) -> bool:
 def by_children(module: nn.Module) -> bool:
     """A ``draws_random`` for a module whose own forward draws nothing: its submodules decide (``draws_random =
     by_children`` in its class)."""
-    return _kept("draw plans of children", module, _children_plan).draws()
+    return kept("draw plans of children", module, _children_plan).draws()
 
 
 def may_draw(module: Any) -> bool:
@@ -133,21 +133,7 @@ _ALWAYS = _Plan(True, (), ())
 
 
 def _plan(module: nn.Module) -> _Plan:
-    return _kept("draw plans", module, _walk)
-
-
-def _kept(purpose: str, module: nn.Module, make: Callable[[nn.Module], _Plan]) -> _Plan:
-    """``make(module)``, kept between the engine's windows where it lasts (``window.Lasting``), else for the window."""
-    cache = lasting_cache(purpose, module)
-    if cache is None:
-        cache = window_cache(purpose)
-    held = None if cache is None else cache.get(id(module))
-    if held is not None and held[0] is module:
-        return held[1]
-    plan = make(module)
-    if cache is not None:
-        cache[id(module)] = (module, plan)
-    return plan
+    return kept("draw plans", module, _walk)
 
 
 def _walk(module: nn.Module) -> _Plan:

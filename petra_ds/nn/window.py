@@ -19,7 +19,7 @@ import itertools
 import operator
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from torch.nn.modules import module as torch_module
 
@@ -27,6 +27,7 @@ _MODULES, _PARAMETERS, _TRAINING = (operator.attrgetter(name) for name in ("_mod
 _HOOKS, _PRE_HOOKS = operator.attrgetter("_forward_hooks"), operator.attrgetter("_forward_pre_hooks")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _IS_NOT_NONE = functools.partial(operator.is_not, None)  # a parameter or submodule slot may hold None
+T = TypeVar("T")
 
 
 class Lasting:
@@ -107,8 +108,24 @@ def window_cache(purpose: str) -> dict[Any, Any] | None:
     return found
 
 
-def lasting_cache(purpose: str, module: Any) -> dict[int, Any] | None:
+def _lasting_cache(purpose: str, module: Any) -> dict[int, Any] | None:
     """The cache for ``purpose`` that the current window shares with the engine's other windows (module id ->
     (module, fact)), if ``module`` is one of the engine's (:class:`Lasting`); else None."""
     lasting = _window.lasting
     return None if lasting is None or id(module) not in lasting.covered else lasting.facts[purpose]
+
+
+def kept(purpose: str, module: Any, make: Callable[..., T], *args: Any) -> T:
+    """``make(module, *args)``, a fact about ``module`` for ``purpose``: kept between the engine's windows where it
+    lasts (:class:`Lasting`), else for the window, else made at each call (outside a window). Held with the module,
+    under its id: a module need not be hashable."""
+    cache = _lasting_cache(purpose, module)
+    if cache is None:
+        cache = window_cache(purpose)
+    held = None if cache is None else cache.get(id(module))
+    if held is not None and held[0] is module:
+        return held[1]
+    fact = make(module, *args)
+    if cache is not None:
+        cache[id(module)] = (module, fact)
+    return fact

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from ..nn.reversible import Activation, as_tuple, detach_leaf, shaped_like
+from ..nn.reversible import Activation, as_tuple, shaped_like
 from ..runtime.observe import Observer
 from ..schedule import Window, backward_micro_batch, channels, delay
 from ..util.files import save_figure
@@ -206,11 +206,7 @@ class GradientQuality(Observer):
         the last stage's loss): the stage's own VJP, with the training forward's keyed RNG and loss scale (fp16),
         ``.grad`` and the batch-norm running statistics left alone."""
         scale = st.loss_scale
-        with st.scope(m, update_bn=False), torch.enable_grad():
-            leaf = detach_leaf(x)
-            out = st.run(leaf)
-            if st.is_last:
-                out = st.loss_fn(out, labels)
+        leaf, out = st.graph(m, x, labels, update_bn=False)
         params = [p for p in st.params if p.requires_grad]
         if st.is_last:
             outs, grad_outs = [scale.loss(out, 1)], [None]

@@ -240,9 +240,7 @@ class Stage:
             self.check_layers(x)
         if self.is_last:
             # its only evaluation is the one that is differentiated: it plays the backward's role
-            with self.scope(m, update_bn=True), enable_grad():
-                leaf = detach_leaf(x)
-                loss = self.loss_fn(self.run(leaf), labels)
+            leaf, loss = self.graph(m, x, labels, update_bn=True)
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
             self.live = (m, x, leaf, loss)
@@ -362,11 +360,18 @@ class Stage:
     def vjp(self, m: int, x: Activation, delta: Activation, *, update_bn: bool) -> Activation:
         """Recompute F_j from input ``x`` under micro-batch ``m``'s keyed RNG and pull ``delta`` back through it:
         the parameter gradients accumulate into ``.grad``; returns the input gradient."""
-        with self.scope(m, update_bn=update_bn), enable_grad():
-            # stage 0 sends no input gradient: its data stays out of the graph (no detached leaf, no dx computed)
-            leaf = x if self.is_first else detach_leaf(x)
-            out = self.run(leaf)
+        # stage 0 sends no input gradient: its data stays out of the graph (no detached leaf, no dx computed)
+        leaf, out = self.graph(m, x, update_bn=update_bn, input_grad=not self.is_first)
         return GraphTape(leaf, out, self).backward(delta)
+
+    def graph(self, m: int, x: Activation, labels: Any = None, *, update_bn: bool,
+              input_grad: bool = True) -> tuple[Activation, Activation | Tensor]:
+        """F_j evaluated from ``x`` with its graph, under micro-batch ``m``'s keyed RNG: (the leaf it starts from,
+        its output, or at the last stage its loss on ``labels``). ``input_grad=False``: ``x`` is used as it is."""
+        with self.scope(m, update_bn=update_bn), enable_grad():
+            leaf = detach_leaf(x) if input_grad else x
+            out = self.run(leaf)
+            return leaf, (self.loss_fn(out, labels) if self.is_last else out)
 
     @contextmanager
     def swapped_params(self, values: Sequence[Tensor]) -> Iterator[None]:

@@ -242,8 +242,9 @@ def test_it_composes_with_the_other_settings_of_a_stage(extra):
 
 
 def test_the_nan_watch_keeps_no_parked_message_on_the_device(world_of_one):
-    """With the offload the NaN / Inf watch reduces each report as it comes: a reference kept to the clock's end
-    would keep every message of the clock on the device after its send. RevNet18 in one process, both offloads: the
+    """With the offload the NaN / Inf watch reduces what it holds before a message leaves the device (the inbox
+    flushes it at each park): a reference kept to the clock's end would keep every message of the clock on the
+    device after its send. RevNet18 in one process, both offloads: the
     device's peak within a steady-state train_batch (the allocator tracker, host copies apart) with the watch on is
     that with it off, give or take one message (on a CPU the watch's foreach absolute value copies the report it
     reduces). Holding the references to the clock's end measured 8.2 MB here against 1.0 MB."""

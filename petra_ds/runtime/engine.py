@@ -83,7 +83,7 @@ class PetraEngine(PipelineEngine):
         self._clock_templates = ClockTemplates()  # this rank's steady clocks, derived once per phase
         #: messages received for the next clock, by ``channels.Key`` (the receiving stage first); with
         #: ``message_offload`` those between this rank's stages wait in host memory
-        self.inbox = Inbox(StreamCopies() if petra_config.message_offload == "cpu" else None)
+        self.inbox = Inbox(StreamCopies() if petra_config.message_offload == "cpu" else None, self.stages.finite.flush)
         self._outbox: dict[int, dict[channels.Key, tuple]] = {j: {} for j in self.local_stage_ids}
         self._running_clock, self._window_losses, self._data, self._window_loss = 0, [], None, math.nan
         #: every message and collective of this rank (``PETRA_DS_COMM_TRACE=<dir>`` records them)

@@ -114,22 +114,29 @@ def fusable(t: Tensor) -> bool:
 
 def max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
     """max |x| of each tensor, as one float32 vector on their device (NaN where a tensor holds a NaN, else Inf where
-    it holds an Inf), and the position in ``tensors`` of each entry (None: in their order). No host synchronisation.
+    it holds an Inf), and the position in ``tensors`` of each entry (None: in their order). No host synchronisation."""
+    maxima, order = max_abs_parts(tensors)
+    return torch.stack(maxima).float(), order
+
+
+def max_abs_parts(tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[int] | None]:
+    """:func:`max_abs_each`'s entries as they come out of the reduction, one scalar tensor each, not yet stacked: a
+    watch stacks those of a whole window at once.
 
     The tensors are reduced in groups that share a device and a dtype and are each :func:`fusable`, one fused pass per
-    group, the groups' vectors one after the other: torch's CUDA foreach norm is one pass only over such a list,
+    group, the groups' entries one after the other: torch's CUDA foreach norm is one pass only over such a list,
     and given one tensor that is not (the halves of a coupling's output across channels) it reduces the whole list
     tensor by tensor (on an H200, 218 reductions and 206 memsets a RevNet18 call). On CUDA the foreach infinity
     norm; on the CPU, where that norm is a scalar loop 10x slower than a vectorised one, the foreach maximum of the
     foreach absolute values. Tensors on several devices (a data dict left on the host) end on a GPU's."""
     if any(map(REQUIRES_GRAD, tensors)):  # a loss: its reduction joins no graph
         with no_grad():
-            return _max_abs_each(tensors)
-    return _max_abs_each(tensors)
+            return _max_abs_parts(tensors)
+    return _max_abs_parts(tensors)
 
 
-def _max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
-    """:func:`max_abs_each` in the grad mode it is called in."""
+def _max_abs_parts(tensors: Sequence[Tensor]) -> tuple[list[Tensor], list[int] | None]:
+    """:func:`max_abs_parts` in the grad mode it is called in."""
     # a group's key per tensor, in passes that run in C: the per-tensor loop of a clock's flush is the watch's cost
     dense = list(map(Tensor.is_contiguous, tensors))
     for i in itertools.compress(range(len(dense)), map(operator.not_, dense)):
@@ -145,19 +152,20 @@ def _max_abs_each(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int] | None]:
     parts, start = [], 0
     for code in range(len(codes)):
         end = start + code_of.count(code)
-        parts.append(_max_abs_on_one_device(ordered[start:end]).to(target))
+        maxima = _max_abs_on_one_device(ordered[start:end])
+        parts.extend(maxima if maxima[0].device == target else torch.stack(maxima).to(target).unbind())
         start = end
-    return torch.cat(parts), order
+    return parts, order
 
 
-#: a tensor's device and dtype (a group of :func:`max_abs_each` shares them)
+#: a tensor's device and dtype (a group of :func:`max_abs_parts` shares them)
 _PLACE = operator.attrgetter("device", "dtype")
 
 
-def _max_abs_on_one_device(tensors: Sequence[Tensor]) -> Tensor:
+def _max_abs_on_one_device(tensors: Sequence[Tensor]) -> list[Tensor]:
     if tensors[0].is_cuda:
-        return torch.stack(torch._foreach_norm(tensors, math.inf, dtype=torch.float32))
-    return torch.stack(torch._foreach_max(torch._foreach_abs(tensors))).float()
+        return list(torch._foreach_norm(tensors, math.inf, dtype=torch.float32))
+    return list(torch._foreach_max(torch._foreach_abs(tensors)))
 
 
 class FiniteWatch:
@@ -171,24 +179,23 @@ class FiniteWatch:
     What the stages report waits, by reference, until :meth:`flush` reduces all of it in a fused reduction
     (the engine flushes at the end of each clock, and before a data-parallel average or a tied weight's
     gradient rewrites gradients a backward reported): a handful of kernels per clock instead of a few per
-    value and tensor. ``hold=False`` reduces each report as it comes instead: with ``message_offload`` a message
-    leaves the device as it is sent, and a reference held to the end of the clock would keep its device copy
-    there (every message of a clock at once, on one GPU hosting every stage)."""
+    value and tensor. With ``message_offload`` the inbox also flushes before a message leaves the device
+    (``transport.Inbox``): a reference held to the end of the clock would keep its device copy there (every message
+    of a clock at once, on one GPU hosting every stage)."""
 
     def __init__(self, clock: Callable[[], int], local_stages: Iterable[int], petra_stages: int, *,
-                 check_finite: bool = True, non_finite: str = "raise", hold: bool = True, scaled: bool = False) -> None:
+                 check_finite: bool = True, non_finite: str = "raise", scaled: bool = False) -> None:
         self._clock = clock
         #: the stages on other ranks: a value computed from their message names its sender
         self._remote = frozenset(range(petra_stages)) - set(local_stages)
         self.check_finite = check_finite
         self.non_finite = non_finite
-        self.hold = hold
         #: fp16's dynamic loss scaling: a gradient overflow is the scale's to handle (a skipped step and a lower
         #: scale, counted, not an error) but at the minimum scale (:meth:`overflow_at_minimum`)
         self.scaled = scaled
         self._seen: list[Sighting] = []  # one per tensor reduced, in the order reported
-        self._maxima: list[Tensor] = []  # device vectors, one per flush
-        self._positions: list[int] = []  # the position in _seen of each entry of _maxima's vectors, end to end
+        self._maxima: list[Tensor] = []  # one device scalar per tensor reduced, stacked when the window is read
+        self._positions: list[int] = []  # the position in _seen of each entry of _maxima
         self._pending: list[list] = []  # [sighting, tensors] in the order reported
         #: per stage, its report of the gradients accumulated by this clock's backward (also in _pending)
         self._backward_gradients: dict[int, list] = {}
@@ -287,8 +294,6 @@ class FiniteWatch:
         tensors = float_tensors(values)
         if tensors:
             self._pending.append([self._sighting(kind, what, stage, m, sender), tensors])
-            if not self.hold:
-                self.flush()
 
     def flush(self) -> None:
         """Reduce what was reported since the last flush to one max |x| per tensor, on the device. The values
@@ -302,8 +307,8 @@ class FiniteWatch:
         reported = list(map(_TENSORS, pending))
         tensors = list(itertools.chain.from_iterable(reported))
         seen.extend(itertools.chain.from_iterable(map(itertools.repeat, map(_SIGHTING, pending), map(len, reported))))
-        maxima, order = max_abs_each(tensors)
-        self._maxima.append(maxima)
+        maxima, order = max_abs_parts(tensors)
+        self._maxima.extend(maxima)
         self._positions.extend(range(base, base + len(tensors)) if order is None else map(base.__add__, order))
 
     # --- what the engine reads ---
@@ -314,7 +319,7 @@ class FiniteWatch:
         self.flush()
         if not self._maxima:
             return None
-        return self._maxima[0] if len(self._maxima) == 1 else torch.cat(self._maxima)
+        return torch.stack(self._maxima).float()
 
     def report(self, values: Sequence[float]) -> tuple[Sighting, str] | None:
         """Given the host values of :meth:`take`'s vector: note the skipped steps, forget the records, and

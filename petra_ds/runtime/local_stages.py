@@ -42,8 +42,7 @@ class LocalStages(Mapping[int, Stage]):
         (see :class:`StageStep`); ``loss_scale``: fp16's, each stage's scale kept on ``device``."""
         #: what the stages read and make, checked for NaN / Inf on the device, read once per window
         self.finite = FiniteWatch(clock, local, petra_stages, check_finite=config.check_finite,
-                                  non_finite=config.non_finite, hold=config.message_offload != "cpu",
-                                  scaled=loss_scale is not None and loss_scale.dynamic)
+                                  non_finite=config.non_finite, scaled=loss_scale is not None and loss_scale.dynamic)
         self.ties = ties
         self._stages: dict[int, Stage] = {}
         for j in local:

@@ -367,9 +367,10 @@ class Inbox(MutableMapping):
     instruction its message on the device; indexing and :meth:`items` give each message where it is (a parked one's
     host copy, written: what a checkpoint saves)."""
 
-    def __init__(self, copies: Copies | None = None) -> None:
-        """``copies``: how parked messages move (None: nothing is parked)."""
-        self.copies = copies
+    def __init__(self, copies: Copies | None = None, before_park: Callable[[], None] | None = None) -> None:
+        """``copies``: how parked messages move (None: nothing is parked); ``before_park``: called before a message
+        leaves the device (the NaN watch's flush, which reduces what it holds of it while it is there)."""
+        self.copies, self.before_park = copies, before_park
         self._items: dict[Key, Any] = {}
         #: the clock :meth:`prefetch_next` was last asked about, and per instruction the key the next reader reads
         self._clock: Sequence[Any] | None = None
@@ -381,7 +382,11 @@ class Inbox(MutableMapping):
         if self.copies is None or not receiver_here or key.kind not in PARKED_KINDS:
             return fields
         flat = tensors_in(fields)
-        return Entry.offloaded(key.index, fields, self.copies, flat) if flat else fields
+        if not flat:
+            return fields
+        if self.before_park is not None:
+            self.before_park()
+        return Entry.offloaded(key.index, fields, self.copies, flat)
 
     def prefetch(self, key: Key) -> None:
         """Start a parked message back to its device (nothing for one already there or on its way)."""

@@ -16,14 +16,14 @@
 # "compile" (PETRA with "compile": true against eager, bf16) and the LM example at micro-batch 1 x k = 16
 # (LM_SHAPES) are for a second lease. BENCH_ARGS adds flags to the bench step's command: "--models revnet18" (24 of
 # the full step's 48 runs) times what changed after the H200 run of 5f6c5f8: the NaN watch's reductions, the
-# offload's copy streams and its host work (with both offloads, 1.76x PETRA's ops a RevNet18 call on a CPU, 2.94x at
+# offload's copy streams and its host work (with both offloads, 1.65x PETRA's ops a RevNet18 call on a CPU, 2.94x at
 # a882363: python -m benchmarks.host_overhead --parts offload), and the engine's own Python (RevNet18 at J = 10:
 # 393 K -> 286 K bytecodes a call on a CPU, python -m benchmarks.host_overhead --parts bytecodes; the H200 ran at
 # 51 us of wall per kernel for PETRA unchecked, 32 for plain), with no keyed RNG scope where nothing can draw
 # (RevNet18 and the bench's RevGPT have no dropout; on a CPU those scopes were 5-8% of a clock's host time, on CUDA
 # each also saved and seeded the GPU's generator), and bf16 casting each weight once per stage and clock instead of
 # once per evaluation (torch 2.11 keeps a cast cached under no_grad differentiable, as python -c "from
-# petra_ds.nn.casts import shares_casts; print(shares_casts())" says on a CPU; RevNet18 bf16 533 -> 510 ops a
+# petra_ds.nn.casts import shares_casts; print(shares_casts())" says on a CPU; RevNet18 bf16 530 -> 507 ops a
 # micro-batch). The default test command passes on a CPU with the GPU machine's Python 3.12 and torch 2.11.
 #
 # What it should show (the targets of the host-light clock; BENCHMARKS.md has the measured numbers):
@@ -45,14 +45,14 @@
 #   compile  petra_compiled/petra per train_batch: below 1.0x is what would make "compile": true worth its minutes
 #   graphs petra_graphs ("cuda_graphs": true), bf16: RevNet18 petra_graphs/plain <= 1.7x and RevGPT <= 1.5x are the
 #          targets eager PETRA missed on RevNet18 (2.07x on the H200 at 5f6c5f8); petra_graphs/petra well below 1.0x
-#          where the host sets the pace: a CPU counts 0.61x (RevNet18) and 0.28x (RevGPT) plain backprop's launches
-#          per micro-batch with graphs, against 1.27x and 1.14x eager (host_ops_graphs_cpu.json). The "graph pools"
+#          where the host sets the pace: a CPU counts 0.61x (RevNet18) and 0.29x (RevGPT) plain backprop's launches
+#          per micro-batch with graphs, against 1.26x and 1.12x eager (host_ops_graphs_cpu.json). The "graph pools"
 #          line says what the graphs' memory adds. tests/test_gpu.py checks that graphs train as eager does (fp32,
 #          bf16, keyed dropout, RevGPT) and the float64 oracle. Their first lease: STEPS="tests graphs", about 7
 #          minutes; a run that fails prints its traceback in tests.log
 #   fp16   python -m benchmarks.gpu --dtypes fp16 (STEPS=fp16, about 4 minutes; a later lease): plain backprop through
 #          torch's GradScaler against PETRA's loss scale per stage. petra/plain near bf16's: a CPU counts 1.16x (RevGPT)
-#          and 1.42x (RevNet18) plain's ops a micro-batch under fp16, 1.14x and 1.27x under bf16
+#          and 1.42x (RevNet18) plain's ops a micro-batch under fp16, 1.12x and 1.26x under bf16
 #          (host_ops_fp16_cpu.json); each petra run's skipped_steps a handful (the scale coming down from 2^16, at most
 #          a few per stage), its "precision" the scales it ended at. tests/test_gpu.py's fp16 runs check the float64
 #          oracle (FP16_TOL), on no GPU yet

@@ -130,6 +130,24 @@ def test_only_what_an_instruction_of_this_rank_reads_is_parked():
     assert inbox.park(Key(0, "data", 0), fields) is fields  # read in the clock that loads it
 
 
+def test_the_watch_is_flushed_before_each_message_that_leaves_the_device_and_only_then():
+    """``before_park`` (the NaN watch's flush) runs once before each parked message's copy out, never for a message
+    that stays, nor without the offload."""
+    log: list = []
+
+    def flush() -> None:
+        log.append("flush")
+
+    inbox, fields = Inbox(FakeCopies(log), flush), (pair(0, 0),)
+    inbox.park(Key(1, "act", 0), fields)
+    inbox.park(Key(1, "act", 1), fields, receiver_here=False)
+    inbox.park(Key(1, "tied_weight", 0), fields)
+    inbox.park(Key(1, "grad", 0), fields)
+    assert log == ["flush", ("offload", 0), "flush", ("offload", 1)]  # each before its own copy out
+    Inbox(None, flush).park(Key(1, "act", 2), fields)
+    assert log.count("flush") == 2
+
+
 def test_without_the_offload_nothing_is_parked_or_copied():
     inbox = Inbox()
     fields = (pair(0, 0),)

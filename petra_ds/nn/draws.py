@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules import module as torch_module
 
-from .window import kept, window_cache
+from .window import held, kept, window_cache
 
 #: torch.nn types whose forward draws no random number (an exact type; RReLU and the fractional pools draw)
 _DETERMINISTIC = frozenset({
@@ -83,17 +83,10 @@ def may_draw(module: Any) -> bool:
 
 
 def _draws(module: Any, cache: dict | None) -> bool:
-    """:func:`draws_random` with the window's answers (None: outside a window). The cache holds a module and its
-    answer under the module's id (a module need not be hashable; held, the id stays its own) and a tuple's answer
-    under the tuple."""
+    """:func:`draws_random` with the window's answers (None: outside a window). The cache holds a module's answer
+    as ``window.held`` keeps it and a tuple's answer under the tuple."""
     if isinstance(module, nn.Module):
-        held = None if cache is None else cache.get(id(module))
-        if held is not None and held[0] is module:
-            return held[1]
-        found = _plan(module).draws()
-        if cache is not None:
-            cache[id(module)] = (module, found)
-        return found
+        return held(cache, module, _module_draws)
     if isinstance(module, tuple):
         found = None if cache is None else cache.get(module)
         if found is None:
@@ -130,6 +123,10 @@ class _Plan(NamedTuple):
 
 _NEVER = _Plan(False, (), ())
 _ALWAYS = _Plan(True, (), ())
+
+
+def _module_draws(module: nn.Module) -> bool:
+    return _plan(module).draws()
 
 
 def _plan(module: nn.Module) -> _Plan:

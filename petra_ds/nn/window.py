@@ -117,14 +117,18 @@ def _lasting_cache(purpose: str, module: Any) -> dict[int, Any] | None:
 
 def kept(purpose: str, module: Any, make: Callable[..., T], *args: Any) -> T:
     """``make(module, *args)``, a fact about ``module`` for ``purpose``: kept between the engine's windows where it
-    lasts (:class:`Lasting`), else for the window, else made at each call (outside a window). Held with the module,
-    under its id: a module need not be hashable."""
+    lasts (:class:`Lasting`), else for the window, else made at each call (outside a window); kept as :func:`held`
+    keeps it."""
     cache = _lasting_cache(purpose, module)
-    if cache is None:
-        cache = window_cache(purpose)
-    held = None if cache is None else cache.get(id(module))
-    if held is not None and held[0] is module:
-        return held[1]
+    return held(window_cache(purpose) if cache is None else cache, module, make, *args)
+
+
+def held(cache: dict[Any, Any] | None, module: Any, make: Callable[..., T], *args: Any) -> T:
+    """``make(module, *args)``, kept in ``cache`` (None: made at each call) with the module, under its id: a module
+    need not be hashable, and held, its id stays its own."""
+    found = None if cache is None else cache.get(id(module))
+    if found is not None and found[0] is module:
+        return found[1]
     fact = make(module, *args)
     if cache is not None:
         cache[id(module)] = (module, fact)
